@@ -1,0 +1,459 @@
+"""Typed specs shared by the CLI, Hydra, the planner and the strategy (the contract in ARCHITECTURE.md).
+
+All are plain dataclasses usable as OmegaConf structured configs (``OmegaConf.structured(ModelSpec)``).
+YAML presets live in ``configs/model`` and ``configs/cluster`` at the repository root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from lightning_autopar.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE_MODES = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+FFN_KINDS = ("gelu", "swiglu")
+
+
+def configs_dir() -> Path:
+    """Where the YAML presets live: $AUTOPAR_CONFIGS, else ``configs/`` beside the package (source checkout)."""
+    env = os.environ.get("AUTOPAR_CONFIGS")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "configs"
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+@dataclass
+class ModelSpec:
+    """A decoder-only transformer as the planner sees it (contract field names)."""
+
+    name: str = "model"
+    layers: int = 12
+    hidden: int = 768
+    heads: int = 12
+    kv_heads: int | None = None  # default: heads (MHA); fewer for GQA/MQA
+    ffn_hidden: int | None = None  # default: 4 * hidden
+    ffn_kind: str = "gelu"  # gelu: 2 matrices, swiglu: 3
+    vocab: int = 50257
+    seq_len: int = 1024
+    experts: int = 0  # 0 = dense
+    top_k: int = 2
+    moe_every: int = 1  # every k-th block is MoE when experts > 0
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv_heads is None:
+            self.kv_heads = self.heads
+        if self.ffn_hidden is None:
+            self.ffn_hidden = 4 * self.hidden
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model.{name}", f"must be a positive integer, got {value!r}")
+        if self.hidden % self.heads:
+            raise ConfigError("model.hidden", f"{self.hidden} is not divisible by heads={self.heads}",
+                              "choose hidden as a multiple of heads")
+        if self.heads % self.kv_heads:
+            raise ConfigError("model.kv_heads", f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}",
+                              "kv_heads must divide heads")
+        if self.ffn_kind not in FFN_KINDS:
+            raise ConfigError("model.ffn_kind", f"unknown {self.ffn_kind!r}", f"use one of {', '.join(FFN_KINDS)}")
+        if self.experts < 0 or (self.experts and not 1 <= self.top_k <= self.experts):
+            raise ConfigError("model.top_k", f"top_k={self.top_k} with experts={self.experts}",
+                              "use 1 <= top_k <= experts (experts=0 means dense)")
+        if self.moe_every < 1:
+            raise ConfigError("model.moe_every", f"must be >= 1, got {self.moe_every}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def moe_layers(self) -> int:
+        """Number of MoE blocks (every ``moe_every``-th block, counting from the last of each group)."""
+        return self.layers // self.moe_every if self.experts else 0
+
+    @property
+    def ffn_matrices(self) -> int:
+        return 3 if self.ffn_kind == "swiglu" else 2
+
+    def attention_params(self) -> int:
+        """q, o: h x h; k, v: h x (kv_heads * head_dim) each (biases ignored)."""
+        kv = self.kv_heads * self.head_dim
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv
+
+    def mlp_params(self) -> int:
+        return self.ffn_matrices * self.hidden * self.ffn_hidden
+
+    def block_params(self, moe: bool = False) -> int:
+        """Params of one block: attention + MLP (x experts, + router when MoE) + two norms."""
+        mlp = self.mlp_params() * (self.experts if moe else 1) + (self.hidden * self.experts if moe else 0)
+        return self.attention_params() + mlp + 4 * self.hidden
+
+    def embedding_params(self) -> int:
+        """Token embedding, plus the LM head unless tied, plus the final norm."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + 2 * self.hidden
+
+    def total_params(self) -> int:
+        dense = self.layers - self.moe_layers
+        return dense * self.block_params() + self.moe_layers * self.block_params(moe=True) + self.embedding_params()
+
+    def active_params(self) -> int:
+        """Parameters touched per token (MoE: top_k experts instead of all)."""
+        moe_active = self.attention_params() + self.mlp_params() * self.top_k + 4 * self.hidden
+        dense = self.layers - self.moe_layers
+        return dense * self.block_params() + self.moe_layers * moe_active + self.embedding_params()
+
+
+# --------------------------------------------------------------------------------------------- cluster
+
+
+@dataclass
+class PeakTflops:
+    bf16: float = 0.0
+    fp16: float = 0.0
+    fp32: float = 0.0
+
+
+@dataclass
+class DeviceSpec:
+    name: str = "cpu"
+    memory_gib: float = 16.0
+    peak_tflops: PeakTflops = field(default_factory=PeakTflops)
+    memory_bandwidth_gbs: float = 20.0
+    # Efficiency inputs of the planner's cost model (optional; defaults suit a datacenter GPU).
+    gemm_efficiency: float = 0.8  # fraction of peak a large, well-shaped matmul sustains (measure.py)
+    memory_efficiency: float = 0.85  # fraction of memory_bandwidth_gbs a streaming kernel sustains
+    compute_units: int = 0  # SMs / AI cores / CPU cores, for wave quantisation (0 = ignore)
+    tile: int = 128  # matmul output tile edge, for tile quantisation (1 = ignore)
+    kernel_overhead_us: float = 4.0  # fixed cost per kernel / eager op (launch, dispatch, tail)
+    reserved_gib: float = 0.0  # memory not available to tensors (runtime context, workspaces)
+
+
+@dataclass
+class LinkSpec:
+    """One topology level, from the inside out. ``bandwidth_gbs``: GB/s per device, one direction."""
+
+    level: str = "node"
+    bandwidth_gbs: float = 1.0
+    latency_us: float = 10.0
+    topology: str = "switch"  # switch: any group gets full bandwidth; mesh: a group of g uses g-1 of the links
+    efficiency: float = 1.0  # payload fraction of bandwidth_gbs a collective achieves (1.0 when probed)
+
+
+@dataclass
+class ClusterSpec:
+    name: str = "cluster"
+    nodes: int = 1
+    devices_per_node: int = 1
+    device: DeviceSpec = field(default_factory=DeviceSpec)
+    links: list[LinkSpec] = field(default_factory=lambda: [LinkSpec()])
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("nodes", "devices_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"cluster.{name}", f"must be a positive integer, got {value!r}")
+        if self.device.memory_gib <= 0:
+            raise ConfigError("cluster.device.memory_gib", f"must be > 0, got {self.device.memory_gib}")
+        if not self.links:
+            raise ConfigError("cluster.links", "needs at least one level", "add {level: node, bandwidth_gbs: ...}")
+        for i, link in enumerate(self.links):
+            if link.bandwidth_gbs <= 0 or link.latency_us < 0:
+                raise ConfigError(f"cluster.links[{i}]", f"bandwidth {link.bandwidth_gbs} GB/s, "
+                                  f"latency {link.latency_us} us", "bandwidth must be > 0 and latency >= 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def link_for_span(self, group_span_devices: int, contiguous: bool = True) -> LinkSpec:
+        """The link level a group of ``group_span_devices`` consecutive ranks crosses (inner first)."""
+        if self.nodes == 1 or (contiguous and group_span_devices <= self.devices_per_node):
+            return self.links[0]
+        return self.links[-1]
+
+
+# --------------------------------------------------------------------------------------------- plan
+
+PLAN_INT_FIELDS = ("dp", "zero", "dp_shard", "tp", "pp", "vpp", "ep", "cp", "mbs", "grad_accum")
+PLAN_CHOICE_FIELDS = {"schedule": SCHEDULES, "recompute": RECOMPUTE_MODES, "precision": PRECISIONS}
+
+
+@dataclass
+class Plan:
+    """One point of the hybrid space. Field names are fixed by the contract."""
+
+    dp: int = 1
+    zero: int = 0
+    dp_shard: int | None = None  # hybrid sharding group size; None = all of dp
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    schedule: str = "1f1b"
+    vpp: int = 1
+    ep: int = 1
+    cp: int = 1
+    mbs: int = 1
+    grad_accum: int = 1
+    recompute: str = "none"
+    precision: str = "fp32"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.mbs * self.grad_accum
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks over which model states are sharded (1 when zero == 0)."""
+        return 1 if self.zero == 0 else (self.dp_shard or self.dp)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def short(self) -> str:
+        """Compact one-line description, e.g. ``dp=2 zero=3 tp=2 mbs=4 ga=2``."""
+        parts = [f"dp={self.dp}", f"zero={self.zero}"]
+        if self.dp_shard and self.zero and self.dp_shard != self.dp:
+            parts.append(f"shard={self.dp_shard}")
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}" + ("+sp" if self.sp else ""))
+        if self.pp > 1:
+            parts.append(f"pp={self.pp}/{self.schedule}" + (f"x{self.vpp}" if self.vpp > 1 else ""))
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}")
+        parts.append(f"mbs={self.mbs} ga={self.grad_accum}")
+        if self.recompute != "none":
+            parts.append(f"rc={self.recompute}")
+        if self.precision != "fp32":
+            parts.append(self.precision)
+        return " ".join(parts)
+
+    def validate(self, world_size: int | None = None, global_batch: int | None = None) -> None:
+        """Check the contract identities; raise ConfigError naming the field and the fix."""
+        for name in PLAN_INT_FIELDS:
+            value = getattr(self, name)
+            if name == "dp_shard" and value is None:
+                continue
+            low = 0 if name == "zero" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"plan.{name}", f"must be an integer >= {low}, got {value!r}")
+        if self.zero > 3:
+            raise ConfigError("plan.zero", f"must be 0, 1, 2 or 3, got {self.zero}")
+        for name, choices in PLAN_CHOICE_FIELDS.items():
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"plan.{name}", f"unknown {getattr(self, name)!r}", f"use one of {', '.join(choices)}")
+        if self.dp_shard is not None and self.dp % self.dp_shard:
+            raise ConfigError("plan.dp_shard", f"{self.dp_shard} does not divide dp={self.dp}",
+                              "choose a divisor of dp")
+        if self.sp and self.tp == 1:
+            raise ConfigError("plan.sp", "sequence parallel needs tp > 1", "set tp >= 2 or sp=false")
+        if self.vpp > 1 and self.schedule != "interleaved":
+            raise ConfigError("plan.vpp", f"vpp={self.vpp} needs schedule=interleaved", "set schedule=interleaved")
+        if world_size is not None and self.world_size != world_size:
+            raise ConfigError("plan", f"dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} = {self.world_size} "
+                              f"!= world size {world_size}", "choose degrees whose product is the world size")
+        if global_batch is not None and self.global_batch != global_batch:
+            raise ConfigError("plan.grad_accum", f"dp*mbs*grad_accum = {self.global_batch} != global batch "
+                              f"{global_batch}", "choose mbs and grad_accum with dp*mbs*grad_accum == global batch")
+
+
+@dataclass
+class Breakdown:
+    compute_s: float = 0.0
+    recompute_s: float = 0.0
+    comm_exposed_s: float = 0.0
+    bubble_s: float = 0.0
+
+
+@dataclass
+class PricedPlan:
+    """A plan with the cost model's prediction (contract: the priced-plan fields)."""
+
+    plan: Plan
+    step_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    model_tflops_per_device: float = 0.0
+    mfu: float = 0.0
+    memory_gib_per_device: float = 0.0
+    breakdown: Breakdown = field(default_factory=Breakdown)
+    feasible: bool = True
+    reason: str = ""  # why infeasible (memory, divisibility), empty when feasible
+    layers_per_stage: list[int] = field(default_factory=list)  # blocks per pipeline chunk (pp*vpp), if pp > 1
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.plan.to_dict()
+        out.update(
+            step_time_s=self.step_time_s,
+            tokens_per_s=self.tokens_per_s,
+            model_tflops_per_device=self.model_tflops_per_device,
+            mfu=self.mfu,
+            memory_gib_per_device=self.memory_gib_per_device,
+            breakdown=dataclasses.asdict(self.breakdown),
+            feasible=self.feasible,
+        )
+        if self.reason:
+            out["reason"] = self.reason
+        if self.layers_per_stage:
+            out["layers_per_stage"] = list(self.layers_per_stage)
+        return out
+
+
+# --------------------------------------------------------------------------------------------- fix parsing
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    """Convert one ``fix`` value to the plan field's type, or raise ConfigError."""
+    if name in PLAN_INT_FIELDS:
+        if isinstance(raw, bool):
+            raise ConfigError(f"fix.{name}", f"expected an integer, got {raw!r}")
+        try:
+            value = int(str(raw).strip())
+        except ValueError:
+            raise ConfigError(f"fix.{name}", f"expected an integer, got {raw!r}", f"e.g. {name}=2") from None
+        low = 0 if name == "zero" else 1
+        if value < low or (name == "zero" and value > 3):
+            rng = "0..3" if name == "zero" else ">= 1"
+            raise ConfigError(f"fix.{name}", f"{value} is out of range", f"use a value {rng}")
+        return value
+    if name == "sp":
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError("fix.sp", f"expected true or false, got {raw!r}")
+    choices = PLAN_CHOICE_FIELDS[name]
+    text = str(raw).strip().lower()
+    aliases = {"32": "fp32", "32-true": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-mixed": "fp16-mixed"}
+    text = aliases.get(text, text) if name == "precision" else text
+    if text not in choices:
+        raise ConfigError(f"fix.{name}", f"unknown {raw!r}", f"use one of {', '.join(choices)}")
+    return text
+
+
+PLAN_FIELDS = tuple(f.name for f in fields(Plan))
+
+
+def parse_fix(fix: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """Parse ``"tp=2,pp=2"`` or a dict into validated plan-field values. Unknown keys and bad values raise."""
+    if fix is None:
+        return {}
+    if isinstance(fix, str):
+        items: dict[str, Any] = {}
+        for part in (p.strip() for p in fix.split(",")):
+            if not part:
+                continue
+            if "=" not in part:
+                raise ConfigError("fix", f"{part!r} is not key=value", "write e.g. 'tp=2,pp=2'")
+            key, value = part.split("=", 1)
+            items[key.strip()] = value.strip()
+    elif isinstance(fix, Mapping):
+        items = dict(fix)
+    else:
+        raise ConfigError("fix", f"expected a 'k=v,...' string or a dict, got {type(fix).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in items.items():
+        if key not in PLAN_FIELDS:
+            raise ConfigError(f"fix.{key}", "unknown plan field", f"use one of {', '.join(PLAN_FIELDS)}")
+        if key == "dp_shard" and value in (None, "none", "None"):
+            out[key] = None
+            continue
+        out[key] = _coerce(key, value)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- YAML loading
+
+
+def _from_mapping(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    """Build a (nested) spec dataclass from a mapping through OmegaConf, mapping errors to ConfigError."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        schema = OmegaConf.structured(cls)
+        merged = OmegaConf.merge(schema, OmegaConf.create(dict(data)))
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        msg = str(err).splitlines()[0]
+        raise ConfigError(f"{where}.{key}", msg, f"see the {cls.__name__} fields in lightning_autopar/specs.py") from None
+    if hasattr(obj, "validate"):
+        obj.validate()
+    return obj
+
+
+def _read_yaml(path: Path, where: str) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except Exception as err:  # a YAML syntax error is bad input, not a crash
+        raise ConfigError(where, f"cannot read {path}: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(where, f"{path} does not hold a mapping")
+    data.pop("defaults", None)
+    return data
+
+
+def _resolve(kind: str, name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(kind, f"file {name_or_path} not found")
+        return path
+    preset = configs_dir() / kind / f"{name_or_path}.yaml"
+    if not preset.is_file():
+        known = sorted(p.stem for p in (configs_dir() / kind).glob("*.yaml"))
+        raise ConfigError(kind, f"unknown preset {name_or_path!r}", f"use a YAML file or one of {', '.join(known)}")
+    return preset
+
+
+def load_model_spec(model: str | Mapping[str, Any] | ModelSpec) -> ModelSpec:
+    """A ModelSpec from a preset name (configs/model), a YAML path, a mapping, or a ModelSpec."""
+    if isinstance(model, ModelSpec):
+        return model
+    data = model if isinstance(model, Mapping) else _read_yaml(_resolve("model", model), "model")
+    return _from_mapping(ModelSpec, data, "model")
+
+
+def load_cluster_spec(
+    cluster: str | Mapping[str, Any] | ClusterSpec,
+    nodes: int | None = None,
+    devices_per_node: int | None = None,
+) -> ClusterSpec:
+    """A ClusterSpec from a preset name (configs/cluster), a YAML path, a mapping or a ClusterSpec; overrides."""
+    if isinstance(cluster, ClusterSpec):
+        spec = dataclasses.replace(cluster)
+    else:
+        data = cluster if isinstance(cluster, Mapping) else _read_yaml(_resolve("cluster", cluster), "cluster")
+        spec = _from_mapping(ClusterSpec, data, "cluster")
+    if nodes is not None:
+        spec.nodes = nodes
+    if devices_per_node is not None:
+        spec.devices_per_node = devices_per_node
+    spec.validate()
+    return spec

@@ -1,0 +1,280 @@
+"""Plan dims -> DeviceMesh, placed on the topology as the cost model assumes.
+
+Rank order, outermost to innermost: ``pp, dp_replicate, dp_shard, cp, tp``. TP is innermost so a TP group is
+``tp`` consecutive ranks, inside one node whenever ``tp <= devices_per_node`` (launchers number ranks node by
+node); data-parallel groups stride by ``cp * tp``; pipeline stages are outermost, so stage-to-stage traffic
+(the smallest volume) is what crosses the slowest links. An EP group is ``ep`` consecutive data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Sequence
+
+from lightning_autopar.errors import AutoparError, ConfigError
+from lightning_autopar.specs import Plan
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def mesh_shape(plan: Plan) -> tuple[int, ...]:
+    """Sizes of MESH_DIMS for a plan. zero=0 replicates over all of dp; zero>0 shards over dp_shard."""
+    shard = plan.shard_size
+    return (plan.pp, plan.dp // shard, shard, plan.cp, plan.tp)
+
+
+def rank_grid(plan: Plan) -> list:
+    """Nested lists of ranks with shape ``mesh_shape(plan)`` (pure: no process group needed)."""
+    shape = mesh_shape(plan)
+    ranks = list(range(plan.world_size))
+
+    def build(offset: int, dims: tuple[int, ...]) -> Any:
+        if not dims:
+            return ranks[offset]
+        stride = 1
+        for d in dims[1:]:
+            stride *= d
+        return [build(offset + i * stride, dims[1:]) for i in range(dims[0])]
+
+    return build(0, shape)
+
+
+def group_ranks(plan: Plan, dims: tuple[str, ...] | str) -> list[list[int]]:
+    """All process groups along ``dims`` (e.g. "tp", or ("dp_replicate", "dp_shard") for the dp group)."""
+    dims = (dims,) if isinstance(dims, str) else tuple(dims)
+    unknown = [d for d in dims if d not in MESH_DIMS]
+    if unknown:
+        raise ValueError(f"unknown mesh dims {unknown}; known: {MESH_DIMS}")
+    shape = mesh_shape(plan)
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    inner = [MESH_DIMS.index(d) for d in dims]
+    outer = [i for i in range(len(shape)) if i not in inner]
+
+    def combos(idx: list[int]) -> list[int]:
+        offsets = [0]
+        for i in idx:
+            offsets = [o + k * strides[i] for o in offsets for k in range(shape[i])]
+        return offsets
+
+    return sorted(sorted(base + off for off in combos(inner)) for base in combos(outer))
+
+
+def ep_group_ranks(plan: Plan) -> list[list[int]]:
+    """Expert-parallel groups: ``ep`` consecutive data-parallel ranks, with the same pp, cp and tp coordinates."""
+    groups = []
+    for dp_group in group_ranks(plan, ("dp_replicate", "dp_shard")):
+        for i in range(0, len(dp_group), plan.ep):
+            groups.append(dp_group[i : i + plan.ep])
+    return sorted(groups)
+
+
+# Named groups: each MESH_DIMS entry, "dp" (replicate x shard) and "dp_flat" (the same ranks, one dim).
+GROUP_DIMS: dict[str, tuple[str, ...]] = {**{d: (d,) for d in MESH_DIMS}, "dp": ("dp_replicate", "dp_shard"),
+                                          "dp_flat": ("dp_replicate", "dp_shard")}
+
+
+def all_group_ranks(plan: Plan) -> dict[str, list[list[int]]]:
+    """Every group of every named dimension (GROUP_DIMS, plus "ep"), as the cost model prices them."""
+    out = {name: group_ranks(plan, dims) for name, dims in GROUP_DIMS.items()}
+    out["ep"] = ep_group_ranks(plan)
+    return out
+
+
+def _node_index(devices_per_node: int | Sequence[Sequence[int]]) -> Any:
+    """rank -> node: ``devices_per_node`` (ranks numbered node by node) or the ranks of each node."""
+    if isinstance(devices_per_node, int):
+        if devices_per_node < 1:
+            raise ValueError(f"devices_per_node must be >= 1, got {devices_per_node}")
+        return lambda rank: rank // devices_per_node
+    where = {rank: i for i, ranks in enumerate(devices_per_node) for rank in ranks}
+    return where.__getitem__
+
+
+def nodes_spanned(ranks: Sequence[int], devices_per_node: int | Sequence[Sequence[int]]) -> int:
+    """How many nodes a group's ranks live on."""
+    node = _node_index(devices_per_node)
+    return len({node(r) for r in ranks})
+
+
+def groups_crossing_nodes(plan: Plan, devices_per_node: int | Sequence[Sequence[int]]) -> dict[str, bool]:
+    """For each named group kind: does any of its groups span more than one node?
+
+    ``devices_per_node`` is an int when ranks are numbered node by node, or the list of each node's ranks
+    (``topology.discover.NodeLayout.nodes``) for the real placement.
+    """
+    return {name: any(nodes_spanned(g, devices_per_node) > 1 for g in groups)
+            for name, groups in all_group_ranks(plan).items()}
+
+
+@dataclass
+class MeshLayout:
+    """The world mesh of a plan plus the named sub-meshes the apply layer uses."""
+
+    plan: Plan
+    mesh: DeviceMesh
+    submeshes: dict[str, DeviceMesh] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        """Sub-mesh by name: a MESH_DIMS entry, "dp" (replicate x shard, 2D when hybrid) or "dp_flat" (1D)."""
+        if name not in self.submeshes:
+            raise KeyError(f"no sub-mesh {name!r}; have {sorted(self.submeshes)}")
+        return self.submeshes[name]
+
+    def ranks(self, name: str) -> list[int]:
+        """The global ranks of this process's group along ``name``."""
+        return sorted(self[name].mesh.flatten().tolist())
+
+    def all_ranks(self, name: str) -> list[list[int]]:
+        """Every group along ``name`` (a GROUP_DIMS key), read from the live mesh (compare with group_ranks)."""
+        if name not in GROUP_DIMS:
+            raise KeyError(f"no group {name!r}; have {sorted(GROUP_DIMS)}")
+        grid = self.mesh.mesh
+        inner = [MESH_DIMS.index(d) for d in GROUP_DIMS[name]]
+        outer = [i for i in range(grid.dim()) if i not in inner]
+        size = 1
+        for i in inner:
+            size *= grid.shape[i]
+        rows = grid.permute(*outer, *inner).reshape(-1, size).tolist()
+        return sorted(sorted(row) for row in rows)
+
+    def groups(self) -> dict[str, list[list[int]]]:
+        """All named groups of the live mesh (same keys as all_group_ranks, less "ep")."""
+        return {name: self.all_ranks(name) for name in GROUP_DIMS}
+
+
+def build_mesh(plan: Plan, device_type: str) -> MeshLayout:
+    """Create the DeviceMesh for ``plan`` on the live process group (``device_type`` "cpu", "cuda", "npu")."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    plan.validate(world_size=world)
+    mesh = init_device_mesh(device_type, mesh_shape(plan), mesh_dim_names=MESH_DIMS)
+    subs: dict[str, DeviceMesh] = {name: mesh[name] for name in MESH_DIMS}
+    subs["dp"] = mesh["dp_replicate", "dp_shard"]
+    subs["dp_flat"] = subs["dp"]._flatten("dp_flat") if plan.dp > 1 else mesh["dp_shard"]
+    return MeshLayout(plan=plan, mesh=mesh, submeshes=subs)
+
+
+# --------------------------------------------------------------------------------------------- process group
+
+PG_TIMEOUT_ENV = "AUTOPAR_PG_TIMEOUT"
+_CHECKINS = [0]  # how many check-ins this process has made (every rank makes the same sequence)
+
+
+class RendezvousTimeoutError(AutoparError, TimeoutError):
+    """Peers did not arrive within the process-group timeout; the message names the missing ranks."""
+
+    exit_code = 1
+
+
+def pg_timeout(seconds: float | timedelta | None = None) -> timedelta:
+    """Process-group timeout: ``seconds``, else $AUTOPAR_PG_TIMEOUT (seconds), else torch's default (30 min).
+
+    The analogue of HCCL_CONNECT_TIMEOUT: it bounds the rendezvous and every collective.
+    """
+    if isinstance(seconds, timedelta):
+        return seconds
+    if seconds is None:
+        raw = os.environ.get(PG_TIMEOUT_ENV, "").strip()
+        if not raw:
+            from torch.distributed.constants import default_pg_timeout
+
+            return default_pg_timeout
+        try:
+            seconds = float(raw)
+        except ValueError:
+            raise ConfigError(PG_TIMEOUT_ENV, f"{raw!r} is not a number of seconds", "e.g. AUTOPAR_PG_TIMEOUT=600") from None
+    if not seconds > 0:
+        raise ConfigError(PG_TIMEOUT_ENV, f"must be > 0 seconds, got {seconds}")
+    return timedelta(seconds=seconds)
+
+
+def default_backend() -> str:
+    """nccl on CUDA, hccl with torch_npu, else gloo."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "nccl"
+    try:
+        import torch_npu  # noqa: F401
+
+        if torch.npu.is_available():
+            return "hccl"
+    except Exception:
+        pass
+    return "gloo"
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    from lightning_autopar.topology.discover import rank_ranges
+
+    return f"rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}"
+
+
+def rendezvous_check(store: Any, rank: int, world_size: int, timeout: timedelta, tag: str = "") -> None:
+    """Every rank checks in on ``store`` and waits for all; raise RendezvousTimeoutError naming absent ranks."""
+    from torch.distributed import PrefixStore
+
+    checkin = PrefixStore(f"autopar/checkin/{tag}", store)
+    checkin.set(f"rank{rank}", "1")
+    checkin.add("count", 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.01
+    while checkin.add("count", 0) < world_size:
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world_size) if not checkin.check([f"rank{r}"])]
+            raise RendezvousTimeoutError(f"{_ranks_text(missing)} of {world_size} did not join within "
+                                         f"{timeout.total_seconds():g} s ({PG_TIMEOUT_ENV}); check that every node "
+                                         "started and can reach MASTER_ADDR:MASTER_PORT")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+
+
+def init_process_group_with_timeout(backend: str | None = None, timeout: float | timedelta | None = None,
+                                    **kwargs: Any) -> None:
+    """init_process_group from the launcher's env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) with a timeout.
+
+    Before the process group is created every rank checks in on the rendezvous store; a peer that never
+    arrives raises RendezvousTimeoutError naming the missing ranks (instead of a silent hang). Under torchrun
+    the agent's store is reused. A no-op when a process group already exists. Without a launcher: world of 1.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    limit = pg_timeout(timeout)
+    if backend == "hccl":
+        os.environ.setdefault("HCCL_CONNECT_TIMEOUT", str(max(1, int(limit.total_seconds()))))
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if world > 1 and not (addr and port):
+        raise ConfigError("MASTER_ADDR", "MASTER_ADDR / MASTER_PORT are not set for a multi-process run",
+                          "launch with torchrun (or set MASTER_ADDR and MASTER_PORT)")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if world == 1 and not (addr and port):
+        addr, port = "127.0.0.1", "0"
+    try:
+        store = dist.TCPStore(addr, int(port), world, is_master=(rank == 0 and not agent_store), timeout=limit,
+                              wait_for_workers=False, multi_tenant=not agent_store)
+    except (RuntimeError, OSError) as err:  # DistNetworkError / DistStoreError: no server to connect to
+        raise RendezvousTimeoutError(f"rank 0 (the store at {addr}:{port}) did not come up within "
+                                     f"{limit.total_seconds():g} s ({PG_TIMEOUT_ENV}): {str(err).splitlines()[0]}"
+                                     ) from None
+    _CHECKINS[0] += 1
+    tag = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_CHECKINS[0]}/"
+    rendezvous_check(store, rank, world, limit, tag)
+    if backend == "nccl" and "device_id" not in kwargs:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit, **kwargs)
