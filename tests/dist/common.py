@@ -1,0 +1,54 @@
+"""Shared definitions for the multi-process equivalence tests and their single-process references."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import TensorDataset
+
+GLOBAL_BATCH = 8
+STEPS = 8
+BATCHES_PER_EPOCH = 4
+SEQ = 16
+VOCAB = 64
+
+
+def model_config(**overrides):
+    from lightning_autopar.models import GPTConfig
+
+    base = dict(vocab=VOCAB, seq_len=SEQ, layers=2, hidden=32, heads=4, ffn_hidden=64)
+    base.update(overrides)
+    return GPTConfig(**base)
+
+
+def make_module(**overrides):
+    from lightning_autopar.models.lit import LitGPT
+
+    return LitGPT(model_config(**overrides), lr=0.1, momentum=0.9)
+
+
+def make_data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH * BATCHES_PER_EPOCH, SEQ + 1), generator=gen)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def reference_run(steps: int = STEPS, clip: float | None = None, seed: int = 0):
+    """The plain single-process loop: same model, data, seed and optimizer. Returns (losses, state dict)."""
+    import lightning.pytorch as L
+
+    L.seed_everything(seed, verbose=False)
+    module = make_module()
+    opt = module.configure_optimizers()
+    data = make_data()
+    losses = []
+    for step in range(steps):
+        i = step % BATCHES_PER_EPOCH
+        x, y = data[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH]
+        loss = module.loss((x, y))
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -1,0 +1,117 @@
+"""Training scenarios run under torchrun by the equivalence tests; one process group, several scenarios.
+
+Usage: torchrun --nproc-per-node N tests/dist/scenarios.py OUT_DIR name[,name...]
+Each scenario writes OUT_DIR/<name>.pt on rank 0: per-step logged losses, the full final state dict (as the
+single-device model's names), the chosen plan, or the one-line error it raised.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import GLOBAL_BATCH, STEPS, make_data, make_module  # noqa: E402
+
+import lightning.pytorch as L  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import lightning_autopar  # noqa: E402,F401  (registers "autopar")
+from lightning_autopar import AutoParallelStrategy, AutoparError  # noqa: E402
+
+
+class LossCollector(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k: v.clone() for k, v in get_model_state_dict(module, options=opts).items()}
+
+
+def fit(fix, steps=STEPS, ckpt_path=None, seed=0, model_kwargs=None, strategy_kwargs=None, **trainer_kwargs):
+    world = int(os.environ["WORLD_SIZE"])
+    L.seed_everything(seed, verbose=False)
+    module = make_module(**(model_kwargs or {}))
+    collector = LossCollector()
+    strategy = AutoParallelStrategy(fix=fix, cluster="cpu", print_plan=False, **(strategy_kwargs or {}))
+    cbs = trainer_kwargs.pop("extra_callbacks", [])
+    trainer_kwargs.setdefault("enable_checkpointing", False)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[collector, *cbs], **trainer_kwargs,
+    )
+    loader = DataLoader(make_data(), batch_size=GLOBAL_BATCH, shuffle=False)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return trainer, module, collector.losses, strategy.plan.to_dict()
+
+
+def record(out: Path, name: str, **payload) -> None:
+    if int(os.environ.get("RANK", 0)) == 0:
+        torch.save(payload, out / f"{name}.pt")
+
+
+FIXES = {
+    "dp_zero0": "dp={w},zero=0",
+    "dp_zero2": "dp={w},zero=2",
+    "dp_zero3": "dp={w},zero=3",
+    "hsdp": "dp={w},zero=3,dp_shard=2",
+    "tp": "tp={w},dp=1",
+    "tp2_dp2_zero3": "tp=2,dp=2,zero=3",
+    "tp2_dp2_accum": "tp=2,dp=2,zero=3,grad_accum=2",
+    "dp_accum": "dp={w},zero=0,grad_accum={ga},mbs=1",
+    "auto": None,
+}
+
+
+def run(out: Path, name: str) -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    if name in FIXES:
+        fix = FIXES[name].format(w=world, ga=GLOBAL_BATCH // world) if FIXES[name] else None
+        trainer, module, losses, plan = fit(fix)
+        record(out, name, losses=losses, state=full_state(module), plan=plan)
+    elif name == "clip":
+        trainer, module, losses, plan = fit("tp=2,dp=2,zero=3", gradient_clip_val=0.05)
+        record(out, name, losses=losses, state=full_state(module), plan=plan)
+    elif name == "resume":
+        # save at step 4 during an 8-step run, then a fresh process state resumes from it (other init seed)
+        saver = L.callbacks.ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=STEPS // 2, save_top_k=-1)
+        fit("tp=2,dp=2,zero=3", enable_checkpointing=True, extra_callbacks=[saver])
+        ckpt = out / "ckpts" / f"epoch=0-step={STEPS // 2}.ckpt"
+        trainer, module, losses, plan = fit("tp=2,dp=2,zero=3", ckpt_path=str(ckpt), seed=123)
+        record(out, name, losses=losses, state=full_state(module), plan=plan)
+    elif name == "tp_indivisible":
+        try:
+            fit(f"tp={world},dp=1", model_kwargs={"hidden": 48, "heads": 3})
+        except AutoparError as err:
+            record(out, name, error=str(err), kind=type(err).__name__)
+        else:
+            record(out, name, error=None)
+    else:
+        raise SystemExit(f"unknown scenario {name}")
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    for name in sys.argv[2].split(","):
+        try:
+            run(out, name)
+        except Exception:
+            record(out, name, crash=traceback.format_exc())
+            raise
+
+
+if __name__ == "__main__":
+    main()
