@@ -32,3 +32,28 @@ class InfeasibleError(AutoparError, RuntimeError):
     """No plan fits (exit code 3). The message says the smallest memory any plan needs and what to relax."""
 
     exit_code = 3
+
+
+def install_excepthook() -> None:
+    """Make an uncaught AutoparError print its one line and exit with its code, instead of a traceback.
+
+    Other exceptions keep the previous hook. Installed by the strategy and the Fabric integration, i.e. only in
+    programs that use autopar."""
+    import os
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "_autopar", False):
+        return
+
+    def hook(kind, value, tb):  # type: ignore[no-untyped-def]
+        if isinstance(value, AutoparError):
+            rank = os.environ.get("RANK")
+            prefix = f"autopar (rank {rank})" if rank not in (None, "0") else "autopar"
+            print(f"{prefix}: {value}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(value.exit_code)  # a plain exit would run teardown hooks that may hang on peers
+        previous(kind, value, tb)
+
+    hook._autopar = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -25,13 +25,13 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from lightning_autopar.errors import ConfigError
+from lightning_autopar.errors import ConfigError, install_excepthook
 from lightning_autopar.specs import ClusterSpec, Plan, parse_fix
 
 log = logging.getLogger(__name__)
 
 # What the runtime can apply today; the planner searches only inside it unless the user fixes a field.
-RUNTIME_SUPPORT: dict[str, list[Any]] = {"pp": [1], "cp": [1], "ep": [1], "sp": [False]}
+RUNTIME_SUPPORT: dict[str, list[Any]] = {"pp": [1], "cp": [1], "ep": [1], "sp": [False], "recompute": ["none"]}
 
 
 def _tree_leaves(obj: Any) -> list[Any]:
@@ -125,6 +125,7 @@ class AutoParallelMixin:
     ) -> None:
         from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
+        install_excepthook()
         super().__init__(
             data_parallel_size=1,
             tensor_parallel_size=1,
