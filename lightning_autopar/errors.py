@@ -50,7 +50,9 @@ def install_excepthook() -> None:
         if isinstance(value, AutoparError):
             rank = os.environ.get("RANK")
             prefix = f"autopar (rank {rank})" if rank not in (None, "0") else "autopar"
-            print(f"{prefix}: {value}", file=sys.stderr, flush=True)
+            # the real stderr: torch.distributed's own hook buffers sys.stderr to prefix "[rankN]:" lines
+            stream = sys.__stderr__ or sys.stderr
+            print(f"{prefix}: {value}", file=stream, flush=True)
             sys.stdout.flush()
             os._exit(value.exit_code)  # a plain exit would run teardown hooks that may hang on peers
         previous(kind, value, tb)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine: a venv in .venv, torch (the CPU 2.13.0 build when none is
+# importable; a CUDA machine brings its own), then this package with its test and Hydra extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  .venv/bin/pip install -q torch==2.13.0
+fi
+.venv/bin/pip install -q -e ".[dev,hydra]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import lightning_autopar, torch; print('autopar set-up ok: torch', torch.__version__)"

@@ -1,0 +1,100 @@
+"""The analysis finds blocks, attention, MLP and MoE by structure, on meta tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_autopar.models import GPT, GPTConfig
+from lightning_autopar.profile.analyze import analyze, find_transformer, model_spec_from_module
+
+
+def test_dense_gpt_structure_and_costs():
+    cfg = GPTConfig(vocab=128, seq_len=32, layers=3, hidden=64, heads=4, kv_heads=2, ffn_kind="swiglu")
+    model = GPT(cfg)
+    a = analyze(model, batch=2)
+    assert a.blocks_fqn == "blocks" and len(a.blocks) == 3
+    attn, mlp = a.blocks[0].attention, a.blocks[0].mlp
+    assert (attn.q, attn.k, attn.v, attn.o) == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert (attn.heads, attn.kv_heads, attn.head_dim) == (4, 2, 16)
+    assert attn.heads_attrs == ["n_heads"] and attn.kv_heads_attrs == ["n_kv_heads"]
+    assert (mlp.up, mlp.gate, mlp.down, mlp.ffn_hidden) == ("up_proj", "gate_proj", "down_proj", 256)
+    spec = a.spec
+    assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.ffn_kind, spec.vocab) == (
+        3, 64, 4, 2, "swiglu", 128)
+    assert a.token_embedding == "tok_emb" and a.position_embedding == "pos_emb"
+    assert a.lm_head == "lm_head" and a.final_norm == "ln_f" and not a.tied_embeddings
+    assert a.unclassified == []
+    # FLOPs: forward + backward matmuls of one block = 3 x forward; forward = 2 * tokens * params + attention
+    tokens = 2 * 32
+    block_matmul_params = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 256
+    attn_fwd = 2 * 2 * 2 * 4 * 32 * 32 * 16  # QK^T and AV, batch 2, 4 heads
+    assert a.blocks[0].flops == pytest.approx(3 * (2 * tokens * block_matmul_params + attn_fwd), rel=0.01)
+    assert a.blocks[0].activation_bytes > 0
+    assert all(p.device.type == "cpu" for p in model.parameters())  # the analysis never moved the model
+
+
+def test_moe_and_tied_embeddings():
+    model = GPT(GPTConfig(experts=4, top_k=2, moe_every=2, tied_embeddings=True))
+    a = analyze(model, trace=False)
+    moe_blocks = [b.index for b in a.blocks if b.moe]
+    assert moe_blocks == [1, 3]
+    moe = a.blocks[1].moe
+    assert (moe.router, moe.experts, moe.num_experts, moe.top_k) == ("router", "experts", 4, 2)
+    assert a.spec.experts == 4 and a.spec.moe_every == 2 and a.spec.tied_embeddings
+
+
+def test_fused_qkv_is_recognised():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n_head = 4
+            self.c_attn = nn.Linear(32, 96)
+            self.c_proj = nn.Linear(32, 32)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = self.c_attn(x).split(32, dim=2)
+            q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in (q, k, v))
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.fc, self.proj = Attn(), nn.Linear(32, 128), nn.Linear(128, 32)
+
+        def forward(self, x):
+            x = x + self.attn(x)
+            return x + self.proj(torch.relu(self.fc(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.h, self.head = nn.Embedding(50, 32), nn.ModuleList(Block() for _ in range(2)), nn.Linear(32, 50)
+
+        def forward(self, idx):
+            x = self.wte(idx)
+            for b in self.h:
+                x = b(x)
+            return self.head(x)
+
+    a = analyze(Net(), seq_len=8)
+    attn = a.blocks[0].attention
+    assert attn.fused and attn.qkv == "c_attn" and attn.o == "c_proj" and attn.heads == 4
+    assert a.blocks[0].mlp.up == "fc" and a.blocks[0].mlp.down == "proj"
+
+
+def test_find_transformer_inside_a_lightning_module():
+    from lightning_autopar.models.lit import LitGPT
+
+    module = LitGPT(GPTConfig(layers=2))
+    name, transformer = find_transformer(module)
+    assert name == "model" and transformer is module.model
+    assert model_spec_from_module(module, seq_len=64).layers == 2
+
+
+def test_model_without_blocks_is_a_clear_error():
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        analyze(nn.Sequential(nn.Linear(4, 4)))
