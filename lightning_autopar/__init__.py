@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import sys
 from typing import Any
 
 from lightning_autopar.errors import AutoparError, ConfigError, InfeasibleError
@@ -40,18 +43,60 @@ def estimate(model: Any, cluster: Any, plan: Any, **kwargs: Any) -> PricedPlan:
 
 
 def _register() -> None:
-    from lightning_autopar.strategy import AutoParallelStrategy, register
-
+    """Register "autopar" with every Lightning flavour that is loaded (idempotent)."""
+    try:
+        from lightning_autopar.strategy import register
+    except ImportError:  # lightning_autopar.strategy itself is importing lightning: __getattr__ finishes the job
+        return
     register()
-    globals()["AutoParallelStrategy"] = AutoParallelStrategy
     try:
         from lightning_autopar.fabric import register as register_fabric
-    except ImportError:  # the Fabric strategy is optional until it lands
+    except ImportError:
         return
     register_fabric()
 
 
-_register()
+class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
+    """Runs ``_register`` right after ``lightning`` (or ``pytorch_lightning`` / ``lightning_fabric``) is imported,
+    so ``import lightning_autopar`` stays cheap for the planner CLI yet ``strategy="autopar"`` always resolves."""
+
+    triggers = ("lightning", "pytorch_lightning", "lightning_fabric")
+
+    def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
+        if name not in self.triggers:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _RegisteringLoader(spec.loader)
+        return spec
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def create_module(self, spec):  # type: ignore[no-untyped-def]
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):  # type: ignore[no-untyped-def]
+        self.inner.exec_module(module)
+        _register()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AutoParallelStrategy":
+        from lightning_autopar.strategy import AutoParallelStrategy
+
+        _register()
+        return AutoParallelStrategy
+    raise AttributeError(f"module 'lightning_autopar' has no attribute {name!r}")
+
+
+if any(trigger in sys.modules for trigger in _RegisterWhenLightningLoads.triggers):
+    _register()
+if not any(isinstance(f, _RegisterWhenLightningLoads) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenLightningLoads())
 
 __all__ = [
     "AutoParallelStrategy", "AutoparError", "ClusterSpec", "ConfigError", "DeviceSpec", "InfeasibleError",

@@ -11,11 +11,12 @@ from typing import Sequence
 
 from lightning_autopar.errors import AutoparError
 
-# subcommand name -> module providing ``add_arguments(parser)`` and ``run(args) -> int``
+# subcommand name -> (module providing ``add_arguments(parser)`` and ``run(args) -> int``, one-line help).
+# Only the module of the subcommand being run is imported, so one subcommand's imports never slow another.
 SUBCOMMANDS = {
-    "plan": "lightning_autopar.planner.cli_plan",
-    "ranktable": "lightning_autopar.topology.ranktable",
-    "probe": "lightning_autopar.topology.probe",
+    "plan": ("lightning_autopar.planner.cli_plan", "rank parallel plans for a model on a cluster"),
+    "ranktable": ("lightning_autopar.topology.ranktable", "build, validate and convert rank tables (HCCL, generic)"),
+    "probe": ("lightning_autopar.topology.probe", "measure collective bandwidth on the live group (torchrun)"),
 }
 
 
@@ -24,21 +25,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"autopar: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``only``, just that subcommand's module is imported and given its arguments."""
     import importlib
 
     parser = _Parser(prog="autopar", description="Automatic parallelism planner for PyTorch Lightning")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, module_name in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
-        sp = sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
-        module.add_arguments(sp)
-        sp.set_defaults(_run=module.run)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        if only in (None, name):
+            module = importlib.import_module(module_name)
+            module.add_arguments(sp)
+            sp.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in SUBCOMMANDS else None).parse_args(argv)
     try:
         return int(args._run(args) or 0)
     except AutoparError as err:

@@ -139,6 +139,7 @@ class DeviceSpec:
     tile: int = 128  # matmul output tile edge, for tile quantisation (1 = ignore)
     kernel_overhead_us: float = 4.0  # fixed cost per kernel / eager op (launch, dispatch, tail)
     reserved_gib: float = 0.0  # memory not available to tensors (runtime context, workspaces)
+    comm_overlap: float = 1.0  # share of compute time that can hide communication (0: the same cores do both)
 
 
 @dataclass

@@ -214,15 +214,11 @@ def default_backend() -> str:
     return "gloo"
 
 
-def _ranks_text(ranks: Sequence[int]) -> str:
-    from lightning_autopar.topology.discover import rank_ranges
-
-    return f"rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}"
-
-
 def rendezvous_check(store: Any, rank: int, world_size: int, timeout: timedelta, tag: str = "") -> None:
     """Every rank checks in on ``store`` and waits for all; raise RendezvousTimeoutError naming absent ranks."""
     from torch.distributed import PrefixStore
+
+    from lightning_autopar.topology.discover import ranks_text
 
     checkin = PrefixStore(f"autopar/checkin/{tag}", store)
     checkin.set(f"rank{rank}", "1")
@@ -232,11 +228,27 @@ def rendezvous_check(store: Any, rank: int, world_size: int, timeout: timedelta,
     while checkin.add("count", 0) < world_size:
         if time.monotonic() > deadline:
             missing = [r for r in range(world_size) if not checkin.check([f"rank{r}"])]
-            raise RendezvousTimeoutError(f"{_ranks_text(missing)} of {world_size} did not join within "
+            raise RendezvousTimeoutError(f"{ranks_text(missing)} of {world_size} did not join within "
                                          f"{timeout.total_seconds():g} s ({PG_TIMEOUT_ENV}); check that every node "
                                          "started and can reach MASTER_ADDR:MASTER_PORT")
         time.sleep(pause)
         pause = min(pause * 2, 0.5)
+
+
+def _wait_for_store(addr: str, port: int, timeout: timedelta) -> None:
+    """Wait until the rendezvous store accepts connections; raise naming rank 0 if it never does."""
+    import socket
+
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise RendezvousTimeoutError(f"rank 0 (the store at {addr}:{port}) did not come up within "
+                                             f"{timeout.total_seconds():g} s ({PG_TIMEOUT_ENV}): {err}") from None
+            time.sleep(0.2)
 
 
 def init_process_group_with_timeout(backend: str | None = None, timeout: float | timedelta | None = None,
@@ -265,6 +277,8 @@ def init_process_group_with_timeout(backend: str | None = None, timeout: float |
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if world == 1 and not (addr and port):
         addr, port = "127.0.0.1", "0"
+    if rank != 0 or agent_store:
+        _wait_for_store(addr, int(port), limit)
     try:
         store = dist.TCPStore(addr, int(port), world, is_master=(rank == 0 and not agent_store), timeout=limit,
                               wait_for_workers=False, multi_tenant=not agent_store)
@@ -278,3 +292,17 @@ def init_process_group_with_timeout(backend: str | None = None, timeout: float |
     if backend == "nccl" and "device_id" not in kwargs:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit, **kwargs)
+
+
+def expert_meshes(layout: MeshLayout, plan: Plan) -> dict[str, DeviceMesh]:
+    """Expert-parallel sub-meshes carved from the data-parallel ranks of ``layout`` (same root mesh, so they
+    compose with TP and FSDP): "ep" -- ``plan.ep`` consecutive data-parallel ranks (the groups of
+    ``ep_group_ranks``) -- and "edp" -- the ``dp / ep`` ranks holding the same experts, as FSDP's mesh for the
+    experts: 2-D (replicate, shard of 1) for zero=0 like the dense mesh, else 1-D (shard)."""
+    if plan.ep < 1 or plan.dp % plan.ep:
+        raise ConfigError("plan.ep", f"ep={plan.ep} does not divide dp={plan.dp}", "choose ep dividing dp")
+    edp = plan.dp // plan.ep
+    sizes = (edp, 1, plan.ep) if plan.zero == 0 else (1, edp, plan.ep)
+    grid = layout["dp_flat"]._unflatten(0, sizes, ("edp_replicate", "edp_shard", "ep"))
+    edp_mesh = grid["edp_replicate", "edp_shard"] if plan.zero == 0 else grid["edp_shard"]
+    return {"ep": grid["ep"], "edp": edp_mesh}

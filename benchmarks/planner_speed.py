@@ -1,0 +1,63 @@
+"""Planner speed: candidates priced per second for a 1T GPT on 3072 A100s and a Mixtral-like MoE.
+
+    python benchmarks/planner_speed.py [--repeat 3] [--cli]
+
+Prints, per case: candidates evaluated, feasible, search seconds (best and median wall time of the repeats,
+and the process CPU time, which a busy shared machine disturbs less; the explanation's what-if re-runs
+included) and candidates/s. ``--cli`` also times ``autopar plan`` end to end
+in a fresh interpreter (imports included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+
+CASES = [
+    # (label, model, cluster, nodes, global batch)
+    ("gpt-1t on 384 x 8 A100-80G", "gpt-1t", "a100-80g-dgx", 384, 3072),
+    ("mixtral-8x7b on 32 x 8 H100", "mixtral-8x7b", "h100-sxm-dgx", 32, 1024),
+]
+
+
+def bench(model: str, cluster: str, nodes: int, global_batch: int, repeat: int) -> dict:
+    from lightning_autopar.planner.search import plan
+    from lightning_autopar.specs import load_cluster_spec
+
+    spec = load_cluster_spec(cluster, nodes=nodes)
+    times, cpu, report = [], [], None
+    for _ in range(repeat):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        report = plan(model, spec, global_batch=global_batch)
+        times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return {"evaluated": report.evaluated, "feasible": report.feasible, "best_s": min(times), "cpu_s": min(cpu),
+            "median_s": statistics.median(times), "plan": report.best.plan.short(),
+            "mfu": report.best.mfu, "step_s": report.best.step_time_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--cli", action="store_true", help="also time `python -m lightning_autopar.cli plan`")
+    args = parser.parse_args()
+    for label, model, cluster, nodes, gb in CASES:
+        r = bench(model, cluster, nodes, gb, args.repeat)
+        print(f"{label}: {r['evaluated']:,} candidates priced, {r['feasible']:,} feasible, "
+              f"{r['best_s']:.3f} s best / {r['median_s']:.3f} s median wall ({r['cpu_s']:.3f} s CPU) -> "
+              f"{r['evaluated'] / r['best_s']:,.0f} candidates/s wall, {r['evaluated'] / r['cpu_s']:,.0f}/s CPU; best {r['plan']} "
+              f"({r['step_s']:.3g} s/step, MFU {100 * r['mfu']:.1f}%)")
+        if args.cli:
+            cmd = [sys.executable, "-m", "lightning_autopar.cli", "plan", "--model", model, "--cluster", cluster,
+                   "--nodes", str(nodes), "--global-batch", str(gb), "--json"]
+            start = time.perf_counter()
+            subprocess.run(cmd, check=True, capture_output=True)
+            print(f"  autopar plan end to end (fresh interpreter, imports included): "
+                  f"{time.perf_counter() - start:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

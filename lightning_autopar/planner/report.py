@@ -1,0 +1,173 @@
+"""The planner's report: ranked plans, the contract JSON, a rich table, a PNG, and the explanation of the winner."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from lightning_autopar.specs import ClusterSpec, ModelSpec, Plan, PricedPlan
+
+TERMS = (("compute_s", "compute"), ("recompute_s", "recompute"), ("comm_exposed_s", "exposed comm"),
+         ("bubble_s", "pipeline bubble"))
+LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep")
+
+
+@dataclass
+class PlanReport:
+    best: PricedPlan
+    candidates: list[PricedPlan]
+    evaluated: int
+    feasible: int
+    rejected: dict[str, int]
+    search_seconds: float
+    model: ModelSpec
+    cluster: ClusterSpec
+    global_batch: int
+    seq_len: int
+    explanation: list[str] = field(default_factory=list)
+    memory_fraction: float = 0.9
+    runner_up: PricedPlan | None = None  # best plan with another layout (dp/tp/pp/cp/ep), for the explanation
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The contract JSON: best, candidates, evaluated, feasible, search_seconds."""
+        return {
+            "best": self.best.to_dict(),
+            "candidates": [c.to_dict() for c in self.candidates],
+            "evaluated": int(self.evaluated),
+            "feasible": int(self.feasible),
+            "search_seconds": float(self.search_seconds),
+        }
+
+    def print_table(self, console: Any = None) -> None:
+        """Top-k plans with the step breakdown, then the search summary and the explanation (rich)."""
+        from rich.console import Console
+        from rich.table import Table
+
+        if console is None:
+            console = Console()
+            if not console.is_terminal:  # logs and pipes: wide enough that the plan column does not wrap
+                console = Console(width=max(console.width, 160))
+        c = self.cluster
+        table = Table(title=f"autopar plan: {self.model.name} on {c.name} ({c.nodes} x {c.devices_per_node} "
+                            f"{c.device.name}), global batch {self.global_batch}, seq {self.seq_len}")
+        for col in ("#", "plan", "step s", "tokens/s", "MFU", "GiB/dev", "compute", "recompute", "comm", "bubble"):
+            table.add_column(col, justify="left" if col == "plan" else "right")
+        for i, p in enumerate(self.candidates, 1):
+            b = p.breakdown
+            flag = "" if p.feasible else " [red](does not fit)[/red]"
+            table.add_row(str(i), p.plan.short() + flag, f"{p.step_time_s:.4g}", f"{p.tokens_per_s:,.0f}",
+                          f"{100 * p.mfu:.1f}%", f"{p.memory_gib_per_device:.2f}", f"{b.compute_s:.3g}",
+                          f"{b.recompute_s:.3g}", f"{b.comm_exposed_s:.3g}", f"{b.bubble_s:.3g}")
+        console.print(table)
+        rejected = ", ".join(f"{k}: {v}" for k, v in sorted(self.rejected.items(), key=lambda kv: -kv[1]))
+        console.print(f"evaluated {self.evaluated:,} plans, {self.feasible:,} feasible, in "
+                      f"{self.search_seconds:.3f} s" + (f"; rejected: {rejected}" if rejected else ""))
+        for line in self.explanation:
+            console.print(f"- {line}", highlight=False)
+
+    def save_png(self, path: str | os.PathLike) -> Path:
+        """Stacked time terms per candidate and memory per device against capacity; written atomically."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        path = Path(path)
+        names = [f"#{i}" for i in range(1, len(self.candidates) + 1)]
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(names) + 4), 4.5))
+        bottom = [0.0] * len(names)
+        for attr, label in TERMS:
+            vals = [getattr(p.breakdown, attr) for p in self.candidates]
+            ax_t.bar(names, vals, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax_t.set_ylabel("seconds per step")
+        ax_t.set_title("step time by term")
+        ax_t.legend(fontsize=8)
+        mem = [p.memory_gib_per_device for p in self.candidates]
+        ax_m.bar(names, mem, color=["tab:blue" if p.feasible else "tab:red" for p in self.candidates])
+        cap = self.cluster.device.memory_gib
+        ax_m.axhline(cap, color="k", linestyle="-", label=f"capacity {cap:g} GiB")
+        ax_m.axhline(cap * self.memory_fraction, color="k", linestyle="--", label=f"x {self.memory_fraction:g}")
+        ax_m.set_ylabel("GiB per device")
+        ax_m.set_title("memory per device")
+        ax_m.legend(fontsize=8)
+        fig.suptitle(f"{self.model.name} on {self.cluster.name}: best {self.best.plan.short()}", fontsize=9)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix or ".png")
+        os.close(fd)
+        try:
+            fig.savefig(tmp, format=(path.suffix.lstrip(".") or "png"), dpi=110)
+            os.replace(tmp, path)
+        finally:
+            plt.close(fig)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return path
+
+
+# ============================================================================================ explanation
+
+
+def _dominant(p: PricedPlan) -> str:
+    step = max(p.step_time_s, 1e-30)
+    parts = sorted(((getattr(p.breakdown, a), n) for a, n in TERMS), reverse=True)
+    return ", ".join(f"{n} {100 * v / step:.0f}%" for v, n in parts if v > 0.005 * step)
+
+
+def plan_diff(new: Plan, old: Plan) -> str:
+    """The fields where ``new`` differs from ``old``: 'pp=4 (was 2), mbs=1 (was 2)'."""
+    a, b = new.to_dict(), old.to_dict()
+    out = [f"{k}={a[k]} (was {b[k]})" for k in a if a[k] != b[k]]
+    return ", ".join(out) or "same plan"
+
+
+def _scaled_links(cluster: ClusterSpec, level: int, factor: float) -> ClusterSpec:
+    links = [dataclasses.replace(l) for l in cluster.links]
+    links[level] = dataclasses.replace(links[level], bandwidth_gbs=links[level].bandwidth_gbs * factor)
+    return dataclasses.replace(cluster, links=links)
+
+
+def _scaled_memory(cluster: ClusterSpec, factor: float) -> ClusterSpec:
+    device = dataclasses.replace(cluster.device, memory_gib=cluster.device.memory_gib * factor)
+    return dataclasses.replace(cluster, device=device, links=[dataclasses.replace(l) for l in cluster.links])
+
+
+WhatIf = Callable[[ClusterSpec, bool], "tuple[Plan, float] | None"]
+
+
+def explain(report: PlanReport, what_if: WhatIf) -> list[str]:
+    """Why the winner wins: its dominant term, what the runner-up loses and where, and what would flip the choice."""
+    best = report.best
+    lines = [f"winner {best.plan.short()}: {best.step_time_s:.4g} s/step, MFU {100 * best.mfu:.1f}%, "
+             f"{best.memory_gib_per_device:.1f} GiB/device; time goes to {_dominant(best)}"]
+    rival = report.runner_up or (report.candidates[1] if len(report.candidates) > 1 else None)
+    if rival is not None:
+        slower = rival.step_time_s / best.step_time_s - 1
+        deltas = sorted(((getattr(rival.breakdown, a) - getattr(best.breakdown, a), n) for a, n in TERMS),
+                        reverse=True)
+        loses = ", ".join(f"{'+' if d >= 0 else ''}{d:.3g} s {n}" for d, n in deltas if abs(d) > 1e-3 * best.step_time_s)
+        lines.append(f"runner-up {rival.plan.short()} is {100 * slower:.1f}% slower ({loses or 'same terms'}); "
+                     f"it differs in {plan_diff(rival.plan, best.plan)}")
+    c = report.cluster
+    scenarios: list[tuple[str, ClusterSpec, bool]] = []
+    if c.nodes > 1:
+        scenarios.append(("2x inter-node bandwidth", _scaled_links(c, len(c.links) - 1, 2.0), True))
+    if c.devices_per_node > 1 and (c.nodes == 1 or len(c.links) > 1):
+        scenarios.append(("2x intra-node bandwidth", _scaled_links(c, 0, 2.0), True))
+    scenarios.append(("2x device memory", _scaled_memory(c, 2.0), False))
+    for label, cluster, reprice in scenarios:
+        got = what_if(cluster, reprice)
+        if got is None:
+            continue
+        plan, step = got
+        gain = 100 * (1 - step / best.step_time_s)
+        if plan == best.plan:
+            lines.append(f"with {label}, the winner stays ({gain:.1f}% faster)")
+        else:
+            lines.append(f"with {label}, {plan_diff(plan, best.plan)} wins: {plan.short()} ({gain:.1f}% faster)")
+    return lines

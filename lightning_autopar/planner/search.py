@@ -1,0 +1,527 @@
+"""Feasibility, pricing, ranking and pipeline partition: ``plan()`` searches the space, ``estimate()`` prices one plan.
+
+Pure numpy: no torch import here (an ``nn.Module`` model is turned into a ModelSpec lazily by the profiler).
+Pricing is vectorised over the whole candidate space (see space.py for its two-level layout); the
+assembly below follows the cost terms of cost.py, each named there with its formula and source.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from lightning_autopar.errors import ConfigError, InfeasibleError
+from lightning_autopar.planner import cost as C
+from lightning_autopar.planner.report import PlanReport, explain
+from lightning_autopar.planner.space import Space, enumerate_space, space_from_plans
+from lightning_autopar.specs import (
+    PRECISIONS,
+    Breakdown,
+    ClusterSpec,
+    ModelSpec,
+    Plan,
+    PricedPlan,
+    load_cluster_spec,
+    load_model_spec,
+    parse_fix,
+)
+
+N_REP = 3  # representative pipeline ranks priced per candidate: first, last, heaviest middle
+CHUNK = 16384  # candidates per vectorised block (keeps the working set in cache)
+
+
+# ============================================================================================ inputs
+
+
+def resolve_model(model: Any, seq_len: int | None = None) -> ModelSpec:
+    """ModelSpec from a spec, preset name, YAML path, mapping, or an ``nn.Module`` (profiled lazily)."""
+    if isinstance(model, (ModelSpec, str, Mapping)):
+        spec = load_model_spec(model)
+    elif hasattr(model, "parameters") and hasattr(model, "forward"):
+        from lightning_autopar.profile.analyze import model_spec_from_module
+
+        spec = model_spec_from_module(model, seq_len=seq_len)
+    else:
+        raise ConfigError("model", f"cannot plan for a {type(model).__name__}",
+                          "pass a ModelSpec, a preset name, a YAML path, a mapping or an nn.Module")
+    return spec
+
+
+def resolve_precisions(cluster: ClusterSpec, precision: str | Sequence[str] | None) -> list[str]:
+    """Explicit precision(s), else the fastest the device has: bf16-mixed, fp16-mixed, else fp32."""
+    from lightning_autopar.specs import _coerce
+
+    if precision is None:
+        pk = cluster.device.peak_tflops
+        if pk.bf16 > pk.fp32:
+            return ["bf16-mixed"]
+        return ["fp16-mixed"] if pk.fp16 > pk.fp32 else ["fp32"]
+    values = [precision] if isinstance(precision, str) else list(precision)
+    return [_coerce("precision", v) for v in values]
+
+
+# ============================================================================================ pipeline partition
+
+
+def layer_weights(model: ModelSpec, hw: C.Hardware, seq: int, prec: int, fused: bool) -> tuple[np.ndarray, float, float]:
+    """Per-block fwd+bwd time at tp=cp=mbs=1 (the DP's costs), plus embedding and head costs in the same units."""
+    peak, elem = hw.peak[prec], C.ACT_BYTES[prec]
+    dense = C.dense_block_time(hw, model, 1, seq, 1, 1, False, peak, elem, fused)
+    w_dense = float(dense.fwd + dense.bwd)
+    is_moe = moe_mask(model)
+    w = np.full(model.layers, w_dense)
+    if is_moe.any():
+        moe = C.moe_block_time(hw, model, 1, seq, 1, 1, 1, False, peak, elem, fused)
+        w[is_moe] = float(moe.fwd + moe.bwd)
+    ef, eb = C.embedding_time(hw, model, 1, seq, 1, elem)
+    hf, hb = C.head_time(hw, model, 1, seq, 1, 1, peak, elem)
+    return w, float(ef + eb), float(hf + hb)
+
+
+def moe_mask(model: ModelSpec) -> np.ndarray:
+    """Which blocks are MoE: every moe_every-th, counting from 1 (as models.GPT builds them)."""
+    idx = np.arange(1, model.layers + 1)
+    return (idx % model.moe_every == 0) if model.experts else np.zeros(model.layers, dtype=bool)
+
+
+def stage_chunks(weights: np.ndarray, emb: float, head: float, pp: int, vpp: int, uneven: bool) -> list[int]:
+    """Blocks per pipeline chunk (pp*vpp chunks, chunk j on rank j % pp): DP partition with embedding and head included."""
+    L = len(weights)
+    if vpp > 1 or pp == 1 or not uneven:
+        n = pp * vpp
+        base, extra = divmod(L, n)
+        return [base + (1 if j < extra else 0) for j in range(n)]
+    w = weights.copy()
+    w[0] += emb
+    w[-1] += head
+    return C.partition_layers(w, pp)
+
+
+_STAGE_CACHE: dict[tuple, tuple[np.ndarray, list[int]]] = {}
+
+
+def stage_table(model: ModelSpec, weights: np.ndarray, emb: float, head: float, pp: int, vpp: int,
+                uneven: bool) -> tuple[np.ndarray, list[int]]:
+    """Representative ranks (first, last, heaviest middle) as rows [n_dense, n_moe, has_emb, has_head, rank]."""
+    key = (weights.tobytes(), emb, head, pp, vpp, uneven, model.experts, model.moe_every)
+    if key not in _STAGE_CACHE:
+        if len(_STAGE_CACHE) > 4096:
+            _STAGE_CACHE.clear()
+        _STAGE_CACHE[key] = _stage_table(model, weights, emb, head, pp, vpp, uneven)
+    return _STAGE_CACHE[key]
+
+
+def _stage_table(model: ModelSpec, weights: np.ndarray, emb: float, head: float, pp: int, vpp: int,
+                 uneven: bool) -> tuple[np.ndarray, list[int]]:
+    chunks = stage_chunks(weights, emb, head, pp, vpp, uneven)
+    is_moe = moe_mask(model)
+    bounds = np.concatenate([[0], np.cumsum(chunks)])
+    rank_rows = np.zeros((pp, 5))
+    rank_w = np.zeros(pp)
+    for j, n in enumerate(chunks):
+        r = j % pp
+        lo, hi = bounds[j], bounds[j + 1]
+        moe = int(is_moe[lo:hi].sum())
+        rank_rows[r, 0] += n - moe
+        rank_rows[r, 1] += moe
+        rank_w[r] += weights[lo:hi].sum()
+    rank_rows[0, 2] = 1
+    rank_rows[pp - 1, 3] = 1
+    rank_w[0] += emb
+    rank_w[pp - 1] += head
+    rank_rows[:, 4] = np.arange(pp)
+    middle = 1 + int(np.argmax(rank_w[1:-1])) if pp > 2 else 0
+    return rank_rows[[0, pp - 1, middle]], chunks
+
+
+# ============================================================================================ pricing
+
+
+def _stage_reps(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, fused: bool, pp: np.ndarray,
+                vpp: np.ndarray) -> np.ndarray:
+    """Representative ranks for each row's (pp, vpp): array (rows, N_REP, 5) from one partition per distinct pair."""
+    prec0 = int(space.keys["precision"][0]) if len(space.keys["precision"]) else 0
+    weights, emb_w, head_w = layer_weights(model, hw, seq, prec0, fused)
+    table = np.zeros((int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, N_REP, 5))
+    for code in np.unique(pp * 4096 + vpp):
+        p_, v_ = divmod(int(code), 4096)
+        table[p_, v_] = stage_table(model, weights, emb_w, head_w, p_, v_, space.uneven)[0]
+    return table[pp, vpp]
+
+
+def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq: int,
+          measured: C.Measured | None = None, fused: bool = True, detail: bool = True) -> dict[str, np.ndarray]:
+    """Price every candidate: step time, memory per device and (``detail``) the breakdown, as arrays.
+
+    Terms are computed on the smallest factor table they depend on (space.Space) and combined per candidate
+    for each representative pipeline rank (first, last, heaviest middle); the slowest rank sets the pace and
+    the fullest sets the memory.
+    """
+    m = model
+    Lt, K, M, D, Cn = space.layouts, space.keys, space.mids, space.dpcs, space.cands
+    f = lambda a: a.astype(float)  # noqa: E731
+
+    # ---- key level: one block, embedding, head and their traffic per micro-batch
+    kl = K["layout"]
+    tp, pp, cp, dp, ep = (f(Lt[n][kl]) for n in ("tp", "pp", "cp", "dp", "ep"))
+    mbs, ga, sp, prec = f(K["mbs"]), f(K["ga"]), K["sp"].astype(bool), K["precision"]
+    peak, elem = hw.peak[prec], C.ACT_BYTES[prec]
+    has_moe = m.moe_layers > 0
+    dense = C.dense_block_time(hw, m, mbs, seq, tp, cp, sp, peak, elem, fused)
+    moe = C.moe_block_time(hw, m, mbs, seq, tp, cp, ep, sp, peak, elem, fused) if has_moe else dense
+    emb_f, emb_b = C.embedding_time(hw, m, mbs, seq, cp, elem)
+    head_f, head_b = C.head_time(hw, m, mbs, seq, tp, cp, peak, elem)
+    act = [C.activation_bytes_per_block(m, mbs, seq, tp, sp, cp, mode, elem, fused) for mode in range(3)]
+    act_moe = ([C.activation_bytes_per_block(m, mbs, seq, tp, sp, cp, mode, elem, fused, moe=True)
+                for mode in range(3)] if has_moe else act)
+    if measured is not None:
+        dense, moe, emb_f, emb_b, head_f, head_b, act, act_moe = _apply_measured(
+            measured, m, hw, seq, fused, dense, moe, emb_f, emb_b, head_f, head_b, act, act_moe)
+    tp_f, tp_b = C.tp_comm_per_block(hw, m, mbs, seq, tp, cp, elem)
+    tp_edge = C.allreduce_time(hw, mbs * seq / cp * m.hidden * elem, tp, 1)  # embedding fwd / head bwd
+    cp_f, cp_b = C.cp_comm_per_block(hw, m, mbs, seq, tp, cp, elem, dense.attn_fwd, 2.5 * dense.attn_fwd)
+    zero_k = np.zeros_like(tp)
+    ep_f, ep_b = C.ep_comm_per_block(hw, m, mbs, seq, tp, cp, ep, sp, elem) if has_moe else (zero_k, zero_k)
+    p2p_inter = np.full(len(tp), hw.nodes > 1)  # pp is the outermost mesh dim: some stage boundary crosses nodes
+    p2p = C.p2p_time(hw, mbs * seq / cp * m.hidden * elem / np.where(sp, tp, 1), p2p_inter)
+    buf_last = C.logits_bytes(m, mbs, seq, tp, cp, elem)
+    buf_moe = 2 * mbs * seq / cp / np.where(sp, tp, 1) * m.top_k * m.hidden * elem if has_moe else zero_k
+    buf_p2p = np.where(pp > 1, 2 * mbs * seq / cp * m.hidden * elem, 0.0)
+
+    # ---- mid level (key x schedule/vpp): stage contents, per-micro-batch time and activations per rank
+    mk = M["key"]
+    g = lambda a: np.asarray(a)[mk] if np.ndim(a) else np.full(len(mk), float(a))  # noqa: E731
+    vpp_m, sched_m = f(M["vpp"]), M["schedule"]
+    reps_m = _stage_reps(m, hw, space, seq, fused, Lt["pp"][kl][mk], M["vpp"])
+    pp_m, ga_m = g(pp), g(ga)
+    p2p_mb = np.where(pp_m > 1, 2 * vpp_m * g(p2p), 0.0)
+    mid = {name: [] for name in ("tf", "tb", "base", "mem")}
+    frag = 1 + C.FRAGMENTATION
+    for r in range(N_REP):
+        nd, nm, he, hh, stage = (reps_m[:, r, j] for j in range(5))
+        nb = nd + nm
+        tf = nd * g(dense.fwd) + nm * g(moe.fwd) + he * g(emb_f) + hh * g(head_f)
+        tb = nd * g(dense.bwd) + nm * g(moe.bwd) + he * g(emb_b) + hh * g(head_b)
+        comm = nb * g(tp_f + tp_b + cp_f + cp_b) + nm * g(ep_f + ep_b) + (he + hh) * g(tp_edge) + p2p_mb
+        comm_rc = nb * g(tp_f + cp_f) + nm * g(ep_f)  # full recompute re-runs the forward's collectives
+        trc = [0.0 * tf, nd * g(dense.attn_fwd) + nm * g(moe.attn_fwd), nd * g(dense.fwd) + nm * g(moe.fwd)]
+        inflight = C.inflight_microbatches(sched_m, pp_m, vpp_m, ga_m, stage)
+        bufs = hh * g(buf_last) + np.where(nm > 0, g(buf_moe), 0.0) + g(buf_p2p)
+        one_layer = np.where(nm > 0, g(act_moe[0]), g(act[0]))  # full recompute rebuilds one block at a time
+        mid["tf"].append(tf)
+        mid["tb"].append(tb)
+        mid["base"].append(np.stack([tf + tb + comm + trc[0], tf + tb + comm + trc[1],
+                                     tf + tb + comm + trc[2] + comm_rc], axis=1))
+        mid["mem"].append(np.stack([(inflight * (nd * g(act[i]) + nm * g(act_moe[i])) + bufs
+                                     + (one_layer if i == 2 else 0.0)) * frag for i in range(3)], axis=1))
+
+    # ---- dpc level (layout x precision x schedule/vpp x zero/dp_shard): data-parallel traffic and model states
+    dl = D["layout"]
+    h = lambda a: np.asarray(a)[dl]  # noqa: E731
+    tp_d, pp_d, cp_d, dp_d, ep_d = (f(Lt[n][dl]) for n in ("tp", "pp", "cp", "dp", "ep"))
+    zero, prec_d = D["zero"], D["precision"]
+    ds = np.where(D["dp_shard"] > 0, D["dp_shard"], Lt["dp"][dl]).astype(float)
+    wbytes = C.WEIGHT_BYTES[prec_d]
+    reps_d = _stage_reps(m, hw, space, seq, fused, Lt["pp"][dl], D["vpp"])
+    p_dense_blk = m.block_params() / tp_d
+    p_moe_shared = (m.attention_params() + 4 * m.hidden + m.hidden * m.experts) / tp_d
+    p_moe_expert = m.mlp_params() * m.experts / (tp_d * ep_d) if has_moe else 0.0 * tp_d
+    p_emb = m.vocab * m.hidden / tp_d
+    # LM head + final norm; a tied head shares the embedding on one stage, Megatron keeps a copy on the last one
+    p_head = np.where(m.tied_embeddings & (pp_d == 1), 0.0, m.vocab * m.hidden / tp_d) + 2 * m.hidden
+    unit = np.maximum(p_dense_blk, p_moe_shared + p_moe_expert if has_moe else 0.0)
+    shard = ds * cp_d
+    exp_shard = np.maximum(shard / ep_d, 1)
+    replicas = dp_d / ds
+    z1, z2, z3 = zero == 1, zero == 2, zero == 3
+    dpc = {name: [] for name in ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem")}
+    for r in range(N_REP):
+        nd, nm, he, hh, _ = (reps_d[:, r, j] for j in range(5))
+        p_d = nd * p_dense_blk + nm * p_moe_shared + he * p_emb + hh * p_head
+        p_e = nm * p_moe_expert
+        grad_d, grad_e = p_d * wbytes, p_e * wbytes
+        rs = C.allgather_time(hw, grad_d, shard, tp_d) + C.allgather_time(hw, grad_e, exp_shard, tp_d * ep_d)
+        ag = rs  # the parameter all-gather moves the bytes the gradient reduce-scatter moves
+        ar = (C.allreduce_time(hw, grad_d, dp_d * cp_d, tp_d)
+              + C.allreduce_time(hw, grad_e, np.maximum(dp_d * cp_d / ep_d, 1), tp_d * ep_d))
+        hsdp = np.where(replicas > 1, C.allreduce_time(hw, grad_d / shard + grad_e / exp_shard, replicas,
+                                                       ds * cp_d * tp_d), 0.0)
+        tail = np.minimum(1.0, C.DDP_BUCKET_BYTES / np.maximum(grad_d + grad_e, 1.0))
+        units = np.maximum(nd + nm + he + hh, 1)
+        once = np.where(zero == 0, ar, np.where(z1, rs, 0.0)) + np.where(zero > 0, hsdp, 0.0)
+        # per micro-batch exposed = max(a1 - tf, b1) + max(a2 - tb, b2); once per step = max(a3 - tb, b3) + c3
+        dpc["a1"].append(np.where(z3, ag, 0.0))
+        dpc["b1"].append(np.where(z3, ag / units, 0.0))
+        dpc["a2"].append(np.where(z2, rs, np.where(z3, ag + rs, 0.0)))
+        dpc["b2"].append(np.where(z2, rs * tail, np.where(z3, (ag + rs) / units, 0.0)))
+        dpc["a3"].append(once)
+        dpc["b3"].append(once * tail)
+        dpc["c3"].append(np.where(z1 | z2, ag, 0.0))
+        local = np.where(zero == 0, p_d + p_e, p_d / shard + p_e / exp_shard)
+        dpc["opt"].append(C.optimizer_time(hw, local, prec_d))
+        states = C.model_state_bytes(p_d, zero, shard, prec_d) + C.model_state_bytes(p_e, zero, exp_shard, prec_d)
+        bufs = np.where(z3, 2 * unit * wbytes, 2 * np.minimum(C.DDP_BUCKET_BYTES, grad_d + grad_e))
+        dpc["mem"].append(states + bufs * frag + hw.reserved)
+
+    # ---- candidates: three row-gathers per chunk (mid x recompute, mid, dpc), reduced over the representative
+    # ranks; float32 (ranking needs ~1e-6 relative precision) and cache-sized chunks keep it memory-light.
+    cm, cd, rc = Cn["mid"], Cn["dpc"], Cn["recompute"]
+    mrc = cm * 3 + rc
+    t32 = lambda arrs: np.ascontiguousarray(np.stack(arrs, axis=-1), dtype=np.float32)  # noqa: E731
+    by_rc = t32([np.stack(mid["base"], axis=2), np.stack(mid["mem"], axis=2)]).reshape(-1, N_REP, 2)  # (mid, rc)
+    # compute windows that can hide data-parallel traffic (x the device's overlap share)
+    by_mid = t32([hw.overlap * np.stack(mid["tf"], axis=1), hw.overlap * np.stack(mid["tb"], axis=1)])
+    by_dpc = t32([np.stack(dpc[k], axis=1) for k in ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem")])
+    # steady state + fill/drain: (m + (pp-1)/vpp) slots (Narayanan et al. 2021), then the once-per-step tail
+    ga_m = ga[mk]
+    span = (ga_m + C.bubble_fraction(pp[mk], ga_m, vpp_m) * ga_m).astype(np.float32)
+    n = len(cm)
+    step, memory = np.empty(n), np.empty(n)
+    for lo in range(0, n, CHUNK):
+        sl = slice(lo, min(lo + CHUNK, n))
+        a, b, d = by_rc[mrc[sl]], by_mid[cm[sl]], by_dpc[cd[sl]]
+        slot_r = slot_of(a, b, d)
+        tail = np.maximum(d[..., 4] - b[..., 1], d[..., 5]) + d[..., 6] + d[..., 7]
+        step[sl] = span[cm[sl]] * max3(slot_r) + max3(tail)
+        memory[sl] = max3(a[..., 1] + d[..., 8])
+    out = {"step": step, "memory": memory}
+    if detail:
+        rows = np.arange(n)
+        a, b, d = by_rc[mrc].astype(float), by_mid[cm].astype(float), by_dpc[cd].astype(float)
+        worst = slot_of(a, b, d).argmax(axis=1)
+        w = lambda arr: arr[rows, worst]  # noqa: E731  the slowest rank's value
+        ga_c, span_c = ga_m[cm], span[cm].astype(float)
+        slot = w(slot_of(a, b, d))
+        out["bubble"] = (span_c - ga_c) * slot
+        out["compute"] = ga_c * w(np.stack(mid["tf"], 1)[cm] + np.stack(mid["tb"], 1)[cm]) + w(d[..., 7])
+        base0 = by_rc[cm * 3][..., 0].astype(float)  # the same mid without recompute
+        out["recompute"] = ga_c * (w(a[..., 0]) - w(base0))  # with the collectives full recompute re-runs
+        out["comm"] = step - out["compute"] - out["recompute"] - out["bubble"]  # TP/CP/EP/PP/DP exposed
+    return out
+
+
+def max3(x: np.ndarray) -> np.ndarray:
+    """Max over the representative-rank axis (axis 1, length 3): elementwise, faster than a small-axis reduce."""
+    return np.maximum(np.maximum(x[:, 0], x[:, 1]), x[:, 2])
+
+
+def slot_of(a: np.ndarray, b: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Per-rank micro-batch slot: base (compute, recompute, TP/CP/EP/PP traffic) + exposed DP traffic per micro-batch
+    (b holds the forward and backward windows that can hide it)."""
+    tf, tb = b[..., 0], b[..., 1]
+    return a[..., 0] + np.maximum(d[..., 0] - tf, d[..., 1]) + np.maximum(d[..., 2] - tb, d[..., 3])
+
+
+def _apply_measured(meas: C.Measured, m: ModelSpec, hw: C.Hardware, seq: int, fused: bool, dense, moe,
+                    emb_f, emb_b, head_f, head_b, act, act_moe):
+    """Replace analytic block terms by measured ones, scaled to each key by the analytic ratio (cost.scaled_measure)."""
+    ref_prec = PRECISIONS.index(meas.precision)
+    peak, elem = hw.peak[ref_prec], C.ACT_BYTES[ref_prec]
+    b, s = meas.mbs, meas.seq_len
+    blocks = meas.blocks
+    ref_dense = C.dense_block_time(hw, m, b, s, 1, 1, False, peak, elem, fused)
+
+    def scale_block(now: C.BlockTimes, ref: C.BlockTimes, got: C.BlockMeasure | None) -> C.BlockTimes:
+        if got is None:
+            return now
+        f = C.scaled_measure(got.fwd_s, now.fwd, float(ref.fwd))
+        return C.BlockTimes(f, C.scaled_measure(got.bwd_s, now.bwd, float(ref.bwd)),
+                            C.scaled_measure(got.fwd_s, now.attn_fwd, float(ref.fwd)))
+
+    dense_new = scale_block(dense, ref_dense, blocks.get("dense"))
+    moe_new = moe
+    if m.moe_layers:
+        ref_moe = C.moe_block_time(hw, m, b, s, 1, 1, 1, False, peak, elem, fused)
+        moe_new = scale_block(moe, ref_moe, blocks.get("moe"))
+    else:
+        moe_new = dense_new
+    if "embedding" in blocks:
+        rf, rb = C.embedding_time(hw, m, b, s, 1, elem)
+        emb_f = C.scaled_measure(blocks["embedding"].fwd_s, emb_f, float(rf))
+        emb_b = C.scaled_measure(blocks["embedding"].bwd_s, emb_b, float(rb))
+    if "head" in blocks:
+        rf, rb = C.head_time(hw, m, b, s, 1, 1, peak, elem)
+        head_f = C.scaled_measure(blocks["head"].fwd_s, head_f, float(rf))
+        head_b = C.scaled_measure(blocks["head"].bwd_s, head_b, float(rb))
+
+    def scale_act(acts: list, kind: str, is_moe: bool) -> list:
+        got = blocks.get(kind)
+        if got is None or not got.activation_bytes:
+            return acts
+        ref = float(C.activation_bytes_per_block(m, b, s, 1, False, 1, 0, elem, fused, moe=is_moe))
+        return [C.scaled_measure(got.activation_bytes, a, ref) for a in acts]
+
+    act = scale_act(act, "dense", False)
+    act_moe = scale_act(act_moe, "moe", True) if m.moe_layers else act
+    return dense_new, moe_new, emb_f, emb_b, head_f, head_b, act, act_moe
+
+
+# ============================================================================================ assembling results
+
+
+def priced_plan(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: Space, costs: dict[str, np.ndarray],
+                i: int, global_batch: int, seq: int, limit: float) -> PricedPlan:
+    """The PricedPlan (contract fields) of candidate ``i``."""
+    plan = space.plan(i)
+    step = float(costs["step"][i])
+    prec = PRECISIONS.index(plan.precision)
+    model_flops = global_batch * seq * C.model_flops_per_token(model, seq)
+    per_device = model_flops / step / cluster.world_size
+    memory = float(costs["memory"][i])
+    feasible = memory <= limit
+    reason = "" if feasible else (f"memory: needs {memory / C.GIB:.2f} GiB per device > "
+                                  f"{limit / C.GIB:.2f} GiB allowed")
+    chunks: list[int] = []
+    if plan.pp > 1:
+        weights, emb_w, head_w = layer_weights(model, hw, seq, prec, True)
+        chunks = stage_chunks(weights, emb_w, head_w, plan.pp, plan.vpp, space.uneven)
+    return PricedPlan(
+        plan=plan,
+        step_time_s=step,
+        tokens_per_s=global_batch * seq / step,
+        model_tflops_per_device=per_device / 1e12,
+        mfu=per_device / float(hw.peak[prec]),
+        memory_gib_per_device=memory / C.GIB,
+        breakdown=Breakdown(compute_s=float(costs["compute"][i]), recompute_s=float(costs["recompute"][i]),
+                            comm_exposed_s=float(costs["comm"][i]), bubble_s=float(costs["bubble"][i])),
+        feasible=feasible,
+        reason=reason,
+        layers_per_stage=chunks,
+    )
+
+
+def _inputs(model: Any, cluster: Any, global_batch: int | None, seq_len: int | None):
+    spec = resolve_model(model, seq_len)
+    clus = load_cluster_spec(cluster)
+    seq = int(seq_len or spec.seq_len)
+    if seq <= 0:
+        raise ConfigError("seq_len", f"must be a positive integer, got {seq_len!r}")
+    if global_batch is not None and (not isinstance(global_batch, (int, np.integer)) or global_batch <= 0):
+        raise ConfigError("global_batch", f"must be a positive integer, got {global_batch!r}")
+    return spec, clus, seq
+
+
+def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None, fix: Any = None, top: int = 10,
+         precision: str | Sequence[str] | None = None, restrict: Mapping[str, Sequence] | None = None,
+         measured: Any = None, memory_fraction: float = 0.9, allow_infeasible: bool = False,
+         explain_choice: bool = True) -> PlanReport:
+    """Search the whole plan space; return the top feasible plans, ranked fastest first, with an explanation.
+
+    ``allow_infeasible``: when nothing fits, return the least-memory plans flagged instead of raising
+    InfeasibleError (the CLI does this for ``--fix`` so a fixed plan that does not fit is still priced).
+    """
+    start = time.perf_counter()
+    spec, clus, seq = _inputs(model, cluster, global_batch, seq_len)
+    if not 0 < memory_fraction <= 1:
+        raise ConfigError("memory_fraction", f"must be in (0, 1], got {memory_fraction}")
+    fixed = parse_fix(fix)
+    precisions = resolve_precisions(clus, precision)
+    meas = C.Measured.coerce(measured)
+    space = enumerate_space(spec, clus.world_size, global_batch, seq, precisions, fixed, restrict)
+    if space.size == 0:
+        reasons = ", ".join(f"{k} ({v})" for k, v in space.rejected.most_common(3)) or "restrict leaves no values"
+        field = "fix" if fixed else "restrict" if restrict else "global_batch"
+        raise ConfigError(field, f"no valid plan for {clus.world_size} devices, global batch {global_batch}, "
+                          f"seq {seq}: rejected by {reasons}",
+                          "loosen fix/restrict, or pick a global batch / device count with more divisors")
+    hw = C.Hardware.from_cluster(clus)
+    costs = price(spec, hw, space, global_batch, seq, meas, detail=False)
+    limit = hw.capacity * memory_fraction
+    ok = costs["memory"] <= limit
+    rejected = dict(space.rejected)
+    n_mem = int((~ok).sum())
+    if n_mem:
+        rejected["memory"] = n_mem
+    feasible = int(ok.sum())
+    if feasible:
+        idx = np.flatnonzero(ok)
+        order = idx[np.lexsort((costs["memory"][idx], costs["step"][idx]))[:max(top, 1)]]  # ties: less memory
+    elif allow_infeasible:
+        order = np.argsort(costs["memory"], kind="stable")[:max(top, 1)]
+    else:
+        raise _infeasible(spec, clus, hw, space, costs, limit, memory_fraction)
+    cands = _priced(spec, clus, hw, space, order, global_batch, seq, limit, meas)
+    report = PlanReport(best=cands[0], candidates=cands, evaluated=space.size, feasible=feasible, rejected=rejected,
+                        search_seconds=0.0, model=spec, cluster=clus, global_batch=global_batch, seq_len=seq,
+                        memory_fraction=memory_fraction)
+    if feasible:
+        report.runner_up = _runner_up(spec, clus, hw, space, costs, ok, int(order[0]), global_batch, seq, limit,
+                                      meas)
+    if explain_choice and feasible:
+        report.explanation = explain(report, lambda c, reprice: _what_if(spec, c, space, costs, global_batch, seq,
+                                                                         meas, memory_fraction, reprice))
+    report.search_seconds = time.perf_counter() - start
+    return report
+
+
+def _priced(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: Space, idx: np.ndarray, global_batch: int,
+            seq: int, limit: float, meas: C.Measured | None) -> list[PricedPlan]:
+    """PricedPlans (with the breakdown) for candidates ``idx``, in that order."""
+    sub = space.subset(np.asarray(idx, dtype=np.int64))
+    costs = price(model, hw, sub, global_batch, seq, meas, detail=True)
+    return [priced_plan(model, cluster, hw, sub, costs, j, global_batch, seq, limit) for j in range(sub.size)]
+
+
+def _runner_up(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: Space, costs: dict, ok: np.ndarray,
+               best: int, global_batch: int, seq: int, limit: float, meas: C.Measured | None) -> PricedPlan | None:
+    """Fastest feasible plan whose layout (tp, pp, cp, ep, hence dp) differs from the winner's."""
+    layout = space.keys["layout"][space.mids["key"]][space.cands["mid"]]
+    mask = ok & (layout != layout[best])
+    if not mask.any():
+        return None
+    idx = np.flatnonzero(mask)
+    return _priced(model, cluster, hw, space, [idx[np.argmin(costs["step"][idx])]], global_batch, seq, limit, meas)[0]
+
+
+def _what_if(model: ModelSpec, cluster: ClusterSpec, space: Space, costs: dict, global_batch: int, seq: int,
+             meas: C.Measured | None, memory_fraction: float, reprice: bool) -> tuple[Plan, float] | None:
+    """Best (plan, step) on a what-if cluster: a memory-only change reuses the times, a link change re-prices."""
+    hw = C.Hardware.from_cluster(cluster)
+    idx = np.flatnonzero(costs["memory"] <= hw.capacity * memory_fraction)
+    if not len(idx):
+        return None
+    steps = (price(model, hw, space.subset(idx), global_batch, seq, meas, detail=False)["step"] if reprice
+             else costs["step"][idx])
+    j = int(np.argmin(steps))
+    return space.plan(int(idx[j])), float(steps[j])
+
+
+def _infeasible(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: Space, costs: dict, limit: float,
+                fraction: float) -> InfeasibleError:
+    i = int(np.argmin(costs["memory"]))
+    need = float(costs["memory"][i]) / C.GIB
+    best = space.plan(i)
+    relax = ["more devices (--nodes)", "a smaller --global-batch or --seq-len"]
+    if fraction < 0.95:
+        relax.append("a larger --memory-fraction")
+    relax.append("a device with more memory")
+    return InfeasibleError(
+        f"no plan fits: the smallest memory any plan needs is {need:.2f} GiB per device "
+        f"(capacity {cluster.device.memory_gib:g} GiB x fraction {fraction:g} = {limit / C.GIB:.2f} GiB), "
+        f"with {best.short()}; relax: {', '.join(relax)}")
+
+
+def estimate(model: Any, cluster: Any, plan: Plan | Mapping | str, global_batch: int | None = None,
+             seq_len: int | None = None, measured: Any = None, memory_fraction: float = 0.9) -> PricedPlan:
+    """Price one plan (never raises for memory: an over-budget plan is returned with feasible=False)."""
+    spec, clus, seq = _inputs(model, cluster, global_batch, seq_len)
+    if isinstance(plan, Plan):
+        p = plan
+    else:
+        fields = parse_fix(plan)
+        p = Plan(**fields)
+        if "dp" not in fields:  # fill dp from the world size when the caller gave only model-parallel degrees
+            p.dp = max(1, clus.world_size // (p.tp * p.pp * p.cp))
+        if global_batch is not None and "grad_accum" not in fields:
+            p.grad_accum = max(1, int(global_batch) // (p.dp * p.mbs))
+    gb = int(global_batch) if global_batch is not None else p.global_batch
+    p.validate(world_size=clus.world_size, global_batch=gb)
+    from lightning_autopar.planner.space import check_fix
+
+    check_fix(spec, clus.world_size, gb, seq, p.to_dict())
+    hw = C.Hardware.from_cluster(clus)
+    space = space_from_plans([p])
+    costs = price(spec, hw, space, gb, seq, C.Measured.coerce(measured))
+    return priced_plan(spec, clus, hw, space, costs, 0, gb, seq, hw.capacity * memory_fraction)

@@ -1,0 +1,316 @@
+"""The plan space: every valid combination of the contract's plan fields, as numpy columns.
+
+Candidates are built as factor tables (see Space) so the search prices shared work once per distinct value.
+Divisibility rules (contract): heads and kv_heads by tp, experts by ep, global batch by dp*mbs, layers over
+pp*vpp (interleaved needs layers % (pp*vpp) == 0 and micro-batches % pp == 0; plain 1F1B/GPipe may split
+layers unevenly unless ``restrict={"uneven": [False]}``), seq by 2*cp (load-balanced causal ring attention).
+EP groups are carved from the data-parallel ranks (ep divides dp).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from lightning_autopar.errors import ConfigError
+from lightning_autopar.specs import PRECISIONS, RECOMPUTE_MODES, SCHEDULES, ModelSpec, Plan
+
+LAYOUT_FIELDS = ("tp", "pp", "cp", "dp", "ep")
+EXTRA_RESTRICT = ("uneven",)  # restrict-only switch: allow uneven pipeline partitions (default True)
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass
+class Space:
+    """The candidate space as factor tables, so shared work is priced once per distinct value:
+
+    layouts (tp, pp, cp, dp, ep) -> keys (+ mbs, sp, precision; ga derived) -> mids (+ schedule, vpp: pipeline
+    stage contents) and dpcs (layout, precision, schedule, vpp, zero, dp_shard: data-parallel traffic and model
+    states) -> cands (mid, dpc, recompute). Categorical fields are indices into SCHEDULES etc.; dp_shard 0 = all of dp.
+    """
+
+    layouts: dict[str, np.ndarray]
+    keys: dict[str, np.ndarray]
+    mids: dict[str, np.ndarray]
+    dpcs: dict[str, np.ndarray]
+    cands: dict[str, np.ndarray]
+    rejected: Counter = field(default_factory=Counter)
+    uneven: bool = True
+
+    @property
+    def size(self) -> int:
+        return len(self.cands["mid"])
+
+    def column(self, name: str, idx: Any = slice(None)) -> np.ndarray:
+        """A plan field (or ga) for candidates ``idx``, gathered through the factor tables."""
+        if name == "recompute":
+            return self.cands[name][idx]
+        if name in ("zero", "dp_shard"):
+            return self.dpcs[name][self.cands["dpc"][idx]]
+        mid = self.cands["mid"][idx]
+        if name in ("schedule", "vpp"):
+            return self.mids[name][mid]
+        key = self.mids["key"][mid]
+        if name in self.keys:
+            return self.keys[name][key]
+        return self.layouts[name][self.keys["layout"][key]]
+
+    def subset(self, idx: Any) -> "Space":
+        """Candidates ``idx`` with the factor tables cut down to the rows they use (cheap to price)."""
+        cands = {k: v[idx] for k, v in self.cands.items()}
+        mids, cands["mid"] = _compact(self.mids, cands["mid"])
+        dpcs, cands["dpc"] = _compact(self.dpcs, cands["dpc"])
+        keys, mids["key"] = _compact(self.keys, mids["key"])
+        layouts, both = _compact(self.layouts, np.concatenate([keys["layout"], dpcs["layout"]]))
+        keys["layout"], dpcs["layout"] = both[:len(keys["layout"])], both[len(keys["layout"]):]
+        return Space(layouts, keys, mids, dpcs, cands, self.rejected, self.uneven)
+
+    def plan(self, i: int) -> Plan:
+        """The Plan object of candidate ``i``."""
+        get = lambda name: int(self.column(name, i))  # noqa: E731
+        return Plan(dp=get("dp"), zero=get("zero"), dp_shard=get("dp_shard") or None, tp=get("tp"), sp=bool(get("sp")),
+                    pp=get("pp"), schedule=SCHEDULES[get("schedule")], vpp=get("vpp"), ep=get("ep"), cp=get("cp"),
+                    mbs=get("mbs"), grad_accum=get("ga"), recompute=RECOMPUTE_MODES[get("recompute")],
+                    precision=PRECISIONS[get("precision")])
+
+
+def _compact(table: dict[str, np.ndarray], refs: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Rows of ``table`` that ``refs`` points at, and ``refs`` renumbered into them."""
+    used, inverse = np.unique(refs, return_inverse=True)
+    return {k: v[used] for k, v in table.items()}, inverse.reshape(-1).astype(np.int64)
+
+
+def space_from_plans(plans: Sequence[Plan], uneven: bool = True) -> Space:
+    """A space holding exactly these plans, one row per level each (used by estimate() and tests)."""
+    n = len(plans)
+    ar = np.arange(n, dtype=np.int64)
+    col = lambda f: np.array([f(p) for p in plans], dtype=np.int64)  # noqa: E731
+    layouts = {k: col(lambda p, k=k: getattr(p, k)) for k in LAYOUT_FIELDS}
+    prec = col(lambda p: PRECISIONS.index(p.precision))
+    sched, vpp = col(lambda p: SCHEDULES.index(p.schedule)), col(lambda p: p.vpp)
+    keys = {"layout": ar, "mbs": col(lambda p: p.mbs), "sp": col(lambda p: int(p.sp)), "precision": prec,
+            "ga": col(lambda p: p.grad_accum)}
+    mids = {"key": ar, "schedule": sched, "vpp": vpp}
+    dpcs = {"layout": ar, "precision": prec, "schedule": sched, "vpp": vpp, "zero": col(lambda p: p.zero),
+            "dp_shard": col(lambda p: 0 if p.dp_shard in (None, p.dp) else p.dp_shard)}
+    cands = {"mid": ar, "dpc": ar, "recompute": col(lambda p: RECOMPUTE_MODES.index(p.recompute))}
+    return Space(layouts, keys, mids, dpcs, cands, Counter(), uneven)
+
+
+# ============================================================================================ allowed values
+
+
+def _allowed(name: str, default: Sequence, fix: Mapping[str, Any], restrict: Mapping[str, Sequence] | None) -> list:
+    """Default values of one field, narrowed by ``restrict`` and pinned by ``fix`` (fix wins)."""
+    if name in fix:
+        return [fix[name]]
+    values = list(default)
+    if restrict and name in restrict:
+        allowed = list(restrict[name])
+        if name == "precision":
+            from lightning_autopar.specs import _coerce
+
+            allowed = [_coerce("precision", v) for v in allowed]
+        values = [v for v in values if v in allowed]
+    return values
+
+
+def check_fix(model: ModelSpec, world: int, global_batch: int, seq_len: int, fix: Mapping[str, Any]) -> None:
+    """Reject fixed values that can never form a valid plan, naming the field and the fix (ConfigError)."""
+    tp = fix.get("tp")
+    if tp is not None:
+        for attr in ("heads", "kv_heads"):
+            n = getattr(model, attr)
+            if n % tp:
+                ok = [d for d in divisors(n) if world % d == 0 and (model.heads % d == 0 and model.kv_heads % d == 0)]
+                raise ConfigError("fix.tp", f"tp={tp} does not divide {attr}={n}", f"choose tp in {ok}")
+    ep = fix.get("ep")
+    if ep is not None and ep > 1:
+        if not model.experts:
+            raise ConfigError("fix.ep", f"ep={ep} needs an MoE model (experts=0)", "set ep=1")
+        if model.experts % ep:
+            raise ConfigError("fix.ep", f"ep={ep} does not divide experts={model.experts}",
+                              f"choose ep in {divisors(model.experts)}")
+    cp = fix.get("cp")
+    if cp is not None and cp > 1 and seq_len % (2 * cp):
+        raise ConfigError("fix.cp", f"seq_len={seq_len} is not divisible by 2*cp={2 * cp}",
+                          "choose cp with seq_len % (2*cp) == 0")
+    for name in ("dp", "tp", "pp", "cp"):
+        if name in fix and world % fix[name]:
+            raise ConfigError(f"fix.{name}", f"{name}={fix[name]} does not divide the world size {world}",
+                              f"choose {name} in {divisors(world)}")
+    if all(k in fix for k in ("dp", "tp", "pp", "cp")):
+        prod = fix["dp"] * fix["tp"] * fix["pp"] * fix["cp"]
+        if prod != world:
+            raise ConfigError("fix", f"dp*tp*pp*cp = {prod} != world size {world}",
+                              "choose degrees whose product is the world size, or fix fewer of them")
+    if "pp" in fix and fix["pp"] > model.layers:
+        raise ConfigError("fix.pp", f"pp={fix['pp']} exceeds layers={model.layers}", "use pp <= layers")
+    if fix.get("sp") and fix.get("tp") == 1:
+        raise ConfigError("fix.sp", "sequence parallel needs tp > 1", "set tp >= 2 or sp=false")
+    if fix.get("vpp", 1) > 1 and fix.get("schedule", "interleaved") != "interleaved":
+        raise ConfigError("fix.vpp", f"vpp={fix['vpp']} needs schedule=interleaved", "set schedule=interleaved")
+    if "pp" in fix and "vpp" in fix and fix["vpp"] > 1 and model.layers % (fix["pp"] * fix["vpp"]):
+        raise ConfigError("fix.vpp", f"layers={model.layers} is not divisible by pp*vpp={fix['pp'] * fix['vpp']}",
+                          "choose pp*vpp dividing the layer count")
+    for name in ("dp", "mbs", "grad_accum"):
+        if name in fix and global_batch % fix[name]:
+            raise ConfigError(f"fix.{name}", f"{name}={fix[name]} does not divide global batch {global_batch}",
+                              f"choose {name} dividing the global batch")
+    if all(k in fix for k in ("dp", "mbs", "grad_accum")) and fix["dp"] * fix["mbs"] * fix["grad_accum"] != global_batch:
+        raise ConfigError("fix.grad_accum", f"dp*mbs*grad_accum = {fix['dp'] * fix['mbs'] * fix['grad_accum']} "
+                          f"!= global batch {global_batch}", "choose mbs and grad_accum with dp*mbs*grad_accum == global batch")
+    if fix.get("dp_shard") and "dp" in fix and fix["dp"] % fix["dp_shard"]:
+        raise ConfigError("fix.dp_shard", f"{fix['dp_shard']} does not divide dp={fix['dp']}", "choose a divisor of dp")
+
+
+# ============================================================================================ enumeration
+
+
+def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: int, precisions: Sequence[str],
+                    fix: Mapping[str, Any] | None = None, restrict: Mapping[str, Sequence] | None = None) -> Space:
+    """All valid candidates for ``world`` devices; divisibility rejections are counted per reason (layouts)."""
+    fix = dict(fix or {})
+    restrict = dict(restrict or {})
+    check_fix(model, world, global_batch, seq_len, fix)
+    uneven = True in list(restrict.get("uneven", [True]))
+    rejected: Counter = Counter()
+    L = model.layers
+
+    precs = sorted({PRECISIONS.index(p) for p in _allowed("precision", precisions, fix, restrict)})
+    recomputes = [RECOMPUTE_MODES.index(r) for r in _allowed("recompute", RECOMPUTE_MODES, fix, restrict)]
+    zeros = _allowed("zero", [0, 1, 2, 3], fix, restrict)
+    schedules = _allowed("schedule", SCHEDULES, fix, restrict)
+    sps = _allowed("sp", [False, True], fix, restrict)
+
+    lay_rows: list[tuple] = []
+    key_rows: list[tuple] = []
+    mid_rows: list[tuple] = []
+    dpc_rows: list[tuple] = []
+    n_lay = n_key = n_dpc = 0
+    for tp in _allowed("tp", divisors(world), fix, restrict):
+        if model.heads % tp or model.kv_heads % tp:
+            rejected["tp: heads or kv_heads not divisible"] += 1
+            continue
+        for pp in _allowed("pp", divisors(world // tp) if world % tp == 0 else [], fix, restrict):
+            if pp > L:
+                rejected["pp > layers"] += 1
+                continue
+            if not uneven and L % pp:
+                rejected["layers % pp (uneven disabled)"] += 1
+                continue
+            for cp in _allowed("cp", divisors(world // (tp * pp)) if world % (tp * pp) == 0 else [], fix, restrict):
+                if cp > 1 and seq_len % (2 * cp):
+                    rejected["seq_len % (2*cp)"] += 1
+                    continue
+                if world % (tp * pp * cp):
+                    continue
+                dp = world // (tp * pp * cp)
+                if dp not in _allowed("dp", [dp], fix, restrict):
+                    rejected["dp not allowed by fix/restrict"] += 1
+                    continue
+                if global_batch % dp:
+                    rejected["global_batch % dp"] += 1
+                    continue
+                eps = [e for e in divisors(dp) if (model.experts % e == 0 if model.experts else e == 1)]
+                for ep in _allowed("ep", eps, fix, restrict):
+                    if dp % ep or (model.experts % ep if model.experts else ep != 1):
+                        rejected["ep: experts or dp not divisible"] += 1
+                        continue
+                    mbss = [m for m in _allowed("mbs", divisors(global_batch // dp), fix, restrict)
+                            if (global_batch // dp) % m == 0]
+                    gas = _allowed("grad_accum", [global_batch // (dp * m) for m in mbss], fix, restrict)
+                    mbss = [m for m in mbss if global_batch // (dp * m) in gas]
+                    if not mbss:
+                        rejected["global_batch % (dp*mbs)"] += 1
+                        continue
+                    zds = _zero_shards(dp, cp, zeros, fix, restrict)
+                    scheds = _schedules(L, pp, schedules, fix, restrict)
+                    sp_vals = [int(s) for s in sps if tp > 1 or not s]
+                    if not zds or not scheds or not sp_vals:
+                        rejected["zero/dp_shard, schedule/vpp or sp"] += 1
+                        continue
+                    # keys: mbs x sp x precision; mids: key x (schedule, vpp); dpcs: precision x (schedule, vpp)
+                    # x (zero, dp_shard); candidates: mid x (zero, dp_shard) x recompute (expanded below)
+                    nv, nz = len(scheds), len(zds)
+                    for mbs in mbss:
+                        ga = global_batch // (dp * mbs)
+                        for sp in sp_vals:
+                            for pi, prec in enumerate(precs):
+                                for vi, (sched, vpp) in enumerate(scheds):
+                                    if sched == 2 and ga % pp:  # interleaved: micro-batches % pp (Megatron)
+                                        rejected["grad_accum % pp (interleaved)"] += nz * len(recomputes)
+                                        continue
+                                    mid_rows.append((n_key, sched, vpp, n_dpc + (pi * nv + vi) * nz, nz))
+                                key_rows.append((n_lay, mbs, sp, prec, ga))
+                                n_key += 1
+                    dpc_rows.extend((n_lay, prec, sched, vpp, z, ds) for prec in precs for sched, vpp in scheds
+                                    for z, ds in zds)
+                    n_dpc += len(precs) * nv * nz
+                    lay_rows.append((tp, pp, cp, dp, ep))
+                    n_lay += 1
+    arr = lambda rows, width: np.ascontiguousarray(np.array(rows, dtype=np.int64).reshape(-1, width).T)  # noqa: E731
+    mids = arr(mid_rows, 5)
+    # candidates: each mid repeated over its layout's (zero, dp_shard) pairs and the recompute modes
+    nr = len(recomputes)
+    counts = mids[4] * nr
+    mid_of = np.repeat(np.arange(mids.shape[1]), counts)
+    within = np.arange(len(mid_of)) - np.repeat(np.cumsum(counts) - counts, counts)
+    cands = [mid_of, mids[3][mid_of] + within // nr, np.array(recomputes, dtype=np.int64)[within % nr]]
+    return Space(dict(zip(LAYOUT_FIELDS, arr(lay_rows, 5))),
+                 dict(zip(("layout", "mbs", "sp", "precision", "ga"), arr(key_rows, 5))),
+                 dict(zip(("key", "schedule", "vpp"), np.ascontiguousarray(mids[:3]))),
+                 dict(zip(("layout", "precision", "schedule", "vpp", "zero", "dp_shard"), arr(dpc_rows, 6))),
+                 dict(zip(("mid", "dpc", "recompute"), cands)), rejected, uneven)
+
+
+def _zero_shards(dp: int, cp: int, zeros: Sequence[int], fix: Mapping[str, Any],
+                 restrict: Mapping[str, Sequence]) -> list[tuple[int, int]]:
+    """(zero, dp_shard) pairs; dp_shard 0 means all of dp. Sharding over one rank is zero=0 and is skipped."""
+    out = []
+    for z in zeros:
+        if z == 0:
+            if "dp_shard" not in fix or fix["dp_shard"] in (None, dp):
+                out.append((0, 0))
+            continue
+        if dp * cp == 1 and "zero" not in fix:
+            continue
+        shards = [d for d in divisors(dp) if d * cp > 1] or [dp]
+        if "dp_shard" in restrict:  # None there means all of dp
+            restrict = {**restrict, "dp_shard": [dp if v is None else v for v in restrict["dp_shard"]]}
+        for ds in _allowed("dp_shard", shards, fix, restrict):
+            if ds is None:
+                ds = dp
+            if dp % ds:
+                continue
+            out.append((z, 0 if ds == dp else ds))
+    return sorted(set(out))
+
+
+def _schedules(layers: int, pp: int, schedules: Sequence[str], fix: Mapping[str, Any],
+               restrict: Mapping[str, Sequence]) -> list[tuple[int, int]]:
+    """(schedule, vpp) pairs: pp=1 -> 1f1b only; interleaved needs vpp >= 2 and layers % (pp*vpp) == 0."""
+    if pp == 1:
+        if fix.get("vpp", 1) > 1:
+            return []
+        if "schedule" in fix:
+            return [(SCHEDULES.index(fix["schedule"]), 1)]
+        return [(SCHEDULES.index("1f1b"), 1)]
+    out = []
+    for s in schedules:
+        if s != "interleaved":
+            if fix.get("vpp", 1) == 1:
+                out.append((SCHEDULES.index(s), 1))
+            continue
+        vpps = [v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0]
+        for v in _allowed("vpp", vpps, fix, restrict):
+            if v >= 2 and layers % (pp * v) == 0:
+                out.append((SCHEDULES.index(s), v))
+    return out

@@ -1,0 +1,209 @@
+"""Two "nodes" on this machine: two torchrun agents x 2 gloo processes, one spawn, several scenarios.
+
+Scenarios (each rank writes its findings to result-<rank>.json): discovery sees 2 x 2; `ranktable --from-env`
+writes tables that validate and match the live ranks; RANK_TABLE_FILE is checked (a wrong one is refused on
+every rank); a faked version mismatch names the odd rank; build_mesh(tp=2) keeps TP groups inside a node and
+matches the priced groups; the probe measures both levels and writes a spec YAML that loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port  # tests/conftest.py
+from lightning_autopar.specs import load_cluster_spec
+from lightning_autopar.topology.ranktable import read_table
+
+pytestmark = pytest.mark.slow  # one spawn of 2 agents x 2 processes (about 20 s on 2 idle cores)
+
+WORKER = textwrap.dedent('''
+    import json, os, sys, traceback
+    import torch.distributed as dist
+    from lightning_autopar import cli
+    from lightning_autopar.errors import ConfigError
+    from lightning_autopar.specs import Plan
+    from lightning_autopar.topology import discover, probe
+    from lightning_autopar.topology.mesh import build_mesh, group_ranks, groups_crossing_nodes, \\
+        init_process_group_with_timeout
+    from lightning_autopar.topology.ranktable import Device, RankTable, atomic_write, read_table
+
+    out = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    res = {"rank": rank, "group_rank": int(os.environ["GROUP_RANK"]),
+           "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]), "errors": []}
+
+    def scenario(fn):
+        try:
+            res[fn.__name__] = fn()
+        except Exception:
+            res["errors"].append(fn.__name__ + ": " + traceback.format_exc())
+        return fn
+
+    init_process_group_with_timeout("gloo")
+
+    @scenario
+    def discovery():
+        spec = discover.discover_cluster()
+        layout = discover.node_layout(discover.gather_records())
+        return {"nodes": spec.nodes, "dpn": spec.devices_per_node, "layout": layout.nodes, "name": spec.name}
+
+    @scenario
+    def ranktable():
+        codes = {}
+        for fmt in ("hccl", "generic"):
+            path = os.path.join(out, f"{fmt}.json")
+            codes[fmt] = cli.main(["ranktable", "--from-env", "--format", fmt, "-o", path])
+            dist.barrier()
+            codes[fmt + "_validate"] = cli.main(["ranktable", "--validate", path])
+        return codes
+
+    @scenario
+    def rank_table_file():
+        os.environ["RANK_TABLE_FILE"] = os.path.join(out, "hccl.json")
+        ok = discover.discover_cluster().world_size
+        del os.environ["RANK_TABLE_FILE"]
+        bad = os.path.join(out, "swapped.json")
+        if rank == 0:  # ranks 1 and 2 trade places across the nodes
+            table = read_table(os.path.join(out, "hccl.json"))
+            a, b = table.servers[0].devices, table.servers[1].devices
+            a[1], b[0] = Device(a[1].device_id, b[0].rank_id, a[1].device_ip), Device(b[0].device_id, a[1].rank_id, b[0].device_ip)
+            atomic_write(bad, table.to_json("hccl"))
+        dist.barrier()
+        try:
+            discover.discover_cluster(rank_table_file=bad)
+            refused = ""
+        except ConfigError as err:
+            refused = str(err)
+        return {"world": ok, "refused": refused}
+
+    @scenario
+    def versions():
+        real = discover.collect_versions
+        if rank == 3:
+            discover.collect_versions = lambda: {**real(), "torch": "0.0-fake"}
+        try:
+            discover.discover_cluster()
+            return ""
+        except ConfigError as err:
+            return str(err)
+        finally:
+            discover.collect_versions = real
+
+    @scenario
+    def mesh():
+        plan = Plan(dp=2, tp=2)
+        layout = build_mesh(plan, "cpu")
+        nodes = discover.node_layout(discover.gather_records()).nodes
+        return {"tp": layout.all_ranks("tp"), "dp": layout.all_ranks("dp"), "my_tp": layout.ranks("tp"),
+                "priced_tp": group_ranks(plan, "tp"), "priced_dp": group_ranks(plan, ("dp_replicate", "dp_shard")),
+                "crossing": groups_crossing_nodes(plan, nodes)}
+
+    @scenario
+    def probe_run():
+        result = probe.run_probe(sizes=[4096, 1 << 20], iters=3, warmup=1)
+        if rank == 0:
+            atomic_write(os.path.join(out, "probe.yaml"), probe.spec_yaml(result.spec, result))
+        return {"levels": result.measured_levels,
+                "measurements": [dict(level=m.level, op=m.op, nbytes=m.nbytes, seconds=m.seconds, busbw=m.busbw_gbs,
+                                      algbw=m.algbw_gbs, note=m.note) for m in result.measurements]}
+
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
+        json.dump(res, f)
+''')
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("two_nodes")
+    script = out / "worker.py"
+    script.write_text(WORKER)
+    port = free_port()
+    env = {**os.environ, "AUTOPAR_PG_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK_TABLE_FILE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                                "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                str(script), str(out)], cwd=out, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True) for node in (0, 1)]
+    logs = []
+    try:
+        for agent in agents:
+            logs.append(agent.communicate(timeout=120)[0])
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    results = []
+    for rank in range(4):
+        path = out / f"result-{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no result; logs:\n" + "\n".join(log[-3000:] for log in logs)
+        results.append(json.loads(path.read_text()))
+    for res in results:
+        assert not res["errors"], "\n".join(res["errors"])
+    return out, results
+
+
+def test_discovery_sees_two_by_two(two_nodes):
+    _, results = two_nodes
+    for res in results:
+        assert res["discovery"]["nodes"] == 2 and res["discovery"]["dpn"] == 2
+        assert res["discovery"]["layout"] == [[0, 1], [2, 3]]
+        assert res["group_rank"] == res["rank"] // 2 and res["local_world_size"] == 2
+
+
+def test_from_env_tables_validate_and_match_the_ranks(two_nodes):
+    out, results = two_nodes
+    assert results[0]["ranktable"] == {"hccl": 0, "hccl_validate": 0, "generic": 0, "generic_validate": 0}
+    for fmt in ("hccl", "generic"):
+        table = read_table(out / f"{fmt}.json")
+        assert table.node_groups() == results[0]["discovery"]["layout"]
+        assert [[d.device_id for d in s.devices] for s in table.servers] == [[0, 1], [0, 1]]
+    for res in results:
+        assert res["rank_table_file"]["world"] == 4
+        assert "RANK_TABLE_FILE" in res["rank_table_file"]["refused"]  # the swapped table, on every rank
+
+
+def test_version_mismatch_stops_every_rank_naming_the_odd_one(two_nodes):
+    _, results = two_nodes
+    for res in results:
+        assert res["versions"].startswith("versions.torch: rank 3 differs") and "0.0-fake on rank 3" in res["versions"]
+
+
+def test_tp_groups_stay_inside_a_node(two_nodes):
+    _, results = two_nodes
+    for res in results:
+        m = res["mesh"]
+        assert m["tp"] == m["priced_tp"] == [[0, 1], [2, 3]] and m["dp"] == m["priced_dp"] == [[0, 2], [1, 3]]
+        assert res["rank"] in m["my_tp"] and m["my_tp"] in m["tp"]
+        assert m["crossing"]["tp"] is False and m["crossing"]["dp"] is True
+
+
+def test_probe_figures(two_nodes):
+    out, results = two_nodes
+    probe = results[0]["probe_run"]
+    assert probe["levels"] == ["node", "cluster"]
+    assert {(m["level"], m["op"]) for m in probe["measurements"]} == {
+        (level, op) for level in ("node", "cluster") for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
+    for m in probe["measurements"]:
+        assert m["seconds"] > 0 and m["busbw"] > 0 and m["algbw"] > 0
+    series: dict[tuple[str, str], list[dict]] = {}
+    for m in probe["measurements"]:
+        series.setdefault((m["level"], m["op"]), []).append(m)
+    for key, ms in series.items():  # lenient: the 1 MiB message is not far slower per byte than 4 KiB
+        small, large = min(ms, key=lambda m: m["nbytes"]), max(ms, key=lambda m: m["nbytes"])
+        assert large["busbw"] >= 0.25 * small["busbw"], (key, ms)
+    spec = load_cluster_spec(str(out / "probe.yaml"))
+    assert (spec.nodes, spec.devices_per_node) == (2, 2) and [link.level for link in spec.links] == ["node", "cluster"]
+    assert all(link.bandwidth_gbs > 0 and link.latency_us > 0 for link in spec.links)
+    assert spec.device.peak_tflops.fp32 > 0
