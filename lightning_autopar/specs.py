@@ -140,6 +140,12 @@ class DeviceSpec:
     kernel_overhead_us: float = 4.0  # fixed cost per kernel / eager op (launch, dispatch, tail)
     reserved_gib: float = 0.0  # memory not available to tensors (runtime context, workspaces)
     comm_overlap: float = 1.0  # share of compute time that can hide communication (0: the same cores do both)
+    # Added with defaults that keep the older behaviour (0 = derive / ignore):
+    attention_efficiency: float = 0.0  # fused attention forward vs peak at head_dim 128, long sequence (0: derived)
+    attention_bwd_efficiency: float = 0.0  # its backward kernel vs peak (0: as the forward)
+    comm_sm_fraction: float = 0.0  # compute share the collective kernels take while overlapped (NCCL channels / SMs)
+    dispatch_us: float = 0.0  # host time per eager op; the device waits when its kernels are shorter (0: ignore)
+    throughput_cv: float = 0.0  # device-to-device spread (std/mean) of sustained compute rate; steps run at the slowest
 
 
 @dataclass

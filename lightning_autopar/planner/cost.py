@@ -21,10 +21,14 @@ OPTIM_BYTES = np.array([8.0, 12.0, 12.0])  # Adam: m, v (fp32) [+ fp32 master co
 DDP_BUCKET_BYTES = 25e6  # torch DDP bucket_cap_mb default
 FRAGMENTATION = 0.10  # caching-allocator margin on the dynamic part (activations, buffers)
 FLASH_BLOCK = 128  # query/key block of fused attention kernels: causal work is (nb+1)/(2nb) of full
+FLASH_CTAS_PER_SM = 2  # FA2 head_dim 128: 4 warps, ~64 KB shared memory per CTA, so two CTAs fit on one SM
 SOFTMAX_EQUIV_FLOPS = 32.0  # exp on the special-function unit costs ~32 matmul FLOPs per score element
                             # (tensor-core FLOP/clk over 4x SFU op/clk, A100: 2048/(4*16)); FlashAttention-3 s.3
-KERNELS_PER_BLOCK_FWD = 16  # norms, 4-6 matmuls, attention, activation, residuals, views (eager PyTorch)
 KERNELS_PER_MOE_FWD = 12  # router, softmax, top-k, permute, unpermute, index ops (per MoE block, plus experts)
+TILE_FILL_S = 1.0e-6  # per wave of GEMM tiles: K-pipeline fill (~one HBM round trip, 0.6-0.8 us) + epilogue store
+ATTN_REF_HEAD_DIM = 128  # head_dim at which the presets' attention efficiencies are quoted (FA2/FA3 benchmarks)
+GRAD_REDUCE_BYTES = np.array([4.0, 4.0, 4.0])  # gradients are reduced in fp32 (FSDP2 reduce_dtype; Megatron default)
+GRAD_ACC_BYTES = np.array([12.0, 10.0, 10.0])  # per param per micro-batch: read grad (4|2), read+write fp32 accumulator
 
 
 def prec_index(precision: str) -> int:
@@ -54,6 +58,10 @@ class Hardware:
     inter_bw: float
     inter_lat: float
     overlap: float = 1.0  # share of compute that can hide communication
+    attn_fwd: float = 0.0  # fused attention efficiency at head_dim 128 (0: derived from gemm_eff)
+    attn_bwd: float = 0.0
+    comm_sm: float = 0.0  # compute share lost while a collective runs concurrently
+    dispatch_s: float = 0.0  # host time per eager op
 
     @staticmethod
     def from_cluster(cluster: ClusterSpec) -> "Hardware":
@@ -62,10 +70,11 @@ class Hardware:
         fp32 = pk.fp32 or pk.bf16 or pk.fp16
         peaks = np.array([fp32, pk.bf16 or pk.fp16 or fp32, pk.fp16 or pk.bf16 or fp32]) * 1e12
         inner, outer = cluster.links[0], cluster.links[-1]
+        slow = slowest_device_factor(cluster.world_size, dev.throughput_cv)
         return Hardware(
             peak=peaks,
             mem_bw=dev.memory_bandwidth_gbs * 1e9 * dev.memory_efficiency,
-            gemm_eff=dev.gemm_efficiency,
+            gemm_eff=dev.gemm_efficiency * slow,
             units=int(dev.compute_units),
             tile=max(1, int(dev.tile)),
             overhead_s=dev.kernel_overhead_us * 1e-6,
@@ -79,7 +88,18 @@ class Hardware:
             inter_bw=outer.bandwidth_gbs * 1e9 * outer.efficiency,
             inter_lat=outer.latency_us * 1e-6,
             overlap=min(max(dev.comm_overlap, 0.0), 1.0),
+            attn_fwd=max(dev.attention_efficiency, 0.0) * slow,
+            attn_bwd=max(dev.attention_bwd_efficiency, 0.0) * slow,
+            comm_sm=min(max(dev.comm_sm_fraction, 0.0), 0.9),
+            dispatch_s=max(dev.dispatch_us, 0.0) * 1e-6,
         )
+
+
+def slowest_device_factor(world: int, cv: float) -> float:
+    """1 - z_N*cv: a synchronous step runs at the slowest of N devices whose rates spread by cv (order statistics; Sinha et al. SC'22)."""
+    if cv <= 0 or world <= 1:
+        return 1.0
+    return float(max(1.0 - normal_max_quantile(world) * cv, 0.5))
 
 
 # ============================================================================================ FLOPs (analytic)
@@ -139,18 +159,21 @@ def causal_fraction(seq_kv: Any) -> Any:
 
 
 def gemm_time(hw: Hardware, m: Any, n: Any, k: Any, peak: Any, elem: Any, batch: Any = 1) -> Any:
-    """max(2mnk/(peak*eta*q), e(mk+kn+mn)/BW) + launch: roofline with tile and wave quantisation (Williams et al. 2009; NVIDIA GEMM guide)."""
+    """max(2mnk/(peak*eta*q) + waves*t_fill, e(mk+kn+mn)/BW) + launch: roofline, tile/wave quantisation (Williams 2009; NVIDIA GEMM guide)."""
     m, n, k = (np.maximum(np.asarray(x, dtype=float), 1.0) for x in (m, n, k))
     t = float(hw.tile)
     mt, nt = np.ceil(m / t), np.ceil(n / t)
     q = (m * n) / (mt * nt * t * t)
+    fill = 0.0
     if hw.units:
         tiles = mt * nt * batch
         split_k = np.clip(np.floor(hw.units / tiles), 1.0, np.maximum(1.0, np.floor(k / (2 * t))))
         work = tiles * split_k
-        q = q * work / (np.ceil(work / hw.units) * hw.units)
+        waves = np.ceil(work / hw.units)
+        q = q * work / (waves * hw.units)
+        fill = waves * TILE_FILL_S  # each wave of output tiles fills its K pipeline and stores its tile once
     flops = 2.0 * m * n * k * batch
-    compute = flops / (peak * hw.gemm_eff * q)
+    compute = flops / (peak * hw.gemm_eff * q) + fill
     memory = elem * (m * k + k * n + m * n) * batch / hw.mem_bw
     return np.maximum(compute, memory) + hw.overhead_s
 
@@ -167,19 +190,47 @@ def stream_time(hw: Hardware, nbytes: Any, kernels: Any = 1) -> Any:
     return nbytes / hw.mem_bw + kernels * hw.overhead_s
 
 
+def attention_efficiency(hw: Hardware, head_dim: int, backward: bool = False) -> float:
+    """eta(128) * [d/(d+32)] / [128/160]: device kernel rate at head_dim 128 (FA2: Dao 2023; FA3: Shah et al. 2024), exp share by d."""
+    share = head_dim / (head_dim + SOFTMAX_EQUIV_FLOPS)
+    ref = ATTN_REF_HEAD_DIM / (ATTN_REF_HEAD_DIM + SOFTMAX_EQUIV_FLOPS)
+    fwd = hw.attn_fwd * share / ref if hw.attn_fwd else hw.gemm_eff * share  # no kernel figure: matmul rate less exp
+    if backward and hw.attn_bwd:
+        return hw.attn_bwd * share / ref
+    return fwd
+
+
+def attention_work_quantisation(hw: Hardware, mbs: Any, heads: Any, sq: Any, seq: Any) -> Any:
+    """n/(n+1) * wave: each (batch, head, 128-row block) CTA streams n causal K/V blocks + ~1 block of Q load / O store (Dao 2023)."""
+    if not hw.units:
+        return 1.0
+    nq = np.maximum(np.ceil(np.asarray(sq, dtype=float) / FLASH_BLOCK), 1.0)
+    n_kv = np.maximum(np.asarray(seq, dtype=float) / FLASH_BLOCK, 1.0) * causal_fraction(seq)  # mean blocks visited
+    items = np.maximum(mbs * heads * nq, 1.0)
+    slots = hw.units * FLASH_CTAS_PER_SM
+    wave = items / (np.ceil(items / slots) * slots)
+    return n_kv / (n_kv + 1.0) * wave
+
+
 def attention_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, peak: Any, elem: Any,
                    fused: bool = True) -> tuple[Any, Any]:
-    """Fused: 4*b*(s/cp)*s*(h/tp)*causal at peak*eta*d/(d+32), bwd 2.5x (Dao 2023); unfused adds 3 passes over s^2 scores."""
+    """Fused: 4b(s/cp)s(h/tp)*causal at the kernel's fwd/bwd rate (bwd 2.5x FLOPs) x work quantisation (Dao 2023); unfused: 3 s^2 passes."""
     d = m.head_dim
     sq = seq / cp
     heads = m.heads / tp
     if fused:
         frac = causal_fraction(seq)
         flops = 4.0 * mbs * heads * sq * seq * d * frac
-        eff = hw.gemm_eff * d / (d + SOFTMAX_EQUIV_FLOPS)
-        io = elem * mbs * sq * (heads + 2 * m.kv_heads / tp) * d * 2  # q, k, v in, o out
-        fwd = np.maximum(flops / (peak * eff), io / hw.mem_bw) + hw.overhead_s
-        return fwd, 2.5 * (fwd - hw.overhead_s) + hw.overhead_s
+        quant = attention_work_quantisation(hw, mbs, heads, sq, seq)
+        q_elems = mbs * sq * heads * d
+        io = elem * (2 * q_elems + 2 * mbs * sq * m.kv_heads / tp * d)  # q, k, v in, o out
+        fwd = np.maximum(flops / (peak * attention_efficiency(hw, d) * quant), io / hw.mem_bw) + hw.overhead_s
+        # backward: dq, dk, dv from q, k, v, o, do (2x io), plus the softmax-dot preprocess (read o, do) and the
+        # fp32 dq accumulator's conversion (read 4, write e): two more kernels (FlashAttention-2 backward)
+        side = q_elems * (2 * elem + 4 + elem) / hw.mem_bw  # the two side kernels run before / after the main one
+        bwd = (np.maximum(2.5 * flops / (peak * attention_efficiency(hw, d, backward=True) * quant), 2 * io / hw.mem_bw)
+               + side + 3 * hw.overhead_s)
+        return fwd, bwd
     batch = mbs * heads
     f1, b1 = gemm_fwd_bwd(hw, sq, seq, d, peak, elem, batch)
     f2, b2 = gemm_fwd_bwd(hw, sq, d, seq, peak, elem, batch)
@@ -188,11 +239,25 @@ def attention_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: 
     return f1 + f2 + soft, b1 + b2 + 2 * soft
 
 
-def elementwise_bytes_per_token(m: ModelSpec, tp: Any, sp: Any, elem: Any) -> Any:
-    """Per token per block forward: 2 norms (2h) + 2 residuals (3h) replicated unless SP, + activation (gelu 2f, swiglu 5f)/tp."""
-    norm_res = (2 * 2 + 2 * 3) * m.hidden / np.where(sp, tp, 1)
-    act = (2 if m.ffn_kind == "gelu" else 5) * m.ffn_hidden / tp
-    return elem * (norm_res + act)
+def block_memory_ops(m: ModelSpec, tp: Any, sp: Any) -> tuple[Any, Any, int, int]:
+    """(fwd, bwd) elements per token per block + kernels: norms, residual adds, attn-out copy, activation, RoPE if swiglu (eager PyTorch)."""
+    h, f, kvd = m.hidden, m.ffn_hidden / tp, m.kv_heads * m.head_dim / tp
+    rep = h / np.where(sp, tp, 1)  # replicated along TP unless sequence-parallel
+    llama = m.ffn_kind == "swiglu"
+    # fwd: 2 norms (read+write 2h), 2 residual adds (3h), attention output transpose-copy (2h/tp), activation
+    # (gelu r+w 2f; silu 2f + mul 3f), RoPE cat/mul/mul/add on q and k (7 passes)
+    fwd = 2 * 2 * rep + 2 * 3 * rep + 2 * h / tp + (5 * f if llama else 2 * f) + (7 * (h / tp + kvd) if llama else 0)
+    # bwd: norm input-grad (x, dy -> dx: 3h) + weight-grad pass (x, dy: 2h), residual grad sums (3h), the copy,
+    # activation (gelu x, dy -> dx 3f; swiglu three products 9f), RoPE the same 7 passes
+    bwd = 2 * 5 * rep + 2 * 3 * rep + 2 * h / tp + (9 * f if llama else 3 * f) + (7 * (h / tp + kvd) if llama else 0)
+    k_fwd = 2 + 2 + 1 + (2 if llama else 1) + (8 if llama else 0)
+    k_bwd = 4 + 2 + 1 + (3 if llama else 1) + (8 if llama else 0)
+    return fwd, bwd, k_fwd, k_bwd
+
+
+def dispatch_floor(hw: Hardware, device_s: Any, ops: Any) -> Any:
+    """max(device time, ops * host dispatch): eager PyTorch issues one op at a time; no CUDA graphs (PyTorch dispatcher)."""
+    return np.maximum(device_s, ops * hw.dispatch_s) if hw.dispatch_s else device_s
 
 
 @dataclass
@@ -206,15 +271,22 @@ class BlockTimes:
 
 def dense_block_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, sp: Any, peak: Any,
                      elem: Any, fused: bool = True) -> BlockTimes:
-    """Sum of the block's matmuls (split by TP), attention core and memory-bound ops, fwd and bwd (Megatron layout)."""
+    """Sum of the block's matmuls (q, k, v, out, MLP; split by TP), attention core and memory-bound ops, fwd and bwd (Megatron layout)."""
     T = mbs * seq / cp
     h, kvd = m.hidden, m.kv_heads * m.head_dim
-    f1, b1 = gemm_fwd_bwd(hw, T, (h + 2 * kvd) / tp, h, peak, elem)
+    fq, bq = gemm_fwd_bwd(hw, T, h / tp, h, peak, elem)  # q, k, v: three projections (models.GPT, HF Llama)
+    fk, bk = gemm_fwd_bwd(hw, T, kvd / tp, h, peak, elem)
+    f1, b1 = fq + 2 * fk, bq + 2 * bk
     f2, b2 = gemm_fwd_bwd(hw, T, h, h / tp, peak, elem)
     fa, ba = attention_time(hw, m, mbs, seq, tp, cp, peak, elem, fused)
     mf, mb = mlp_time(hw, m, T, m.ffn_hidden / tp, peak, elem)
-    ew = stream_time(hw, T * elementwise_bytes_per_token(m, tp, sp, elem), KERNELS_PER_BLOCK_FWD - 6)
-    return BlockTimes(f1 + f2 + fa + mf + ew, b1 + b2 + ba + mb + 2 * ew, fa)
+    ew_f, ew_b, k_f, k_b = block_memory_ops(m, tp, sp)
+    ef = stream_time(hw, T * ew_f * elem, k_f)
+    eb = stream_time(hw, T * ew_b * elem, k_b)
+    gemms = 4 + m.ffn_matrices  # q, k, v, out, up(/gate), down
+    fwd = dispatch_floor(hw, f1 + f2 + fa + mf + ef, gemms + 1 + k_f)
+    bwd = dispatch_floor(hw, b1 + b2 + ba + mb + eb, 2 * gemms + 3 + k_b)
+    return BlockTimes(fwd, bwd, fa)
 
 
 def mlp_time(hw: Hardware, m: ModelSpec, tokens: Any, ffn_local: Any, peak: Any, elem: Any,
@@ -226,47 +298,94 @@ def mlp_time(hw: Hardware, m: ModelSpec, tokens: Any, ffn_local: Any, peak: Any,
     return up * uf + df, up * ub + db
 
 
+def normal_max_quantile(n: Any) -> Any:
+    """Phi^-1((n-0.375)/(n+0.25)): expected max of n standard normals (Blom 1958), Phi^-1 by Abramowitz-Stegun 26.2.23."""
+    n = np.maximum(np.asarray(n, dtype=float), 1.0)
+    tail = 1.0 - (n - 0.375) / (n + 0.25)
+    t = np.sqrt(-2.0 * np.log(np.clip(tail, 1e-12, 0.5)))
+    z = t - (2.515517 + 0.802853 * t + 0.010328 * t * t) / (1 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t ** 3)
+    return np.where(n > 1, np.maximum(z, 0.0), 0.0)
+
+
+def moe_load_imbalance(mean_load: Any, ranks: Any) -> Any:
+    """E[max]/mean of n multinomial loads (uniform routing) = 1 + z_n/sqrt(mu): loads - mu ~ sqrt(mu)*(Z_i - mean Z) (Poisson split)."""
+    mu = np.maximum(np.asarray(mean_load, dtype=float), 1.0)
+    return 1.0 + normal_max_quantile(ranks) / np.sqrt(mu)
+
+
 def moe_block_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, ep: Any, sp: Any, peak: Any,
                    elem: Any, fused: bool = True) -> BlockTimes:
-    """Dense attention + router GEMM (T,E,h) + E/ep local experts on T*k*ep/E tokens each (f/tp wide) + permutes (GShard)."""
+    """Dense attention + router GEMM (T,E,h) + E/ep expert GEMMs in turn on T*k*ep/E*imbalance tokens (f/tp wide) + permutes (GShard)."""
     dense = dense_block_time(hw, m, mbs, seq, tp, cp, sp, peak, elem, fused)
     T = mbs * seq / cp
     mlp_f, mlp_b = mlp_time(hw, m, T, m.ffn_hidden / tp, peak, elem)
     T_rank = T / np.where(sp, tp, 1)
     rf, rb = gemm_fwd_bwd(hw, T_rank, m.experts, m.hidden, peak, elem)
     local = m.experts / ep
-    # experts are TP-split (f/tp) and see all T*k routed tokens of the TP group (gathered back when SP)
-    per_expert = np.maximum(T * m.top_k * ep / m.experts, 1.0)
-    ef, eb = mlp_time(hw, m, per_expert, m.ffn_hidden / tp, peak, elem, batch=local)
-    launches = (local - 1) * m.ffn_matrices * hw.overhead_s  # one GEMM per local expert (no grouped GEMM)
-    perm = stream_time(hw, 4 * T_rank * m.top_k * m.hidden * elem, KERNELS_PER_MOE_FWD)
-    fwd = dense.fwd - mlp_f + rf + ef + launches + perm
-    bwd = dense.bwd - mlp_b + rb + eb + 2 * launches + 2 * perm
+    # experts are TP-split (f/tp) and see all T*k routed tokens of the TP group (gathered back when SP); the
+    # busiest EP rank (expected max of ep multinomial loads) sets the pace of the synchronous all-to-all
+    imb = moe_load_imbalance(T * m.top_k, ep)
+    per_expert = np.maximum(T * m.top_k * ep / m.experts * imb, 1.0)
+    ef, eb = mlp_time(hw, m, per_expert, m.ffn_hidden / tp, peak, elem)  # one GEMM per local expert, no grouped GEMM
+    act = stream_time(hw, local * per_expert * (5 if m.ffn_kind == "swiglu" else 2) * m.ffn_hidden / tp * elem,
+                      local * (2 if m.ffn_kind == "swiglu" else 1))  # the experts' activations (as in a dense MLP)
+    act_b = stream_time(hw, local * per_expert * (9 if m.ffn_kind == "swiglu" else 3) * m.ffn_hidden / tp * elem,
+                        local * (3 if m.ffn_kind == "swiglu" else 1))
+    # gather to experts, weighted scatter-add back (read+write T*k*h each), fp32 router softmax/top-k over T*E
+    perm = stream_time(hw, 4 * T_rank * m.top_k * m.hidden * elem * imb + 12 * T_rank * m.experts,
+                       KERNELS_PER_MOE_FWD + 3 * local)
+    ew_mlp_f, ew_mlp_b = block_mlp_act(hw, m, T, tp, elem)
+    fwd = dense.fwd - mlp_f - ew_mlp_f + rf + local * ef + act + perm
+    bwd = dense.bwd - mlp_b - ew_mlp_b + rb + local * eb + act_b + 2 * perm
     return BlockTimes(fwd, bwd, dense.attn_fwd)
 
 
-def embedding_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, cp: Any, elem: Any) -> tuple[Any, Any]:
-    """Lookup: read+write T*h (fwd), scatter-add T*h (bwd): memory-bound (roofline)."""
+def block_mlp_act(hw: Hardware, m: ModelSpec, tokens: Any, tp: Any, elem: Any) -> tuple[Any, Any]:
+    """The dense MLP's activation traffic inside block_memory_ops (gelu 2f/3f, swiglu 5f/9f per token), to swap for experts'."""
+    f = m.ffn_hidden / tp
+    swi = m.ffn_kind == "swiglu"
+    return tokens * f * (5 if swi else 2) * elem / hw.mem_bw, tokens * f * (9 if swi else 3) * elem / hw.mem_bw
+
+
+def embedding_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, cp: Any, elem: Any, tp: Any = 1) -> tuple[Any, Any]:
+    """Lookup r+w T*h (fwd); bwd zero-fills the dense V/tp*h weight grad, then scatter-adds T*h (PyTorch embedding_dense_backward)."""
     T = mbs * seq / cp
     f = stream_time(hw, 2 * T * m.hidden * elem, 2)
-    return f, stream_time(hw, 3 * T * m.hidden * elem, 3)
+    return f, stream_time(hw, 3 * T * m.hidden * elem + m.vocab / tp * m.hidden * elem, 5)
 
 
 def head_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, peak: Any, elem: Any) -> tuple[Any, Any]:
-    """Final norm + LM head GEMM (T, V/tp, h) + fp32 cross-entropy over T*V/tp logits (memory-bound)."""
+    """Final norm + LM head GEMM (T, V/tp, h) + fp32 cross-entropy: fwd e+16, bwd e+20 bytes per logit (F.cross_entropy on .float())."""
     T = mbs * seq / cp
     hf, hb = gemm_fwd_bwd(hw, T, m.vocab / tp, m.hidden, peak, elem)
     logits = T * m.vocab / tp
-    ce_f = stream_time(hw, logits * (elem + 4 + 4), 4)  # read logits, fp32 upcast, log-softmax
-    ce_b = stream_time(hw, logits * (4 + 4 + elem), 3)  # softmax - onehot, cast back
-    norm = stream_time(hw, 2 * T * m.hidden * elem, 1)
-    return hf + ce_f + norm, hb + ce_b + 2 * norm
+    # fwd: upcast (read e, write 4), log-softmax (max and sum-exp passes read 4 each, write 4), nll gather
+    ce_f = stream_time(hw, logits * (elem + 4 + 4 + 4 + 4), 4)
+    # bwd: nll grad (zero-fill 4), log-softmax grad (read grad 4, read output 4, write 4), downcast (read 4, write e)
+    ce_b = stream_time(hw, logits * (4 + 12 + 4 + elem), 4)
+    norm_f = stream_time(hw, 2 * T * m.hidden * elem, 1)
+    norm_b = stream_time(hw, 5 * T * m.hidden * elem, 2)
+    return hf + ce_f + norm_f, hb + ce_b + norm_b
 
 
 def optimizer_time(hw: Hardware, local_params: Any, prec: Any) -> Any:
-    """Adam: read p,g,m,v, write p,m,v (fp32) [+ half copy when mixed, + unscale pass for fp16] per local param / BW."""
-    nbytes = local_params * (4 * 7 + np.where(prec == 0, 4.0, 2.0 + 2.0) + np.where(prec == 2, 4.0, 0.0))
-    return stream_time(hw, nbytes, 4)
+    """Adam r p,g,m,v w p,m,v (fp32) [+ half copy, fp16 unscale] + grad-norm read, clip scale (12 B) per local param / BW (torch foreach)."""
+    nbytes = local_params * (4 * 7 + np.where(prec == 0, 4.0, 2.0 + 2.0) + np.where(prec == 2, 4.0, 0.0) + 12.0)
+    return stream_time(hw, nbytes, 6)
+
+
+def grad_accumulate_time(hw: Hardware, local_params: Any, prec: Any) -> Any:
+    """Per micro-batch: add each weight grad to its fp32 accumulator, r grad 4|2 + r/w fp32 8 = 12|10 B/param (AccumulateGrad, unfused)."""
+    return stream_time(hw, local_params * GRAD_ACC_BYTES[prec], 2)
+
+
+def shard_copy_time(hw: Hardware, full_params: Any, shard: Any, prec: Any, gathers: Any, reduces: Any) -> Any:
+    """FSDP2 per gather: copy-in cast (4+e)/N + copy-out 2e B/param; per reduce: cast e+4 + divide and accumulate 12/N (FSDP2 fp32 reduce)."""
+    e = WEIGHT_BYTES[prec]
+    shard = np.maximum(shard, 1)
+    per_gather = (4 + e) / shard + 2 * e
+    per_reduce = (e + 4) + 12 / shard
+    return full_params * (gathers * per_gather + reduces * per_reduce) / hw.mem_bw
 
 
 # ============================================================================================ communication
@@ -305,23 +424,31 @@ def tree_allreduce(nbytes: Any, n: Any, bw: Any, lat: Any) -> Any:
     return np.where(n > 1, 2 * np.ceil(np.log2(np.maximum(n, 2))) * lat + 2 * nbytes / bw, 0.0)
 
 
+def spanning_bw(hw: Hardware, local: Any) -> Any:
+    """min(beta_intra, local*beta_inter): a ring through `local` members per node, channels striped over their NICs (NCCL rings)."""
+    return np.where(local > 1, np.minimum(_intra_bw(hw, local), local * hw.inter_bw), hw.inter_bw)
+
+
 def allreduce_time(hw: Hardware, nbytes: Any, size: Any, stride: Any) -> Any:
-    """min(ring, tree) inside a node; across nodes hierarchical: RS intra + AR inter on S/local + AG intra (NCCL/HCCL)."""
+    """min(ring, tree); across nodes one ring of n at spanning_bw, 2(nodes-1) inter + 2(n-nodes) intra hops; tree: log2(nodes) (NCCL)."""
     local, nodes = group_nodes(hw, size, stride)
     bw_in = _intra_bw(hw, local)
     intra = np.minimum(ring_allreduce(nbytes, local, bw_in, hw.intra_lat), tree_allreduce(nbytes, local, bw_in, hw.intra_lat))
-    inter_bytes = nbytes / local
-    inter = np.minimum(ring_allreduce(inter_bytes, nodes, hw.inter_bw, hw.inter_lat),
-                       tree_allreduce(inter_bytes, nodes, hw.inter_bw, hw.inter_lat))
-    hier = ring_allreduce(nbytes, local, bw_in, hw.intra_lat) + inter
-    return np.where(nodes > 1, hier, intra)
+    n = local * nodes
+    bw = spanning_bw(hw, local)
+    hops = (nodes - 1) * hw.inter_lat + (n - nodes) * hw.intra_lat
+    ring = ring_allreduce(nbytes, n, bw, 0.0) + 2 * hops
+    tree = tree_allreduce(nbytes, nodes, bw, hw.inter_lat) + 2 * np.maximum(local - 1, 0) * hw.intra_lat
+    return np.where(nodes > 1, np.minimum(ring, tree), intra)
 
 
 def allgather_time(hw: Hardware, nbytes: Any, size: Any, stride: Any) -> Any:
-    """Hierarchical ring all-gather of S gathered bytes: inter-node on S/local, then intra-node on S (NCCL). RS is symmetric."""
+    """Ring all-gather of S bytes over n ranks; across nodes at spanning_bw, (nodes-1) inter + (n-nodes) intra hops (NCCL). RS symmetric."""
     local, nodes = group_nodes(hw, size, stride)
-    inter = ring_allgather(nbytes / local, nodes, hw.inter_bw, hw.inter_lat)
-    return inter + ring_allgather(nbytes, local, _intra_bw(hw, local), hw.intra_lat)
+    n = local * nodes
+    hops = (nodes - 1) * hw.inter_lat + (n - nodes) * hw.intra_lat
+    across = ring_allgather(nbytes, n, spanning_bw(hw, local), 0.0) + hops
+    return np.where(nodes > 1, across, ring_allgather(nbytes, local, _intra_bw(hw, local), hw.intra_lat))
 
 
 def alltoall_time(hw: Hardware, nbytes: Any, size: Any, stride: Any) -> Any:
@@ -355,15 +482,23 @@ def cp_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, c
     send = p2p_time(hw, kv, nodes > 1)
     steps = np.maximum(cp - 1, 0)
     hide_f, hide_b = hw.overlap * attn_fwd / np.maximum(cp, 1), hw.overlap * attn_bwd / np.maximum(cp, 1)
-    fwd = steps * np.maximum(send - hide_f, 0) + np.where(cp > 1, send, 0)
-    bwd = steps * np.maximum(2 * send - hide_b, 0) + np.where(cp > 1, 2 * send, 0)
+    fwd = steps * overlapped_exposed(send, hide_f, 0.0, hw.comm_sm) + np.where(cp > 1, send, 0)
+    bwd = steps * overlapped_exposed(2 * send, hide_b, 0.0, hw.comm_sm) + np.where(cp > 1, 2 * send, 0)
     return fwd, bwd
+
+
+def overlapped_exposed(comm: Any, window: Any, tail: Any, sm_share: float) -> Any:
+    """max(c - W, tail + f*(c - tail)): compute W runs on 1-f of the SMs while collective c (NCCL channels, one CTA each) is in flight."""
+    if not sm_share:
+        return np.maximum(comm - window, tail)
+    return np.maximum(comm - window, tail + sm_share * (comm - tail))
 
 
 def ep_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, ep: Any, sp: Any,
                       elem: Any) -> tuple[Any, Any]:
-    """Dispatch + combine all-to-all of T*k*h per MoE block forward, the same backward (GShard; Lepikhin et al. 2020)."""
-    S = mbs * seq / cp / np.where(sp, tp, 1) * m.top_k * m.hidden * elem
+    """Dispatch + combine all-to-all of T*k*h x load imbalance per MoE block forward, the same backward (GShard; Lepikhin et al. 2020)."""
+    T = mbs * seq / cp
+    S = T / np.where(sp, tp, 1) * m.top_k * m.hidden * elem * moe_load_imbalance(T * m.top_k, ep)  # the busiest rank
     one = alltoall_time(hw, S, ep, cp * tp)
     return 2 * one, 2 * one
 

@@ -171,7 +171,7 @@ def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq
     has_moe = m.moe_layers > 0
     dense = C.dense_block_time(hw, m, mbs, seq, tp, cp, sp, peak, elem, fused)
     moe = C.moe_block_time(hw, m, mbs, seq, tp, cp, ep, sp, peak, elem, fused) if has_moe else dense
-    emb_f, emb_b = C.embedding_time(hw, m, mbs, seq, cp, elem)
+    emb_f, emb_b = C.embedding_time(hw, m, mbs, seq, cp, elem, tp)
     head_f, head_b = C.head_time(hw, m, mbs, seq, tp, cp, peak, elem)
     act = [C.activation_bytes_per_block(m, mbs, seq, tp, sp, cp, mode, elem, fused) for mode in range(3)]
     act_moe = ([C.activation_bytes_per_block(m, mbs, seq, tp, sp, cp, mode, elem, fused, moe=True)
@@ -224,6 +224,7 @@ def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq
     zero, prec_d = D["zero"], D["precision"]
     ds = np.where(D["dp_shard"] > 0, D["dp_shard"], Lt["dp"][dl]).astype(float)
     wbytes = C.WEIGHT_BYTES[prec_d]
+    gbytes = C.GRAD_REDUCE_BYTES[prec_d]  # gradients travel in fp32, parameters in the compute precision
     reps_d = _stage_reps(m, hw, space, seq, fused, Lt["pp"][dl], D["vpp"])
     p_dense_blk = m.block_params() / tp_d
     p_moe_shared = (m.attention_params() + 4 * m.hidden + m.hidden * m.experts) / tp_d
@@ -236,31 +237,42 @@ def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq
     exp_shard = np.maximum(shard / ep_d, 1)
     replicas = dp_d / ds
     z1, z2, z3 = zero == 1, zero == 2, zero == 3
-    dpc = {name: [] for name in ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem")}
+    dpc = {name: [] for name in ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem", "mb")}
     for r in range(N_REP):
         nd, nm, he, hh, _ = (reps_d[:, r, j] for j in range(5))
         p_d = nd * p_dense_blk + nm * p_moe_shared + he * p_emb + hh * p_head
         p_e = nm * p_moe_expert
-        grad_d, grad_e = p_d * wbytes, p_e * wbytes
+        grad_d, grad_e = p_d * gbytes, p_e * gbytes
         rs = C.allgather_time(hw, grad_d, shard, tp_d) + C.allgather_time(hw, grad_e, exp_shard, tp_d * ep_d)
-        ag = rs  # the parameter all-gather moves the bytes the gradient reduce-scatter moves
+        ag = (C.allgather_time(hw, p_d * wbytes, shard, tp_d)
+              + C.allgather_time(hw, p_e * wbytes, exp_shard, tp_d * ep_d))
         ar = (C.allreduce_time(hw, grad_d, dp_d * cp_d, tp_d)
               + C.allreduce_time(hw, grad_e, np.maximum(dp_d * cp_d / ep_d, 1), tp_d * ep_d))
         hsdp = np.where(replicas > 1, C.allreduce_time(hw, grad_d / shard + grad_e / exp_shard, replicas,
                                                        ds * cp_d * tp_d), 0.0)
-        tail = np.minimum(1.0, C.DDP_BUCKET_BYTES / np.maximum(grad_d + grad_e, 1.0))
-        units = np.maximum(nd + nm + he + hh, 1)
+        # one FSDP unit per block plus one for the stage's embedding / norm / head: the first unit's gather and
+        # the last unit's reduction have no compute to hide behind
+        edge = he * p_emb + hh * p_head
+        tail = np.minimum(1.0, np.where(edge > 0, edge, unit) / np.maximum(p_d + p_e, 1.0))
         once = np.where(zero == 0, ar, np.where(z1, rs, 0.0)) + np.where(zero > 0, hsdp, 0.0)
         # per micro-batch exposed = max(a1 - tf, b1) + max(a2 - tb, b2); once per step = max(a3 - tb, b3) + c3
+        # (plus the interference share of the hidden part, search.slot_of)
         dpc["a1"].append(np.where(z3, ag, 0.0))
-        dpc["b1"].append(np.where(z3, ag / units, 0.0))
+        dpc["b1"].append(np.where(z3, ag * tail, 0.0))
         dpc["a2"].append(np.where(z2, rs, np.where(z3, ag + rs, 0.0)))
-        dpc["b2"].append(np.where(z2, rs * tail, np.where(z3, (ag + rs) / units, 0.0)))
+        dpc["b2"].append(np.where(z2, rs * tail, np.where(z3, (ag + rs) * tail, 0.0)))
         dpc["a3"].append(once)
         dpc["b3"].append(once * tail)
         dpc["c3"].append(np.where(z1 | z2, ag, 0.0))
         local = np.where(zero == 0, p_d + p_e, p_d / shard + p_e / exp_shard)
-        dpc["opt"].append(C.optimizer_time(hw, local, prec_d))
+        # memory-bound parameter work: per micro-batch fp32 gradient accumulation (zero 0/1) or the reduce-scatter's
+        # cast and accumulation (zero 2/3) and, for zero 3, two gathers' copy-in/out; per step the zero 1/2 copies
+        copies = lambda g, red: (C.shard_copy_time(hw, p_d, shard, prec_d, g, red)  # noqa: E731
+                                 + C.shard_copy_time(hw, p_e, exp_shard, prec_d, g, red))
+        dpc["mb"].append(np.where(zero <= 1, C.grad_accumulate_time(hw, p_d + p_e, prec_d),
+                                  copies(np.where(z3, 2.0, 0.0), 1.0)))
+        dpc["opt"].append(C.optimizer_time(hw, local, prec_d) + np.where(z1 | z2, copies(1.0, np.where(z1, 1.0, 0.0)),
+                                                                         0.0))
         states = C.model_state_bytes(p_d, zero, shard, prec_d) + C.model_state_bytes(p_e, zero, exp_shard, prec_d)
         bufs = np.where(z3, 2 * unit * wbytes, 2 * np.minimum(C.DDP_BUCKET_BYTES, grad_d + grad_e))
         dpc["mem"].append(states + bufs * frag + hw.reserved)
@@ -273,7 +285,8 @@ def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq
     by_rc = t32([np.stack(mid["base"], axis=2), np.stack(mid["mem"], axis=2)]).reshape(-1, N_REP, 2)  # (mid, rc)
     # compute windows that can hide data-parallel traffic (x the device's overlap share)
     by_mid = t32([hw.overlap * np.stack(mid["tf"], axis=1), hw.overlap * np.stack(mid["tb"], axis=1)])
-    by_dpc = t32([np.stack(dpc[k], axis=1) for k in ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem")])
+    by_dpc = t32([np.stack(dpc[k], axis=1) for k in ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem", "mb")])
+    f_sm = np.float32(hw.comm_sm)
     # steady state + fill/drain: (m + (pp-1)/vpp) slots (Narayanan et al. 2021), then the once-per-step tail
     ga_m = ga[mk]
     span = (ga_m + C.bubble_fraction(pp[mk], ga_m, vpp_m) * ga_m).astype(np.float32)
@@ -282,20 +295,20 @@ def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq
     for lo in range(0, n, CHUNK):
         sl = slice(lo, min(lo + CHUNK, n))
         a, b, d = by_rc[mrc[sl]], by_mid[cm[sl]], by_dpc[cd[sl]]
-        slot_r = slot_of(a, b, d)
-        tail = np.maximum(d[..., 4] - b[..., 1], d[..., 5]) + d[..., 6] + d[..., 7]
+        slot_r = slot_of(a, b, d, f_sm)
+        tail = C.overlapped_exposed(d[..., 4], b[..., 1], d[..., 5], f_sm) + d[..., 6] + d[..., 7]
         step[sl] = span[cm[sl]] * max3(slot_r) + max3(tail)
         memory[sl] = max3(a[..., 1] + d[..., 8])
     out = {"step": step, "memory": memory}
     if detail:
         rows = np.arange(n)
         a, b, d = by_rc[mrc].astype(float), by_mid[cm].astype(float), by_dpc[cd].astype(float)
-        worst = slot_of(a, b, d).argmax(axis=1)
+        worst = slot_of(a, b, d, f_sm).argmax(axis=1)
         w = lambda arr: arr[rows, worst]  # noqa: E731  the slowest rank's value
         ga_c, span_c = ga_m[cm], span[cm].astype(float)
-        slot = w(slot_of(a, b, d))
+        slot = w(slot_of(a, b, d, f_sm))
         out["bubble"] = (span_c - ga_c) * slot
-        out["compute"] = ga_c * w(np.stack(mid["tf"], 1)[cm] + np.stack(mid["tb"], 1)[cm]) + w(d[..., 7])
+        out["compute"] = ga_c * w(np.stack(mid["tf"], 1)[cm] + np.stack(mid["tb"], 1)[cm] + d[..., 9]) + w(d[..., 7])
         base0 = by_rc[cm * 3][..., 0].astype(float)  # the same mid without recompute
         out["recompute"] = ga_c * (w(a[..., 0]) - w(base0))  # with the collectives full recompute re-runs
         out["comm"] = step - out["compute"] - out["recompute"] - out["bubble"]  # TP/CP/EP/PP/DP exposed
@@ -307,11 +320,12 @@ def max3(x: np.ndarray) -> np.ndarray:
     return np.maximum(np.maximum(x[:, 0], x[:, 1]), x[:, 2])
 
 
-def slot_of(a: np.ndarray, b: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """Per-rank micro-batch slot: base (compute, recompute, TP/CP/EP/PP traffic) + exposed DP traffic per micro-batch
-    (b holds the forward and backward windows that can hide it)."""
+def slot_of(a: np.ndarray, b: np.ndarray, d: np.ndarray, f_sm: float = 0.0) -> np.ndarray:
+    """Per-rank micro-batch slot: base (compute, recompute, TP/CP/EP/PP traffic) + memory-bound parameter work + exposed
+    DP traffic per micro-batch (b holds the forward and backward windows that can hide it; cost.overlapped_exposed)."""
     tf, tb = b[..., 0], b[..., 1]
-    return a[..., 0] + np.maximum(d[..., 0] - tf, d[..., 1]) + np.maximum(d[..., 2] - tb, d[..., 3])
+    return (a[..., 0] + d[..., 9] + C.overlapped_exposed(d[..., 0], tf, d[..., 1], f_sm)
+            + C.overlapped_exposed(d[..., 2], tb, d[..., 3], f_sm))
 
 
 def _apply_measured(meas: C.Measured, m: ModelSpec, hw: C.Hardware, seq: int, fused: bool, dense, moe,
