@@ -48,7 +48,7 @@ def install_excepthook() -> None:
 
     def hook(kind, value, tb):  # type: ignore[no-untyped-def]
         if isinstance(value, AutoparError):
-            rank = os.environ.get("RANK")
+            rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))  # Lightning's launcher sets only the latter
             prefix = f"autopar (rank {rank})" if rank not in (None, "0") else "autopar"
             # the real stderr: torch.distributed's own hook buffers sys.stderr to prefix "[rankN]:" lines
             stream = sys.__stderr__ or sys.stderr

@@ -1,14 +1,22 @@
 """``AutoParallelStrategy``: glue between Lightning's hooks and the planner / apply layer.
 
 Flow: process group -> (setup) analyse the user's model, read the global batch and sequence length from the
-training DataLoader -> plan -> DeviceMesh -> apply (TP -> recompute -> FSDP/DP, precision) -> optimizers built
-on the sharded parameters. Checkpoints go through torch.distributed.checkpoint (inherited from Lightning's
+training DataLoader -> plan -> DeviceMesh -> apply in the canonical order (``parallel.apply``: PP split -> TP/SP
+-> EP -> recompute -> FSDP/DP -> precision) -> optimizers built on the sharded parameters. Checkpoints go through torch.distributed.checkpoint (inherited from Lightning's
 ModelParallelStrategy), keyed by the user's parameter names.
 
 Batch semantics: the DataLoader's batch is the global batch of one optimizer step, exactly as on one device.
 Each step it is cut into ``dp`` contiguous slices (ranks of one TP/PP group get the same slice), each slice into
 ``grad_accum`` micro-batches; every micro-batch loss is weighted by its share of the global batch so the
 summed gradient equals the single-device one. Values logged with ``self.log`` are averaged the same way.
+
+Pipeline parallelism (pp > 1): the training step is the schedule (GPipe, 1F1B or interleaved 1F1B over the
+``grad_accum`` micro-batches, ``parallel.pipeline``). The user's ``training_step`` is not rewritten: it runs up
+to its model call on every rank (to get the model's inputs for each micro-batch) and, on the last stage, in full
+with the model call returning the pipeline's output, so its own loss (and ``self.log``) code computes the loss.
+Logged values are broadcast from the last stage; Lightning's backward then only runs its hooks (the schedule
+did the backward; gradients are held until then so zero_grad cannot clear them). Validation, test and predict
+run forward-only through the stages.
 
 The logic lives in a mixin so the same strategy is registered for ``lightning.pytorch`` and, when installed,
 ``pytorch_lightning`` (two packages with separate class hierarchies).
@@ -31,7 +39,9 @@ from lightning_autopar.specs import ClusterSpec, Plan, parse_fix
 log = logging.getLogger(__name__)
 
 # What the runtime can apply today; the planner searches only inside it unless the user fixes a field.
-RUNTIME_SUPPORT: dict[str, list[Any]] = {"pp": [1], "cp": [1], "ep": [1], "sp": [False], "recompute": ["none"]}
+# pp and ep are further restricted per model in _restrictions (a splittable stack of blocks; MoE layers).
+RUNTIME_SUPPORT: dict[str, list[Any]] = {"cp": [1], "sp": [False], "schedule": ["gpipe", "1f1b", "interleaved"],
+                                         "recompute": ["none", "selective", "full"]}
 
 
 def _tree_leaves(obj: Any) -> list[Any]:
@@ -122,6 +132,7 @@ class AutoParallelMixin:
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         save_distributed_checkpoint: bool = True,
+        moe_capacity_factor: float | None = None,
     ) -> None:
         from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
@@ -146,6 +157,10 @@ class AutoParallelMixin:
         self.analysis: Any = None
         self._fsdp_roots: list[nn.Module] = []
         self._global_batch = 0
+        self._capacity_factor = moe_capacity_factor  # None: no token dropped (parallel.experts)
+        self._applied: Any = None
+        self._pipeline: Any = None  # parallel.pipeline.Pipeline when pp > 1
+        self._pipeline_grads: dict[Any, Any] | None = None  # the schedule's gradients, until backward()
 
     # ------------------------------------------------------------------ environment and setup
 
@@ -203,11 +218,19 @@ class AutoParallelMixin:
 
         return discover.discover_cluster()
 
+    def _train_loader(self, trainer: Any) -> Any:
+        """The training DataLoader (None when not fitting); the Fabric strategy returns the one it was given."""
+        return trainer.fit_loop._data_source.dataloader() if trainer.state.fn == "fit" else None
+
+    def _automatic_optimization(self) -> bool:
+        """Whether the strategy runs the micro-batches' backward itself (Fabric: no, the user's loop does)."""
+        return bool(getattr(self.lightning_module, "automatic_optimization", True))
+
     def _batch_geometry(self, trainer: Any, transformer_seq: int | None) -> tuple[int, int]:
         """(global batch, sequence length) from the training DataLoader, as on one device."""
         global_batch, seq_len = self._global_batch_arg, None
-        if trainer.state.fn == "fit":
-            loader = trainer.fit_loop._data_source.dataloader()
+        loader = self._train_loader(trainer)
+        if loader is not None:
             if global_batch is None:
                 global_batch = getattr(loader, "batch_size", None)
             try:
@@ -224,19 +247,20 @@ class AutoParallelMixin:
 
     def _restrictions(self, trainer: Any, analysis: Any, precision: str) -> dict[str, list[Any]]:
         restrict: dict[str, list[Any]] = {k: list(v) for k, v in RUNTIME_SUPPORT.items()}
-        restrict["precision"] = [precision]
         first = analysis.blocks[0] if analysis.blocks else None
-        if first is None or first.attention is None or first.attention.fused or first.attention.o is None:
-            restrict["tp"] = [1]  # the analysis could not find splittable attention
-        if not self.lightning_module.automatic_optimization:
+        if first is None or first.attention is None or first.attention.fused or first.attention.o is None or (
+                first.mlp is None and first.moe is None):
+            restrict["tp"] = [1]  # the analysis could not find splittable attention and MLP
+        if not self._automatic_optimization():
             restrict["grad_accum"] = [1]  # the user's own loop does backward: one micro-batch per step
+        restrict.update(self._pipeline_expert_restrictions(analysis))
         restrict.update(self._restrict)
         return restrict
 
     def _plan_and_apply(self, trainer: Any) -> None:
-        from lightning_autopar.parallel.fsdp import apply_data_parallel
+        from lightning_autopar.parallel.apply import apply_plan
         from lightning_autopar.parallel.precision import plan_precision
-        from lightning_autopar.parallel.tensor import apply_tensor_parallel, check_tp
+        from lightning_autopar.parallel.tensor import check_tp
         from lightning_autopar.planner.search import plan as make_plan
         from lightning_autopar.profile.analyze import analyze, find_transformer
         from lightning_autopar.topology.mesh import build_mesh
@@ -254,7 +278,7 @@ class AutoParallelMixin:
         started = time.perf_counter()
         self.report = make_plan(
             analysis.spec, self._cluster_spec(), global_batch=global_batch, seq_len=seq_len, fix=self._fix,
-            top=self._top, restrict=self._restrictions(trainer, analysis, precision),
+            top=self._top, restrict=self._restrictions(trainer, analysis, precision), precision=precision,
             memory_fraction=self._memory_fraction,
         )
         plan = self.plan = self.report.best.plan
@@ -262,21 +286,32 @@ class AutoParallelMixin:
             self.report.print_table()
             print(f"autopar: planned in {time.perf_counter() - started:.2f}s for world {self.world_size}, "
                   f"global batch {global_batch}, seq {seq_len}: {plan.short()}", flush=True)
+            from lightning_autopar.launch import print_env_hints
+
+            print_env_hints(plan, self.report.cluster)
         layout = self.mesh_layout = build_mesh(plan, self.root_device.type)
         self._device_mesh = layout.mesh
         module._device_mesh = layout.mesh
+        if (plan.pp > 1 or plan.ep > 1) and not self._save_distributed_checkpoint:
+            raise ConfigError("save_distributed_checkpoint", "with pp>1 or ep>1 each rank holds different "
+                              "parameters, so a single-file checkpoint from rank 0 would miss them",
+                              "keep save_distributed_checkpoint=True")
+        if plan.pp > 1 and not module.automatic_optimization:
+            raise ConfigError("plan.pp", "pipeline parallelism runs forward and backward itself, which manual "
+                              "optimization cannot do", "use pp=1, or automatic optimization")
         self._broadcast_module(module)
-        apply_tensor_parallel(transformer, analysis, layout["tp"])
-        block_fqns = [b.fqn for b in analysis.blocks]
-        self._fsdp_roots = apply_data_parallel(module, transformer, block_fqns, self._dp_mesh(plan),
-                                               plan.zero, plan.precision)
+        self._transformer = transformer
+        applied = self._applied = apply_plan(
+            module, transformer, analysis, plan, layout, self._dp_mesh(plan), self.root_device,
+            loss_fn=lambda output, target: self._pipeline_loss(output, target),
+            layers_per_stage=self.report.best.layers_per_stage, capacity_factor=self._capacity_factor)
+        self._fsdp_roots = applied.fsdp_roots
+        self._pipeline = applied.pipeline
 
     def _dp_mesh(self, plan: Plan) -> Any:
-        layout = self.mesh_layout
-        replicate = plan.dp // plan.shard_size
-        if plan.dp > 1 and replicate > 1 and plan.shard_size > 1 or plan.zero == 0 and plan.dp > 1:
-            return layout["dp"]  # 2-D: HSDP, or DDP as HSDP with shard groups of one
-        return layout["dp_shard"]
+        if plan.shard_size < plan.dp:
+            return self.mesh_layout["dp"]  # 2-D: HSDP, or DDP as HSDP with shard groups of one
+        return self.mesh_layout["dp_shard"]
 
     @staticmethod
     def _broadcast_module(module: nn.Module) -> None:
@@ -297,7 +332,7 @@ class AutoParallelMixin:
 
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm_(params, clip_val)
+            clip_grad_norm_(params, clip_val, parts=self._norm_parts())
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
         scaler = getattr(plugin, "scaler", None)
@@ -348,13 +383,18 @@ class AutoParallelMixin:
             del module.log
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        from lightning_autopar.callbacks.accumulation import lightning_accumulation
         from lightning_autopar.parallel.fsdp import set_gradient_sync
 
         assert self.plan is not None
         batch, rest = args[0], args[1:]
+        if self._pipeline is not None:
+            return self._pipeline_training_step(batch, rest, kwargs)
         module = self.lightning_module
         automatic = module.automatic_optimization
         micro = list(self._micro_batches(batch, self.plan.grad_accum if automatic else 1))
+        # Lightning's accumulate_grad_batches around the plan's micro-batches (callbacks/accumulation.py)
+        lightning_k, stepping = lightning_accumulation(module.trainer) if automatic else (1, True)
         total = _leading_size(batch) or 1
         recorder = _LogRecorder()
         local_loss = torch.zeros((), device=self.root_device)
@@ -363,7 +403,7 @@ class AutoParallelMixin:
         for i, (mb, weight, rows) in enumerate(micro):
             last = i == len(micro) - 1
             if automatic:
-                set_gradient_sync(self._fsdp_roots, last)
+                set_gradient_sync(self._fsdp_roots, last and stepping)
             recorder.weight = rows / total
             with self._recording_logs(recorder), self.precision_plugin.train_step_context():
                 output = module.training_step(mb, *rest, **kwargs)
@@ -372,7 +412,7 @@ class AutoParallelMixin:
                 break
             local_loss = local_loss + loss.detach() * (rows / rows_local)
             if not last:
-                self.backward(loss * weight, None)
+                self.backward(loss * weight / lightning_k, None)
         recorder.flush(module, self._reduce_over_dp, total)
         if not automatic or output is None:
             return output
@@ -388,6 +428,8 @@ class AutoParallelMixin:
         total = _leading_size(batch)
         if total is None or self.plan is None:
             return getattr(self.lightning_module, hook)(*args, **kwargs)
+        if self._pipeline is not None:
+            return self._pipeline_eval_step(hook, batch, rest, kwargs)
         dp_rank, dp = self._dp_rank_and_size()
         start, stop = split_rows(total, dp, dp_rank)
         recorder = _LogRecorder()
@@ -402,6 +444,191 @@ class AutoParallelMixin:
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval_step("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:  # forward-only through the stages; the predictions are on the last
+            return self._pipeline_eval_step("predict_step", args[0], args[1:], kwargs)
+        return super().predict_step(*args, **kwargs)
+
+    # ------------------------------------------------------------------ pipeline and expert parallelism
+
+    def _pipeline_expert_restrictions(self, analysis: Any) -> dict[str, list[Any]]:
+        """pp and ep values the runtime can apply to this model: pp needs a splittable stack of blocks, no MoE
+        layers and automatic optimization; ep needs MoE layers with a route() method (parallel.experts)."""
+        from lightning_autopar.parallel.apply import has_moe
+        from lightning_autopar.parallel.experts import moe_modules
+        from lightning_autopar.parallel.pipeline import check_pipeline
+        from lightning_autopar.profile.analyze import find_transformer
+
+        module = self.lightning_module
+        _, transformer = find_transformer(module)
+        out: dict[str, list[Any]] = {}
+        try:
+            check_pipeline(analysis, transformer, module, 2)
+            splittable = True
+        except ConfigError:
+            splittable = False
+        moe = has_moe(analysis)
+        if moe or not splittable or not self._automatic_optimization():
+            out["pp"] = [1]
+        if not moe or not all(callable(getattr(m, "route", None)) for _, m, _ in moe_modules(transformer, analysis)):
+            out["ep"] = [1]
+        return out
+
+    def _norm_parts(self) -> list[Any] | None:
+        """Parameter parts for gradient clipping when ranks hold different parameters (stages, experts)."""
+        applied, plan = self._applied, self.plan
+        if applied is None or plan is None:
+            return None
+        pp = [self.mesh_layout["pp"].get_group()] if plan.pp > 1 else []
+        parts: list[Any] = []
+        if applied.expert_meshes:
+            ids = applied.expert_params()
+            parts.append((lambda p: id(p) in ids, [applied.expert_meshes["ep"].get_group(), *pp]))
+        if not parts and not pp:
+            return None
+        return parts + [(lambda p: True, pp)]
+
+    def _pipeline_training_step(self, batch: Any, rest: tuple, kwargs: dict) -> Any:
+        """Run the schedule (forward and backward of every micro-batch) as the training step. The user's
+        training_step runs twice per micro-batch: up to its model call (to get the model's inputs, on every
+        rank) and, on the last stage, with the model call returning the pipeline's output (its own loss code).
+        Gradients are held until backward() so Lightning's zero_grad (after the step) does not clear them."""
+        from functools import partial
+
+        from lightning_autopar.parallel.pipeline import capture_model_call
+
+        pipe, module, plan = self._pipeline, self.lightning_module, self.plan
+        total = _leading_size(batch) or 0
+        micro = list(self._micro_batches(batch, plan.grad_accum))
+        if total != self._global_batch or len(micro) != plan.grad_accum:
+            raise ConfigError("DataLoader.batch_size", "pipeline parallelism runs fixed-size micro-batches: every "
+                              f"batch must hold the planned global batch of {self._global_batch} rows, got {total}",
+                              "use a fixed batch size and drop_last=True")
+        with self._recording_logs(_LogRecorder()):
+            inputs = [capture_model_call(self._transformer, partial(module.training_step, mb, *rest, **kwargs))
+                      for mb, _, _ in micro]
+        self._pp_step = (micro, rest, kwargs, total, _LogRecorder(), [])
+        params = list(module.parameters())
+        previous = {p: p.grad for p in params}
+        for p in params:
+            p.grad = None
+        try:
+            with self.precision_plugin.train_step_context():
+                pipe.train_step(inputs)
+        finally:
+            self._pipeline_grads = {p: p.grad for p in params if p.grad is not None}
+            for p in params:
+                p.grad = previous[p]
+            _, _, _, _, recorder, losses = self._pp_step
+            self._pp_step = None
+        payload = None
+        if pipe.has_last:
+            payload = (float(sum(losses)) / sum(rows for *_, rows in micro), recorder.values)
+        mean, recorder.values = pipe.broadcast_from_last(payload)
+        recorder.flush(module, self._reduce_over_dp, total)
+        return torch.tensor(mean, device=self.root_device)
+
+    def _pipeline_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss on the last stage: the user's training_step on micro-batch ``target``, its model
+        call returning the pipeline output; weighted like the non-pipelined micro-batch losses."""
+        from lightning_autopar.parallel.pipeline import model_call_replaced
+
+        micro, rest, kwargs, total, recorder, losses = self._pp_step
+        pipe = self._pipeline
+        mb, weight, rows = micro[int(target.reshape(-1)[0])]
+        rec = _LogRecorder() if pipe.inferring else recorder  # shape inference: a real pass, not recorded
+        rec.weight = rows / total
+        model_output = pipe.last_chunk.rebuild(output)
+        with self._recording_logs(rec), model_call_replaced(self._transformer, lambda *a, **k: model_output):
+            out = self.lightning_module.training_step(mb, *rest, **kwargs)
+        loss = out["loss"] if isinstance(out, Mapping) else out
+        if not isinstance(loss, torch.Tensor):
+            raise ConfigError("training_step", "with pipeline parallelism the training_step must return the loss",
+                              "return a loss tensor (or a dict with 'loss')")
+        if not pipe.inferring:
+            losses.append(loss.detach().float().cpu() * rows)
+        loss = loss * weight
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler.scale(loss) if scaler is not None else loss
+
+    def _pipeline_eval_step(self, hook: str, batch: Any, rest: tuple, kwargs: dict) -> Any:
+        """Forward-only through the pipeline, then the user's hook on the last stage; logs reach every rank."""
+        from functools import partial
+
+        from lightning_autopar.parallel.pipeline import capture_model_call, model_call_replaced
+
+        pipe, module = self._pipeline, self.lightning_module
+        total = _leading_size(batch)
+        dp_rank, dp = self._dp_rank_and_size()
+        start, stop = split_rows(total, dp, dp_rank)
+        step = partial(getattr(module, hook), _slice_batch(batch, start, stop, total), *rest, **kwargs)
+        with self._recording_logs(_LogRecorder()):
+            inputs = capture_model_call(self._transformer, step, hook)
+        recorder = _LogRecorder()
+        recorder.weight = (stop - start) / total
+        out = None
+        with self.precision_plugin.val_step_context():
+            output = pipe.forward_only(inputs)
+            if pipe.has_last:
+                with self._recording_logs(recorder), model_call_replaced(self._transformer, lambda *a, **k: output):
+                    out = step()
+        recorder.values = pipe.broadcast_from_last(recorder.values if pipe.has_last else None)
+        recorder.flush(module, self._reduce_over_dp, total)
+        return out
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """With pipeline parallelism the schedule already ran backward in training_step: Lightning's hooks run,
+        autograd does not; the held gradients are put in place (added to any being accumulated)."""
+        grads = self._pipeline_grads
+        if grads is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._pipeline_grads = None
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for p, grad in grads.items():
+            p.grad = grad if p.grad is None else p.grad + grad
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Sharded checkpoints store the optimizer state flattened: every entry (states and param-group
+        settings) keyed by parameter name, so ranks holding different parameters (pipeline stages, expert
+        ranks) write disjoint keys, and a checkpoint reshards across plans."""
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, optimizer, options=options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded checkpoint (model, flattened optimizer states, metadata) into this rank's parameters."""
+        from pathlib import Path
+
+        import torch.distributed.checkpoint as dcp
+        from lightning.fabric.strategies.fsdp import _METADATA_FILENAME
+        from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_optimizer_state_dict)
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_checkpoint(path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        state = {"state_dict": get_model_state_dict(self.model)}
+        for i, optimizer in enumerate(self.optimizers):
+            state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer, options=options)
+        dcp.load(state, checkpoint_id=path)
+        self.model.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        for i, optimizer in enumerate(self.optimizers):
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=options)
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     def teardown(self) -> None:
         super().teardown()
@@ -423,17 +650,28 @@ class AutoParallelStrategy(AutoParallelMixin, _PLModelParallel):
     """Lightning strategy that plans and applies DP / FSDP / TP automatically (``strategy="autopar"``)."""
 
 
+def register_flavours(registry: Any, cls: type, twin: str, twin_registry: str, make: Callable[[Any], type],
+                      alias: str, namespace: dict[str, Any]) -> None:
+    """Register ``cls`` as "autopar" in ``registry`` and, when the standalone twin package ``twin`` (e.g.
+    ``pytorch_lightning.strategies``) is installed, ``make(twin module)`` in its ``twin_registry``, kept in
+    ``namespace`` as ``alias`` (idempotent)."""
+    import importlib
+
+    if "autopar" not in registry:
+        cls.register_strategies(registry)
+    try:
+        module = importlib.import_module(twin)
+    except ImportError:
+        return
+    if "autopar" not in getattr(module, twin_registry):
+        namespace[alias] = make(module)
+        namespace[alias].register_strategies(getattr(module, twin_registry))
+
+
 def register() -> None:
     """Register "autopar" in lightning.pytorch's and (when installed) pytorch_lightning's registries."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    if "autopar" not in StrategyRegistry:
-        AutoParallelStrategy.register_strategies(StrategyRegistry)
-    try:
-        import pytorch_lightning.strategies as pl_strategies
-    except ImportError:
-        return
-    if "autopar" not in pl_strategies.StrategyRegistry:
-        cls = _make_strategy_class(pl_strategies.ModelParallelStrategy, __name__)
-        globals()["PLAutoParallelStrategy"] = cls
-        cls.register_strategies(pl_strategies.StrategyRegistry)
+    register_flavours(StrategyRegistry, AutoParallelStrategy, "pytorch_lightning.strategies", "StrategyRegistry",
+                      lambda m: _make_strategy_class(m.ModelParallelStrategy, __name__), "PLAutoParallelStrategy",
+                      globals())

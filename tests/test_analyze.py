@@ -98,3 +98,15 @@ def test_find_transformer_inside_a_lightning_module():
 def test_model_without_blocks_is_a_clear_error():
     with pytest.raises(ValueError, match="no repeated blocks"):
         analyze(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_hugging_face_llama_heads_come_from_its_config():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    for trace in (False, True):
+        a = analyze(transformers.LlamaForCausalLM(cfg), seq_len=16, trace=trace)
+        attn = a.blocks[0].attention
+        assert (attn.q, attn.k, attn.v, attn.o) == ("q_proj", "k_proj", "v_proj", "o_proj")
+        assert (a.spec.heads, a.spec.kv_heads, a.spec.ffn_kind, a.spec.layers) == (4, 2, "swiglu", 2)
+        assert a.unclassified == []

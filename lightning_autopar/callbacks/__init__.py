@@ -1,0 +1,20 @@
+"""Training-time callbacks for the autopar strategy (they also work with other strategies where they can).
+
+* ``AutoCheckpoint``: periodic sharded checkpoints (complete or invisible, last k kept), automatic and
+  elastic resume with RNG states and the position in the epoch.
+* ``Overlap``: FSDP2 prefetch / reshard / reduce-scatter knobs chosen from the plan, overridable.
+* ``StepMonitor``: measured vs predicted step time, tokens/s, TFLOP/s, MFU, memory; a warning naming the term
+  that is off; a PNG report.
+* ``Rebalance``: refit the cost model from the monitor's measurements and switch to a faster micro-batch
+  split of the same global batch at a checkpoint boundary.
+* Gradient accumulation is the strategy's (``plan.grad_accum``); ``accumulation`` documents how it combines
+  with Lightning's ``accumulate_grad_batches``.
+"""
+
+from lightning_autopar.callbacks.checkpoint import AutoCheckpoint, latest_checkpoint, make_resumable
+from lightning_autopar.callbacks.monitor import StepMonitor, StepRecord
+from lightning_autopar.callbacks.overlap import Overlap, OverlapKnobs, choose_overlap
+from lightning_autopar.callbacks.rebalance import Rebalance
+
+__all__ = ["AutoCheckpoint", "Overlap", "OverlapKnobs", "Rebalance", "StepMonitor", "StepRecord",
+           "choose_overlap", "latest_checkpoint", "make_resumable"]

@@ -87,8 +87,11 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(cfg.hidden, cfg.ffn_hidden, cfg.ffn_kind) for _ in range(cfg.experts))
         self.aux_loss = torch.zeros(())
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router math shared with the expert-parallel layer: (topk weights, topk expert ids, aux loss)."""
+    def route(self, x: torch.Tensor, reduce_counts=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Router math shared with the expert-parallel layer: (topk weights, topk expert ids, aux loss).
+
+        ``reduce_counts`` (optional) maps this call's per-expert assignment counts to the counts over all the
+        tokens the balance loss should cover (default: this call's tokens)."""
         logits = self.router(x)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         weights, ids = probs.topk(self.top_k, dim=-1)
@@ -96,7 +99,9 @@ class MoE(nn.Module):
         # Switch Transformer balance loss: E * sum_e (fraction of tokens routed to e) * (mean prob of e)
         counts = torch.zeros(self.num_experts, device=x.device, dtype=torch.float32)
         counts.scatter_add_(0, ids.reshape(-1), torch.ones(ids.numel(), device=x.device))
-        frac = counts / ids.numel()
+        if reduce_counts is not None:
+            counts = reduce_counts(counts)
+        frac = counts / counts.sum()
         aux = self.num_experts * (frac * probs.mean(dim=0)).sum()
         return weights, ids, aux
 

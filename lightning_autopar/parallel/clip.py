@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
+
+Part = tuple[Callable[[torch.nn.Parameter], bool], Sequence]
 
 
 def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
@@ -25,12 +27,37 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
     return torch.nn.utils.get_total_norm([n.float() for n in norms], norm_type)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Like ``torch.nn.utils.clip_grad_norm_`` but safe when gradients are DTensors on several meshes."""
+def partitioned_grad_norm(parameters: Iterable[torch.nn.Parameter], parts: Sequence[Part],
+                          norm_type: float = 2.0) -> torch.Tensor:
+    """The norm over parameters spread over ranks: each part (``(predicate, groups)``, a parameter goes to the
+    first part whose predicate holds) has its norm taken as in ``total_grad_norm``, then combined over its
+    process groups, whose ranks hold disjoint parameters (pipeline stages, expert-parallel ranks). Every rank
+    must pass the same parts."""
+    import torch.distributed as dist
+
+    params = [p for p in parameters if p.grad is not None]
+    buckets: list[list[torch.nn.Parameter]] = [[] for _ in parts]
+    for p in params:
+        buckets[next(i for i, (pred, _) in enumerate(parts) if pred(p))].append(p)
+    inf = norm_type == float("inf")
+    norms = []
+    for (_, groups), bucket in zip(parts, buckets):
+        norm = total_grad_norm(bucket, norm_type).float()
+        value = norm if inf else norm ** norm_type
+        for group in groups:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+        norms.append(value if inf else value ** (1.0 / norm_type))
+    return torch.nn.utils.get_total_norm(norms, norm_type) if norms else torch.zeros(())
+
+
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0,
+                    parts: Sequence[Part] | None = None) -> torch.Tensor:
+    """Like ``torch.nn.utils.clip_grad_norm_`` but safe when gradients are DTensors on several meshes, and (with
+    ``parts``, see ``partitioned_grad_norm``) when ranks hold different parameters."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in parameters if p.grad is not None]
-    total = total_grad_norm(params, norm_type)
+    total = partitioned_grad_norm(params, parts, norm_type) if parts else total_grad_norm(params, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

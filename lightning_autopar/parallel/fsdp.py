@@ -12,6 +12,12 @@ Mapping (FSDP2 has no separate ZeRO-1/2 switches; these are the nearest semantic
 
 With ``dp_shard < dp`` the mesh is 2-D (HSDP): shard inside groups of ``dp_shard``, replicate across them.
 Gradients are averaged over all data-parallel ranks.
+
+Expert parallelism: each local expert is its own unit on the expert-data-parallel mesh (the ``dp / ep`` ranks
+holding the same experts), wrapped before its block so the block's unit leaves its parameters alone; its
+gradients are summed over that mesh and divided by the full ``dp`` (tokens from the whole EP group reached
+them through the all-to-all). Pipeline parallelism: one set of units per pipeline chunk (its blocks, then the
+chunk for its embeddings / norm / head), the chunk being what the pipeline schedule drives.
 """
 
 from __future__ import annotations
@@ -41,6 +47,31 @@ def data_parallel_units(root: nn.Module, block_fqns: Iterable[str], covered: nn.
     return units + [covered] + extra
 
 
+def shard_experts(experts: Iterable[nn.Module], edp_mesh: DeviceMesh, zero: int, dp: int,
+                  precision: str = "fp32") -> None:
+    """One FSDP unit per local expert on the expert-data-parallel mesh, gradients divided by ``dp``."""
+    from torch.distributed.fsdp import fully_shard
+
+    policy = mixed_precision_policy(precision)
+    for expert in experts:
+        fully_shard(expert, mesh=edp_mesh, reshard_after_forward=zero == 3, mp_policy=policy)
+        expert.set_gradient_divide_factor(float(dp))
+        if edp_mesh.mesh.shape[-1] > 1:
+            # a real reduce-scatter: plain SUM, then divide (gloo has no PREMUL_SUM). With a shard group of
+            # one FSDP divides while copying and must not divide again after the (SUM) all-reduce.
+            expert.set_force_sum_reduction_for_comms(True)
+
+
+def _shard_units(units: list[nn.Module], n_blocks: int, dp_mesh: DeviceMesh, zero: int, precision: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    policy = mixed_precision_policy(precision)
+    for i, unit in enumerate(units):
+        # the last block is gathered again right away by backward: keeping it saves one all-gather
+        reshard = zero == 3 and i < n_blocks - 1
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+
+
 def apply_data_parallel(
     root: nn.Module,
     transformer: nn.Module,
@@ -50,17 +81,22 @@ def apply_data_parallel(
     precision: str = "fp32",
 ) -> list[nn.Module]:
     """``fully_shard`` the blocks, the transformer and leftover children of ``root``; returns the FSDP roots
-    (the modules whose gradient sync the strategy toggles for accumulation)."""
-    from torch.distributed.fsdp import fully_shard
-
-    policy = mixed_precision_policy(precision)
+    (the modules whose gradient sync the strategy toggles for accumulation). Experts sharded by
+    ``shard_experts`` before this call keep their own units."""
     units = data_parallel_units(root, block_fqns, transformer)
-    n_blocks = len(block_fqns)
-    for i, unit in enumerate(units):
-        # the last block is gathered again right away by backward: keeping it saves one all-gather
-        reshard = zero == 3 and i < n_blocks - 1
-        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    return units[n_blocks:]
+    _shard_units(units, len(block_fqns), dp_mesh, zero, precision)
+    return units[len(block_fqns):]
+
+
+def apply_data_parallel_chunks(chunks: Iterable[nn.Module], dp_mesh: DeviceMesh, zero: int,
+                               precision: str = "fp32") -> list[nn.Module]:
+    """Pipeline parallelism: ``fully_shard`` each chunk's blocks, then the chunk (``parallel.pipeline``);
+    returns the chunks."""
+    chunks = list(chunks)
+    for chunk in chunks:
+        blocks = list(chunk.blocks)
+        _shard_units(blocks + [chunk], len(blocks), dp_mesh, zero, precision)
+    return chunks
 
 
 def set_gradient_sync(roots: list[nn.Module], enabled: bool) -> None:

@@ -276,7 +276,7 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
             es.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
             es.enter_context(recorder)
             out = functional_call(model, {**params, **buffers}, (idx,), strict=False, tie_weights=True)
-            logits = out if isinstance(out, torch.Tensor) else (getattr(out, "logits", None) or out[0])
+            logits = out if isinstance(out, torch.Tensor) else (out.logits if hasattr(out, "logits") else out[0])
             logits.float().sum().backward()
     finally:
         for h in handles:
@@ -285,6 +285,38 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
     root = type(model).__name__
     block_flops = {f: float(sum(counts.get(f"{root}.{f}", {}).values())) for f in block_fqns}
     return {"flops": block_flops, "total": float(counter.get_total_flops()), "saved": saved, "attn": recorder.calls}
+
+
+def _int_attrs(mod: nn.Module) -> dict[str, int]:
+    """Integer attributes of a module and of its ``config`` object (Hugging Face keeps head counts there)."""
+    sources = [vars(mod)]
+    config = getattr(mod, "config", None)
+    if hasattr(config, "__dict__"):
+        sources.insert(0, vars(config))
+    return {a.lower(): v for src in sources for a, v in src.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _attention_from_attributes(block: nn.Module, hidden: int) -> tuple[str | None, int, int, int]:
+    """(site, heads, kv_heads, head_dim) without tracing: a module with >= 3 linears reading ``hidden`` and an
+    output linear, whose head geometry is in its (or its config's) integer attributes."""
+    for name, mod in block.named_modules():
+        lin = _linears(mod)
+        if sum(m.in_features == hidden for m in lin.values()) < 1 or not any(
+                m.out_features == hidden for m in lin.values()):
+            continue
+        attrs = _int_attrs(mod)
+        heads = next((attrs[a] for a in ("n_heads", "num_heads", "n_head", "num_attention_heads") if a in attrs), 0)
+        head_dim = attrs.get("head_dim", 0)
+        q_width = max((m.out_features for m in lin.values() if m.in_features == hidden), default=0)
+        if not heads and head_dim and len(lin) >= 3:
+            heads = q_width // head_dim if q_width == hidden else hidden // head_dim
+        if not heads:
+            continue
+        head_dim = head_dim or hidden // heads
+        kv_heads = next((attrs[a] for a in ("n_kv_heads", "num_key_value_heads", "n_query_groups", "num_kv_heads")
+                         if a in attrs), heads)
+        return name, heads, kv_heads, head_dim
+    return None, 0, 0, 0
 
 
 # ------------------------------------------------------------------------------------------- entry points
@@ -327,14 +359,7 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
             attn_site, heads, kv_heads, head_dim = site[len(block_fqns[0]) + 1 :], h, kvh, hd
             break
     if attn_site is None:
-        for name, mod in blocks[0].named_modules():
-            h = next((v for a, v in vars(mod).items() if isinstance(v, int) and a.lower() in
-                      ("n_heads", "num_heads", "n_head", "num_attention_heads")), None)
-            if h:
-                attn_site, heads = name, h
-                kv_heads = next((v for a, v in vars(mod).items() if isinstance(v, int) and a.lower() in
-                                 ("n_kv_heads", "num_key_value_heads", "n_query_groups", "num_kv_heads")), h)
-                break
+        attn_site, heads, kv_heads, head_dim = _attention_from_attributes(blocks[0], hidden)
     if heads and not head_dim:
         head_dim = hidden // heads
     if heads and kv_heads == heads and attn_site is not None:

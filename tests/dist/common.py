@@ -32,12 +32,13 @@ def make_data() -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def reference_run(steps: int = STEPS, clip: float | None = None, seed: int = 0):
-    """The plain single-process loop: same model, data, seed and optimizer. Returns (losses, state dict)."""
+def reference_run(steps: int = STEPS, clip: float | None = None, seed: int = 0, **overrides):
+    """The plain single-process loop: same model (``overrides`` of its config), data, seed and optimizer.
+    Returns (losses, state dict)."""
     import lightning.pytorch as L
 
     L.seed_everything(seed, verbose=False)
-    module = make_module()
+    module = make_module(**overrides)
     opt = module.configure_optimizers()
     data = make_data()
     losses = []

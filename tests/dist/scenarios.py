@@ -39,7 +39,8 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in get_model_state_dict(module, options=opts).items()}
 
 
-def fit(fix, steps=STEPS, ckpt_path=None, seed=0, model_kwargs=None, strategy_kwargs=None, **trainer_kwargs):
+def fit(fix, steps=STEPS, ckpt_path=None, seed=0, model_kwargs=None, strategy_kwargs=None, batch_size=GLOBAL_BATCH,
+        **trainer_kwargs):
     world = int(os.environ["WORLD_SIZE"])
     L.seed_everything(seed, verbose=False)
     module = make_module(**(model_kwargs or {}))
@@ -47,12 +48,13 @@ def fit(fix, steps=STEPS, ckpt_path=None, seed=0, model_kwargs=None, strategy_kw
     strategy = AutoParallelStrategy(fix=fix, cluster="cpu", print_plan=False, **(strategy_kwargs or {}))
     cbs = trainer_kwargs.pop("extra_callbacks", [])
     trainer_kwargs.setdefault("enable_checkpointing", False)
+    trainer_kwargs.setdefault("logger", False)
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
+        strategy=strategy, accelerator="cpu", devices=world, max_steps=steps,
         enable_progress_bar=False, enable_model_summary=False,
         callbacks=[collector, *cbs], **trainer_kwargs,
     )
-    loader = DataLoader(make_data(), batch_size=GLOBAL_BATCH, shuffle=False)
+    loader = DataLoader(make_data(), batch_size=batch_size, shuffle=False)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     return trainer, module, collector.losses, strategy.plan.to_dict()
 
@@ -75,6 +77,16 @@ FIXES = {
 }
 
 
+def record_error(out: Path, name: str, *args, **kwargs) -> None:
+    """Record the one-line AutoparError that ``fit(*args, **kwargs)`` is expected to raise (or None)."""
+    try:
+        fit(*args, **kwargs)
+    except AutoparError as err:
+        record(out, name, error=str(err), kind=type(err).__name__)
+    else:
+        record(out, name, error=None)
+
+
 def run(out: Path, name: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     if name in FIXES:
@@ -92,22 +104,18 @@ def run(out: Path, name: str) -> None:
         trainer, module, losses, plan = fit("tp=2,dp=2,zero=3", ckpt_path=str(ckpt), seed=123)
         record(out, name, losses=losses, state=full_state(module), plan=plan)
     elif name == "tp_indivisible":
-        try:
-            fit(f"tp={world},dp=1", model_kwargs={"hidden": 48, "heads": 3})
-        except AutoparError as err:
-            record(out, name, error=str(err), kind=type(err).__name__)
-        else:
-            record(out, name, error=None)
+        record_error(out, name, f"tp={world},dp=1", model_kwargs={"hidden": 48, "heads": 3})
     else:
         raise SystemExit(f"unknown scenario {name}")
 
 
-def main() -> None:
+def main(run_one=None) -> None:
+    """Run the scenarios named in argv with ``run_one(out, name)`` (default: this file's ``run``)."""
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     for name in sys.argv[2].split(","):
         try:
-            run(out, name)
+            (run_one or run)(out, name)
         except Exception:
             record(out, name, crash=traceback.format_exc())
             raise

@@ -1,0 +1,176 @@
+"""The autopar strategy for Lightning Fabric: ``Fabric(strategy="autopar")``.
+
+The same planner and apply layer as the Trainer strategy (it *is* ``AutoParallelMixin``, over Fabric's
+``ModelParallelStrategy`` instead of the Trainer's), so a plan means the same thing in both::
+
+    fabric = Fabric(strategy="autopar", accelerator="cpu", devices=4)   # or AutoParallelFabricStrategy(fix="tp=2")
+    fabric.launch()
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=16))  # 16 = the global batch of one step
+    model, optimizer = fabric.setup(model, optimizer)                   # plans and applies
+    for x, y in loader:                                                 # this rank's rows of each global batch
+        loss = loss_fn(model(x), y)
+        fabric.backward(loss)
+        optimizer.step(); optimizer.zero_grad()
+
+Where the plan's inputs come from:
+
+* **global batch**: the ``global_batch=`` argument of the strategy, else the batch size of the training
+  DataLoader passed to ``fabric.setup_dataloaders`` (the first one) *before* ``fabric.setup``. Without either,
+  ``fabric.setup`` stops with one line saying so. Its sequence length is read from the loader's first batch.
+* **the batch**: as with the Trainer, a DataLoader batch is the global batch of one optimizer step (as on one
+  device). The loader returned by ``setup_dataloaders`` yields this rank's contiguous slice of it (ranks of one
+  tensor-parallel group get the same slice); with equal slices (``drop_last=True``, a global batch divisible by
+  ``dp``) the averaged gradient is the single-device one.
+* **accumulation**: the user's loop calls backward, so the plan has one micro-batch per step
+  (``grad_accum=1``) and no pipeline (``pp=1``); accumulate across steps with ``fabric.no_backward_sync``.
+* **the optimizer**: pass it to ``fabric.setup(model, optimizer)`` as usual; sharding replaces the parameters
+  (DTensors), so its parameter groups (and any state) are re-pointed to the new ones by parameter name.
+* **the model** needs no ``configure_model``; the analysis finds the transformer as for the Trainer.
+
+``fabric run`` (the CLI) accepts only the strategies of its fixed ``--strategy`` list, so leave ``--strategy``
+out and name the strategy in the code: ``fabric run examples/fabric_gpt.py --accelerator cpu --devices 4``.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import defaultdict
+from typing import Any, Iterator
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_autopar.errors import ConfigError
+from lightning_autopar.strategy import AutoParallelMixin, register_flavours
+
+
+def _unused_parallelize(module: nn.Module, mesh: Any) -> nn.Module:  # Fabric's parallelize_fn: setup_module plans
+    return module
+
+
+class _InjectParallelizeFn:
+    """Sits between the mixin and Fabric's ModelParallelStrategy in the MRO to supply ``parallelize_fn``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(_unused_parallelize, **kwargs)  # type: ignore[call-arg]
+
+
+class _GlobalBatchSlices:
+    """The user's DataLoader (one global batch per step) yielding this rank's data-parallel rows of each batch."""
+
+    def __init__(self, loader: Any, strategy: FabricAutoParallelMixin) -> None:
+        self.loader = loader
+        self.strategy = strategy
+        for name in ("dataset", "batch_size", "sampler", "batch_sampler", "drop_last", "num_workers"):
+            setattr(self, name, getattr(loader, name, None))
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            if self.strategy.plan is None:
+                raise ConfigError("fabric.setup", "the data was iterated before the model was set up, so there is "
+                                  "no plan to slice the batch with", "call fabric.setup(model, ...) first")
+            yield next(self.strategy._micro_batches(batch, 1))[0]
+
+
+class FabricAutoParallelMixin(AutoParallelMixin):
+    """Fabric's side of the strategy: setup_module plans and applies; the data is sliced per dp rank."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._autopar_module: nn.Module | None = None
+        self._loader: Any = None
+
+    @property
+    def lightning_module(self) -> nn.Module | None:  # what the shared planning code analyses
+        return self._autopar_module
+
+    def _automatic_optimization(self) -> bool:
+        return False  # the user's loop runs backward: one micro-batch per step, no pipeline schedule
+
+    def _train_loader(self, trainer: Any) -> Any:
+        return self._loader
+
+    def setup_environment(self) -> None:
+        # Fabric's base: set the device, then the process group; the mesh waits for the plan (setup_module)
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.root_device)
+        self._setup_distributed()
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        if self._loader is None:
+            self._loader = dataloader
+        return _GlobalBatchSlices(dataloader, self)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        from lightning.fabric.utilities.init import _materialize_distributed_module
+
+        from lightning_autopar.parallel.precision import ShardedGradScaler
+
+        if self.plan is not None:
+            raise ConfigError("fabric.setup", "the autopar strategy plans one model per Fabric",
+                              "set up one model (wrap several in one nn.Module)")
+        if self._global_batch_arg is None and self._loader is None:
+            raise ConfigError("global_batch", "fabric.setup ran before any fabric.setup_dataloaders, so the global "
+                              "batch is unknown", "call fabric.setup_dataloaders(train_loader) before fabric.setup, "
+                              "or pass AutoParallelFabricStrategy(global_batch=N)")
+        self._autopar_module = module
+        _materialize_distributed_module(module, self.root_device)
+        # the shared planning code takes the Trainer; of it, only .precision is read here (the loader comes
+        # from _train_loader, the optimization mode from _automatic_optimization)
+        self._plan_and_apply(types.SimpleNamespace(precision=self.precision.precision))
+        module.to(self.root_device)
+        scaler = getattr(self.precision, "scaler", None)
+        if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+            self.precision.scaler = ShardedGradScaler(device=self.root_device.type)
+        return module
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
+                                    scheduler: Any = None) -> tuple[nn.Module, list[Optimizer], Any]:
+        names = {id(p): name for name, p in module.named_parameters()}
+        module = self.setup_module(module)
+        for optimizer in optimizers:
+            rebind_optimizer(optimizer, names, dict(module.named_parameters()))
+        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
+                            norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> Any:
+        from lightning_autopar.parallel.clip import clip_grad_norm_
+
+        self.precision.unscale_gradients(optimizer)
+        params = list(self.precision.main_params(optimizer))
+        return clip_grad_norm_(params, max_norm, norm_type, parts=self._norm_parts())
+
+
+def rebind_optimizer(optimizer: Optimizer, names: dict[int, str], params: dict[str, nn.Parameter]) -> None:
+    """Point ``optimizer`` at the parameters that replaced the originals (same names); parameters this rank no
+    longer holds (other pipeline stages, remote experts) are dropped, and any state follows its parameter."""
+    mapping = {old: params[name] for old, name in names.items() if name in params}
+    for group in optimizer.param_groups:
+        group["params"] = [mapping[id(p)] for p in group["params"] if id(p) in mapping]
+    state = defaultdict(dict)
+    for p, value in optimizer.state.items():
+        if id(p) in mapping:
+            state[mapping[id(p)]] = value
+    optimizer.state = state
+
+
+def _strategy_class(base: type, module_name: str) -> type:
+    return type("AutoParallelFabricStrategy", (FabricAutoParallelMixin, _InjectParallelizeFn, base),
+                {"__module__": module_name, "__doc__": __doc__})
+
+
+from lightning.fabric.strategies import ModelParallelStrategy as _FabricModelParallel  # noqa: E402
+
+AutoParallelFabricStrategy = _strategy_class(_FabricModelParallel, __name__)
+
+
+def register() -> None:
+    """Register "autopar" in lightning.fabric's and (when installed) lightning_fabric's STRATEGY_REGISTRY."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    register_flavours(STRATEGY_REGISTRY, AutoParallelFabricStrategy, "lightning_fabric.strategies",
+                      "STRATEGY_REGISTRY", lambda m: _strategy_class(m.ModelParallelStrategy, __name__),
+                      "LFAutoParallelFabricStrategy", globals())

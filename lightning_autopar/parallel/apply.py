@@ -1,0 +1,113 @@
+"""Apply a plan to a model in the one canonical order:
+
+    PP split -> TP/SP -> EP -> recompute -> FSDP/DP -> precision
+
+1. PP split (``pipeline``): this rank keeps its chunks' blocks (original names) and the pieces it owns.
+2. TP (``tensor``): DTensor layouts on the remaining blocks (all experts still present, each split inside).
+3. EP (``experts``): remote experts removed, MoE forwards routed through all-to-all; with data parallelism alone
+   (ep=1) the MoE forward is replaced too, so the balance loss covers the global micro-batch.
+4. Recompute (``recompute``): composable checkpoint hooks per block (outside FSDP, as torchtitan does).
+5. FSDP/DP (``fsdp``): experts on the expert-data-parallel mesh first, then blocks, then the transformer (or,
+   with PP, each chunk) on the data-parallel mesh.
+6. Precision: FSDP's mixed-precision policy (set in step 5) plus Lightning's precision plugin (the strategy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from lightning_autopar.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lightning_autopar.parallel.experts import ExpertLayer
+    from lightning_autopar.parallel.pipeline import Pipeline
+    from lightning_autopar.profile.analyze import ModelAnalysis
+    from lightning_autopar.specs import Plan
+    from lightning_autopar.topology.mesh import MeshLayout
+
+
+@dataclass
+class Applied:
+    fsdp_roots: list[nn.Module]
+    pipeline: Pipeline | None = None
+    experts: list[ExpertLayer] = field(default_factory=list)
+    expert_meshes: dict[str, Any] = field(default_factory=dict)
+
+    def expert_params(self) -> set[int]:
+        return {id(p) for layer in self.experts for e in layer.experts for p in e.parameters()}
+
+
+def present_blocks(analysis: ModelAnalysis, transformer: nn.Module) -> ModelAnalysis:
+    """The analysis restricted to the blocks still present in ``transformer`` (after the PP split)."""
+    blocks = transformer.get_submodule(analysis.blocks_fqn)
+    keys = set(blocks._modules)
+    prefix = analysis.blocks_fqn + "."
+    kept = [b for b in analysis.blocks if b.fqn[len(prefix):].split(".")[0] in keys]
+    return dataclasses.replace(analysis, blocks=kept)
+
+
+def has_moe(analysis: ModelAnalysis) -> bool:
+    return any(b.moe is not None for b in analysis.blocks)
+
+
+def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer: nn.Module) -> None:
+    """Raise one ConfigError for what the runtime cannot apply to this model."""
+    from lightning_autopar.parallel.experts import check_ep
+    from lightning_autopar.parallel.pipeline import check_pipeline
+    from lightning_autopar.parallel.tensor import check_tp
+
+    check_tp(analysis, plan.tp)
+    check_pipeline(analysis, transformer, root, plan.pp, plan.vpp)
+    check_ep(analysis, transformer, plan.ep)
+    if plan.pp > 1 and has_moe(analysis):
+        raise ConfigError("plan.pp", "pp>1 with MoE layers: a stage's load-balancing losses (kept on its MoE "
+                          "modules) cannot reach the loss computed on the last stage",
+                          "use pp=1 for MoE models (ep/tp/dp)")
+
+
+def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis, plan: Plan, layout: MeshLayout,
+               dp_mesh: Any, device: torch.device, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+               layers_per_stage: Sequence[int] | None = None, capacity_factor: float | None = None) -> Applied:
+    """Apply ``plan`` to ``transformer`` (inside ``root``, the LightningModule) in place; see the module doc."""
+    from lightning_autopar.parallel.experts import apply_expert_parallel
+    from lightning_autopar.parallel.fsdp import apply_data_parallel, apply_data_parallel_chunks, shard_experts
+    from lightning_autopar.parallel.pipeline import Pipeline
+    from lightning_autopar.parallel.recompute import apply_recompute
+    from lightning_autopar.parallel.tensor import apply_tensor_parallel
+    from lightning_autopar.topology.mesh import expert_meshes
+
+    check_plan(plan, analysis, root, transformer)
+    pipeline = None
+    if plan.pp > 1:  # 1. PP split
+        if loss_fn is None:
+            raise ValueError("pipeline parallelism needs the loss function run on the last stage")
+        schedule = plan.schedule
+        if schedule == "1f1b" and plan.grad_accum < plan.pp:
+            schedule = "gpipe"  # 1F1B with fewer micro-batches than stages is GPipe's order (torch rejects it)
+        pipeline = Pipeline(transformer, analysis, layout["pp"], schedule, plan.vpp, plan.grad_accum, device,
+                            loss_fn, layers_per_stage)
+    local = present_blocks(analysis, transformer)
+    apply_tensor_parallel(transformer, local, layout["tp"])  # 2. TP
+    experts, meshes = [], {}
+    if has_moe(local) and (plan.ep > 1 or plan.dp > 1):  # 3. EP
+        meshes = expert_meshes(layout, plan) if plan.ep > 1 else {}
+        experts = apply_expert_parallel(transformer, local, meshes["ep"].get_group() if meshes else None,
+                                        layout["dp_flat"].get_group() if plan.dp > 1 else None, capacity_factor)
+    blocks = {b.fqn: transformer.get_submodule(b.fqn) for b in local.blocks}  # 4. recompute
+    attention_of = {blocks[b.fqn]: blocks[b.fqn].get_submodule(b.attention.fqn) if b.attention else blocks[b.fqn]
+                    for b in local.blocks if b.moe is not None}
+    apply_recompute(blocks.values(), plan.recompute, attention_of)
+    if meshes:  # 5. FSDP / DP
+        shard_experts([e for layer in experts for e in layer.experts], meshes["edp"], plan.zero, plan.dp,
+                      plan.precision)
+    if pipeline is not None:
+        roots = apply_data_parallel_chunks(pipeline.chunks, dp_mesh, plan.zero, plan.precision)
+    else:
+        roots = apply_data_parallel(root, transformer, [b.fqn for b in local.blocks], dp_mesh, plan.zero,
+                                    plan.precision)
+    return Applied(fsdp_roots=roots, pipeline=pipeline, experts=experts, expert_meshes=meshes)

@@ -1,0 +1,514 @@
+"""Pipeline parallelism: split the user's model at block boundaries and run it with torch.distributed.pipelining.
+
+Split: the blocks are cut into ``pp * vpp`` contiguous chunks (the planner's ``layers_per_stage``, else an even
+split); chunk ``j`` lives on pipeline rank ``j % pp`` (GPipe and 1F1B: one chunk per rank; interleaved 1F1B:
+``vpp`` chunks per rank). The token and position embeddings go with the first chunk, the final norm and the LM
+head with the last. Each rank keeps only its blocks, under their original indices (a ``ModuleList`` whose keys
+are the original ones), and parameter-free stand-ins for the embeddings, norm and head it does not own, so the
+parameter names of what remains are exactly the user's (``model.blocks.5.attn.q_proj.weight``): DCP
+checkpoints and ``get_model_state_dict`` work per rank, and their union is the single-device state dict.
+
+Running a chunk runs the user's own ``forward`` of the transformer with the chunk's pieces swapped in:
+
+* a non-first chunk gets zeros from its embedding stand-ins, and its first block receives the activation sent
+  by the previous stage instead (whatever the model computes before the blocks is discarded);
+* a non-last chunk stops at the final norm (it raises the block output out of the forward), so the norm, the
+  head and anything after them (e.g. a loss inside a Hugging Face model) never run there;
+* the last chunk returns the model's output (a tensor, a tuple, or a ``ModelOutput``: flattened to tensors for
+  the schedule and rebuilt before the user's loss code sees it).
+
+The strategy captures, per micro-batch, the arguments the user's ``training_step`` passes to the model (the
+token ids, masks, ...), and every chunk calls the model with them: positions and masks derived from the inputs
+are right on every stage.
+
+Requirements (one ``ConfigError`` otherwise): a stack of at least ``pp * vpp`` blocks; every parameter outside
+the blocks belongs to the token embedding, the position embedding, the final norm or the LM head; a final norm
+or an LM head to stop at; untied embeddings; no parameters on the LightningModule outside the transformer.
+GPT-style models (ours, litgpt) and Llama-style models (including Hugging Face ``LlamaForCausalLM``) qualify.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from lightning_autopar.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_autopar.profile.analyze import ModelAnalysis
+
+
+# ------------------------------------------------------------------------------------------- partition
+
+
+def chunk_sizes(num_blocks: int, pp: int, vpp: int = 1, layers_per_stage: Sequence[int] | None = None) -> list[int]:
+    """Blocks per chunk (``pp * vpp`` chunks): the planner's partition when it fits, else an even split."""
+    chunks = pp * vpp
+    if layers_per_stage and len(layers_per_stage) == chunks and sum(layers_per_stage) == num_blocks \
+            and min(layers_per_stage) >= 1:
+        return [int(n) for n in layers_per_stage]
+    base, extra = divmod(num_blocks, chunks)
+    return [base + (1 if j < extra else 0) for j in range(chunks)]
+
+
+def check_pipeline(analysis: ModelAnalysis, transformer: nn.Module, root: nn.Module, pp: int, vpp: int = 1) -> None:
+    """Raise one ConfigError when ``transformer`` cannot be split into ``pp * vpp`` pipeline chunks."""
+    if pp == 1:
+        return
+    need = "a stack of blocks (nn.ModuleList/Sequential), with embeddings, final norm and LM head outside it"
+    chunks = pp * vpp
+    if len(analysis.blocks) < chunks:
+        raise ConfigError("plan.pp", f"pp*vpp={chunks} exceeds the {len(analysis.blocks)} blocks of the model",
+                          "use pp*vpp <= number of blocks")
+    if analysis.tied_embeddings:
+        raise ConfigError("plan.pp", "the LM head is tied to the token embedding, which pipeline stages cannot "
+                          "share", "use pp=1, or untie the embeddings")
+    if analysis.final_norm is None and analysis.lm_head is None:
+        raise ConfigError("plan.pp", f"{type(transformer).__name__}: no final norm or LM head after the blocks, "
+                          f"so a stage cannot end there; pipeline parallelism needs {need}", "use pp=1")
+    pieces = [p for p in (analysis.token_embedding, analysis.position_embedding, analysis.final_norm,
+                          analysis.lm_head) if p]
+    prefixes = [analysis.blocks_fqn + "."] + [p + "." for p in pieces]
+    for name, _ in transformer.named_parameters():
+        if not any(name.startswith(p) for p in prefixes):
+            raise ConfigError("plan.pp", f"parameter '{name}' is outside the blocks, embeddings, final norm and LM "
+                              f"head, so no pipeline stage can own it; pipeline parallelism needs {need}",
+                              "use pp=1, or move it into a block")
+    transformer_ids = {id(p) for p in transformer.parameters()}
+    for name, p in root.named_parameters():
+        if id(p) not in transformer_ids:
+            raise ConfigError("plan.pp", f"parameter '{name}' of the LightningModule lives outside the transformer "
+                              "(the module holding the blocks), so no pipeline stage can own it", "use pp=1")
+
+
+# ------------------------------------------------------------------------------------------- stand-ins
+
+
+class StageBlocks(nn.ModuleList):
+    """A ModuleList holding some of the original blocks under their original indices (names unchanged);
+    integer indexing and slicing are positional, as on the full list."""
+
+    def __init__(self, items: Sequence[tuple[str, nn.Module]] | Sequence[nn.Module] = ()) -> None:
+        super().__init__()
+        for i, item in enumerate(items):
+            key, module = item if isinstance(item, tuple) else (str(i), item)
+            self.add_module(key, module)
+
+    def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
+        values = list(self._modules.values())
+        if isinstance(idx, slice):
+            return StageBlocks(values[idx])
+        return values[idx]
+
+
+def _blocks_container(items: Sequence[tuple[str, nn.Module]], like: nn.Module) -> nn.Module:
+    if isinstance(like, nn.Sequential):  # Sequential indexes positionally already
+        seq = nn.Sequential()
+        for key, module in items:
+            seq.add_module(key, module)
+        return seq
+    return StageBlocks(items)
+
+
+class _Run:
+    """What the running chunk needs while the user's forward executes: the received activation."""
+
+    def __init__(self) -> None:
+        self.received: torch.Tensor | None = None
+
+    def dtype(self) -> torch.dtype:
+        return self.received.dtype if self.received is not None else torch.get_default_dtype()
+
+
+class ZeroEmbedding(nn.Module):
+    """Stands in for an embedding owned by another stage: zeros of the embedding's output shape."""
+
+    def __init__(self, dim: int, run: _Run) -> None:
+        super().__init__()
+        self.dim = dim
+        self._run = [run]  # a list: not a submodule
+
+    def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.dim, dtype=self._run[0].dtype(), device=ids.device)
+
+
+class _StageOutput(Exception):
+    def __init__(self, value: torch.Tensor) -> None:
+        super().__init__("pipeline stage output")
+        self.value = value
+
+
+class _Exit(nn.Module):
+    """In place of the final norm (or head) on a non-last chunk: ends the forward with the block output."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise _StageOutput(x)
+
+
+class _Inject(nn.Module):
+    """In place of a non-first chunk's first block while it runs: feeds it the received activation."""
+
+    def __init__(self, block: nn.Module, run: _Run) -> None:
+        super().__init__()
+        self.__dict__["_block"] = block  # not a submodule: names stay the user's
+        self.__dict__["_run_ref"] = run
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_block"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        received = self.__dict__["_run_ref"].received
+        if args:
+            args = (received, *args[1:])
+        else:
+            key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+            if key is None:
+                raise RuntimeError("pipeline: cannot find the hidden-state argument of the first block")
+            kwargs = {**kwargs, key: received}
+        return self.__dict__["_block"](*args, **kwargs)
+
+
+def _set(root: nn.Module, fqn: str, module: nn.Module) -> None:
+    parent, _, leaf = fqn.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+# ------------------------------------------------------------------------------------------- chunks
+
+
+class PipelineChunk(nn.Module):
+    """One pipeline chunk (stage) of the user's transformer, as torch.distributed.pipelining's stage module.
+
+    Its registered children are what the chunk owns (its blocks; embeddings, final norm, head when first / last),
+    so FSDP units and ``parameters()`` are per chunk; the forward runs the user's transformer with the chunk's
+    pieces swapped in. The chunk is not a child of the LightningModule: parameter names stay the user's.
+    """
+
+    def __init__(self, index: int, num_chunks: int, transformer: nn.Module, analysis: ModelAnalysis,
+                 block_items: list[tuple[str, nn.Module]], owned: dict[str, nn.Module],
+                 stand_ins: dict[str, nn.Module], inputs: Callable[[int], tuple[tuple, dict]]) -> None:
+        super().__init__()
+        self.index, self.num_chunks = index, num_chunks
+        self.blocks = nn.ModuleList(m for _, m in block_items)
+        self.owned = nn.ModuleList(owned.values())
+        self.__dict__["_transformer"] = transformer
+        self.__dict__["_inputs"] = inputs
+        self._blocks_fqn = analysis.blocks_fqn
+        self._block_items = block_items
+        self._run = _Run()
+        self.mb_index = 0
+        self.out_spec: Any = None
+        self._non_tensor: list[tuple[int, Any]] = []
+        # the pieces' modules while this chunk runs
+        first, last = index == 0, index == num_chunks - 1
+        self._pieces: dict[str, nn.Module] = {}
+        for fqn in (analysis.token_embedding, analysis.position_embedding):
+            if fqn:
+                self._pieces[fqn] = owned[fqn] if first else ZeroEmbedding(stand_ins[fqn].dim, self._run)
+        exit_at = analysis.final_norm or analysis.lm_head
+        for fqn in (analysis.final_norm, analysis.lm_head):
+            if fqn:
+                self._pieces[fqn] = owned[fqn] if last else (_Exit() if fqn == exit_at else nn.Identity())
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_chunks - 1
+
+    @contextmanager
+    def _active(self, received: torch.Tensor | None) -> Iterator[None]:
+        transformer = self.__dict__["_transformer"]
+        blocks = transformer.get_submodule(self._blocks_fqn)
+        items = list(self._block_items)
+        if not self.is_first:
+            items[0] = (items[0][0], _Inject(items[0][1], self._run))
+        saved_blocks = blocks._modules
+        saved = {fqn: transformer.get_submodule(fqn) for fqn in self._pieces}
+        object.__setattr__(blocks, "_modules", OrderedDict(items))
+        for fqn, module in self._pieces.items():
+            _set(transformer, fqn, module)
+        self._run.received = received
+        try:
+            yield
+        finally:
+            self._run.received = None
+            object.__setattr__(blocks, "_modules", saved_blocks)
+            for fqn, module in saved.items():
+                _set(transformer, fqn, module)
+
+    def forward(self, *received: torch.Tensor) -> Any:
+        """First chunk: ``received`` is ignored (the micro-batch index comes from the stage); else the
+        activation of the previous chunk. Returns the activation, or (last chunk) the model output's tensors."""
+        from torch.utils._pytree import tree_flatten
+
+        args, kwargs = self.__dict__["_inputs"](self.mb_index)
+        hidden = None if self.is_first else received[0]
+        with self._active(hidden):
+            try:
+                out = self.__dict__["_transformer"](*args, **kwargs)
+            except _StageOutput as stop:
+                if self.is_last:
+                    raise
+                return stop.value
+        if not self.is_last:
+            raise RuntimeError("pipeline: the forward finished without reaching the final norm / LM head")
+        leaves, self.out_spec = tree_flatten(out)
+        self._non_tensor = [(i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)]
+        tensors = tuple(v for v in leaves if isinstance(v, torch.Tensor))
+        return tensors[0] if len(tensors) == 1 else tensors
+
+    def rebuild(self, output: Any) -> Any:
+        """The model output (as the user's forward returned it) from what the last chunk returned."""
+        from torch.utils._pytree import tree_unflatten
+
+        tensors = list(output) if isinstance(output, (tuple, list)) else [output]
+        leaves: list[Any] = []
+        fixed = dict(self._non_tensor)
+        it = iter(tensors)
+        for i in range(self.out_spec.num_leaves):
+            leaves.append(fixed[i] if i in fixed else next(it))
+        return tree_unflatten(leaves, self.out_spec)
+
+
+def split_model(transformer: nn.Module, analysis: ModelAnalysis, pp_rank: int, pp: int, vpp: int,
+                sizes: Sequence[int], inputs: Callable[[int], tuple[tuple, dict]]) -> list[PipelineChunk]:
+    """Prune ``transformer`` in place to what pipeline rank ``pp_rank`` owns; return its chunks (stage order)."""
+    blocks = transformer.get_submodule(analysis.blocks_fqn)
+    all_items = list(blocks._modules.items())
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    num_chunks = pp * vpp
+    mine = [j for j in range(num_chunks) if j % pp == pp_rank]
+    run_stub = _Run()
+    stand_ins: dict[str, nn.Module] = {}
+    for fqn in (analysis.token_embedding, analysis.position_embedding):
+        if fqn:
+            weight = transformer.get_submodule(fqn).weight
+            stand_ins[fqn] = ZeroEmbedding(int(weight.shape[-1]), run_stub)
+    for fqn in (analysis.final_norm, analysis.lm_head):
+        if fqn:
+            stand_ins[fqn] = nn.Identity()
+    originals = {fqn: transformer.get_submodule(fqn) for fqn in stand_ins}
+    chunks = []
+    local_items: list[tuple[str, nn.Module]] = []
+    for j in mine:
+        items = all_items[bounds[j]:bounds[j + 1]]
+        local_items += items
+        owned = {}
+        if j == 0:
+            owned.update({f: originals[f] for f in (analysis.token_embedding, analysis.position_embedding) if f})
+        if j == num_chunks - 1:
+            owned.update({f: originals[f] for f in (analysis.final_norm, analysis.lm_head) if f})
+        chunks.append(PipelineChunk(j, num_chunks, transformer, analysis, items, owned, stand_ins, inputs))
+    owned_here = {f for c in chunks for f in c._pieces if c._pieces[f] is originals.get(f)}
+    for fqn, stand_in in stand_ins.items():
+        if fqn not in owned_here:
+            _set(transformer, fqn, stand_in)
+    _set(transformer, analysis.blocks_fqn, _blocks_container(local_items, blocks))
+    return chunks
+
+
+def local_block_fqns(chunks: Sequence[PipelineChunk]) -> list[str]:
+    """Block FQNs (relative to the transformer) this rank holds, in order."""
+    return [f"{c._blocks_fqn}.{key}" for c in chunks for key, _ in c._block_items]
+
+
+# ------------------------------------------------------------------------------------------- schedule
+
+
+def _stage_class() -> type:
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        """Tells its chunk which micro-batch it runs, and flags the shape-inference pass."""
+
+        inferring = False
+
+        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self.submod.mb_index = fwd_chunk_id
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+        def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            self.submod.mb_index = 0
+            Stage.inferring = True
+            try:
+                return super()._prepare_forward_infra(*args, **kwargs)
+            finally:
+                Stage.inferring = False
+
+        def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            Stage.inferring = True
+            try:
+                return super()._prepare_backward_infra(*args, **kwargs)
+            finally:
+                Stage.inferring = False
+
+    return Stage
+
+
+class Pipeline:
+    """This rank's chunks, their stages and the schedule; runs training steps and forward-only passes.
+
+    Construction splits ``transformer`` in place; TP, EP, recompute and FSDP are then applied to the chunks by
+    the caller (the strategy's order), which the stages and the schedule only use from the first step on.
+    """
+
+    def __init__(self, transformer: nn.Module, analysis: ModelAnalysis, pp_mesh: DeviceMesh, schedule: str, vpp: int,
+                 n_microbatches: int, device: torch.device, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                 layers_per_stage: Sequence[int] | None = None) -> None:
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        self.pp_mesh = pp_mesh
+        self.group = pp_mesh.get_group()
+        self.pp = pp_mesh.size()
+        self.pp_rank = pp_mesh.get_local_rank()
+        self.device = device
+        self.inputs: list[tuple[tuple, dict]] = []
+        self.n_microbatches = n_microbatches
+        self.sizes = chunk_sizes(len(analysis.blocks), self.pp, vpp, layers_per_stage)
+        self.chunks = split_model(transformer, analysis, self.pp_rank, self.pp, vpp, self.sizes, self.input_of)
+        Stage = self._stage_cls = _stage_class()
+        self.stages = [Stage(c, c.index, c.num_chunks, device, group=self.group) for c in self.chunks]
+        if schedule == "interleaved" or len(self.stages) > 1:
+            self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        else:
+            kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+            self.schedule = kind(self.stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    @property
+    def inferring(self) -> bool:
+        """True while the schedule infers shapes (a real forward/backward whose loss must not be recorded)."""
+        return self._stage_cls.inferring
+
+    @property
+    def has_last(self) -> bool:
+        return any(c.is_last for c in self.chunks)
+
+    @property
+    def last_chunk(self) -> PipelineChunk:
+        return next(c for c in self.chunks if c.is_last)
+
+    def input_of(self, mb_index: int) -> tuple[tuple, dict]:
+        return self.inputs[mb_index]
+
+    def last_rank(self) -> int:
+        """Global rank of the last stage in this rank's pipeline group."""
+        num_chunks = self.chunks[0].num_chunks
+        return int(self.pp_mesh.mesh.flatten()[(num_chunks - 1) % self.pp].item())
+
+    def train_step(self, inputs: list[tuple[tuple, dict]]) -> None:
+        """Forward and backward of all micro-batches through the schedule. ``inputs[i]`` are the (args, kwargs)
+        of the model call for micro-batch i; the loss function given at construction runs on the last stage
+        with the micro-batch index as its target."""
+        if len(inputs) != self.n_microbatches:
+            raise RuntimeError(f"pipeline: {len(inputs)} micro-batches, planned {self.n_microbatches}")
+        self.inputs = inputs
+        index = torch.arange(self.n_microbatches, device=self.device)
+        args = (index,) if self.chunks[0].is_first else ()
+        try:
+            self.schedule.step(*args, target=index if self.has_last else None, return_outputs=False)
+        finally:
+            self.inputs = []
+
+    def forward_only(self, inputs: tuple[tuple, dict]) -> Any:
+        """One micro-batch forward through all chunks in stage order without gradients (validation); returns
+        the model output on the rank holding the last chunk, else None."""
+        import torch.distributed as dist
+
+        self.inputs = [inputs]
+        ranks = self.pp_mesh.mesh.flatten().tolist()
+        by_index = {c.index: c for c in self.chunks}
+        num_chunks = self.chunks[0].num_chunks
+        hidden: torch.Tensor | None = None
+        out = None
+        try:
+            with torch.no_grad():
+                for j in range(num_chunks):
+                    owner, prev = j % self.pp, (j - 1) % self.pp
+                    if owner != self.pp_rank:
+                        continue
+                    chunk = by_index[j]
+                    if j > 0 and prev != self.pp_rank:
+                        meta: list[Any] = [None]
+                        dist.recv_object_list(meta, src=ranks[prev], group=self.group)
+                        hidden = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
+                        dist.recv(hidden, src=ranks[prev], group=self.group)
+                    chunk.mb_index = 0
+                    result = chunk() if j == 0 else chunk(hidden)
+                    if chunk.is_last:
+                        out = chunk.rebuild(result)
+                        break
+                    hidden = result
+                    nxt = (j + 1) % self.pp
+                    if nxt != self.pp_rank:
+                        dist.send_object_list([(tuple(hidden.shape), hidden.dtype)], dst=ranks[nxt], group=self.group)
+                        dist.send(hidden.contiguous(), dst=ranks[nxt], group=self.group)
+        finally:
+            self.inputs = []
+            self._reshard()
+        return out
+
+    def _reshard(self) -> None:
+        """Free parameters FSDP kept gathered after a forward without backward (the next step gathers the
+        updated ones; stale gathered copies would otherwise survive the optimizer step)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for chunk in self.chunks:
+            for module in chunk.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    def broadcast_from_last(self, obj: Any) -> Any:
+        """``obj`` as given on the last stage's rank, on every rank of the pipeline group."""
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.last_rank(), group=self.group)
+        return box[0]
+
+
+# ------------------------------------------------------------------------------------------- the user's step
+
+
+class _Captured(Exception):
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__("model call captured")
+        self.args, self.kwargs = args, kwargs
+
+
+@contextmanager
+def model_call_replaced(transformer: nn.Module, fn: Callable[..., Any]) -> Iterator[None]:
+    """While active, calling ``transformer`` runs ``fn`` instead of its forward (hooks included)."""
+    transformer.forward = fn  # instance attribute: shadows the class's forward
+    try:
+        yield
+    finally:
+        transformer.__dict__.pop("forward", None)
+
+
+def capture_model_call(transformer: nn.Module, step: Callable[[], Any], hook: str = "training_step") -> tuple[tuple, dict]:
+    """Run the user's ``step`` up to its call of the model and return that call's (args, kwargs)."""
+
+    def grab(*args: Any, **kwargs: Any) -> Any:
+        raise _Captured(args, kwargs)
+
+    with model_call_replaced(transformer, grab), torch.no_grad():
+        try:
+            step()
+        except _Captured as call:
+            return call.args, call.kwargs
+    raise ConfigError(hook, f"with pipeline parallelism the {hook} must call the model "
+                      f"({type(transformer).__name__}) exactly once, and it never did", "use pp=1")

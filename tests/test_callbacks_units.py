@@ -1,0 +1,180 @@
+"""In-process tests of the callbacks' parts: checkpoint verification and selection, the resumable loader, RNG
+states, the compute/communication split, the pipeline timeline, the monitor's check and report, the re-plan
+arithmetic and the overlap choice."""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_autopar.callbacks import StepMonitor, StepRecord, choose_overlap, latest_checkpoint, make_resumable
+from lightning_autopar.callbacks.checkpoint import MARKER, checkpoint_name, rng_state, set_rng_state, verify
+from lightning_autopar.callbacks.monitor import communication_split, pipeline_schedule
+from lightning_autopar.callbacks.rebalance import refit_scales, refit_step, same_batch_splits
+from lightning_autopar.specs import Breakdown, ClusterSpec, ModelSpec, Plan, PricedPlan
+
+
+def fake_checkpoint(root, step, files=None, marker=True):
+    path = root / checkpoint_name(step)
+    path.mkdir(parents=True)
+    files = files or {"__0_0.distcp": b"x" * 100, ".metadata": b"m" * 10, "meta.pt": b"p" * 20}
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    if marker:
+        (path / MARKER).write_text(json.dumps({"files": {n: len(d) for n, d in files.items()}}))
+    return path
+
+
+def test_newest_complete_checkpoint_wins_and_broken_ones_are_skipped(tmp_path):
+    fake_checkpoint(tmp_path, 2)
+    good = fake_checkpoint(tmp_path, 10)
+    truncated = fake_checkpoint(tmp_path, 12)
+    (truncated / "__0_0.distcp").write_bytes(b"x" * 40)
+    fake_checkpoint(tmp_path, 14, marker=False)
+    (tmp_path / ".tmp-step=00000016").mkdir()
+    assert verify(good) is None
+    assert "truncated" in verify(truncated)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert latest_checkpoint(tmp_path) == good
+    messages = [str(w.message) for w in caught]
+    assert any("step=00000012" in m and "truncated" in m for m in messages)
+    assert any("step=00000014" in m and "no completion marker" in m for m in messages)
+    assert latest_checkpoint(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_workers": 1, "persistent_workers": True}])
+def test_resumable_loader_skips_done_batches_once(kwargs):
+    loader = DataLoader(list(range(10)), batch_size=2, **kwargs)
+    assert make_resumable(loader, None) is loader and isinstance(loader, DataLoader)
+    loader.load_state_dict({"batches": 3})
+    assert len(loader) == 5  # Lightning counts the epoch's batches itself
+    assert [b.tolist() for b in loader] == [[6, 7], [8, 9]]
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    loader.load_state_dict({"batches": 5})  # the epoch had ended: start the next one from its beginning
+    assert len(list(loader)) == 5
+
+
+def test_rng_states_survive_a_weights_only_load(tmp_path):
+    torch.manual_seed(1), np.random.seed(2), random.seed(3)
+    state = rng_state()
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.save({"rng": [state]}, tmp_path / "s.pt")
+    loaded = torch.load(tmp_path / "s.pt", weights_only=True)["rng"][0]
+    torch.manual_seed(9), np.random.seed(9), random.seed(9)
+    set_rng_state(loaded)
+    assert torch.equal(torch.rand(3), expected[0])
+    assert np.array_equal(np.random.rand(3), expected[1]) and random.random() == expected[2]
+
+
+def event(name, start_us, end_us, thread=1):
+    return SimpleNamespace(name=name, thread=thread, time_range=SimpleNamespace(start=start_us, end=end_us),
+                           device_type="DeviceType.CPU")
+
+
+def test_communication_split_counts_only_what_compute_does_not_cover():
+    events = [event("aten::mm", 0, 100), event("aten::add", 150, 200),  # main thread: compute
+              event("gloo:all_gather", 50, 180, thread=2),  # 100..150 is exposed
+              event("gloo:all_reduce", 300, 400, thread=3),  # fully exposed
+              event("aten::copy_", 300, 400, thread=2)]  # a background thread's op is not compute
+    exposed, total = communication_split(events)
+    assert exposed == pytest.approx(150e-6)
+    assert total == pytest.approx(230e-6)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_schedule_respects_dependencies_and_bubble(schedule):
+    pp, m, f, b = 4, 8, 1.0, 2.0
+    ops = pipeline_schedule(pp, m, schedule, f, b)
+    assert len(ops) == 2 * pp * m
+    end = {(kind, s, i): e for s, i, kind, _, e in ops}
+    start = {(kind, s, i): st for s, i, kind, st, _ in ops}
+    for s in range(pp):
+        for i in range(m):
+            if s:
+                assert start[("F", s, i)] >= end[("F", s - 1, i)]
+            if s < pp - 1:
+                assert start[("B", s, i)] >= end[("B", s + 1, i)]
+    makespan = max(end.values())
+    assert makespan == pytest.approx((m + pp - 1) * (f + b))  # the classic bubble: (pp-1)/m of the ideal
+
+
+def priced(plan, step=1.0, compute=0.8, comm=0.2, bubble=0.0, memory=1.0, mfu=0.4):
+    return PricedPlan(plan=plan, step_time_s=step, tokens_per_s=1000 / step, model_tflops_per_device=100 * mfu,
+                      mfu=mfu, memory_gib_per_device=memory,
+                      breakdown=Breakdown(compute_s=compute, comm_exposed_s=comm, bubble_s=bubble))
+
+
+def record(step, measured, pred, compute=None, comm=None, plan="dp=2 zero=3 mbs=1 ga=1"):
+    return StepRecord(step=step, plan=plan, step_time_s=measured, data_time_s=0.0, tokens=1000,
+                      tokens_per_s=1000 / measured, peak_mem_gib=1.0, model_tflops=40 * pred / measured,
+                      mfu=0.4 * pred / measured, compute_s=compute, comm_exposed_s=comm,
+                      comm_total_s=comm, pred_step_time_s=pred, pred_tokens_per_s=1000 / pred,
+                      pred_model_tflops=40.0, pred_mfu=0.4, pred_mem_gib=1.0, pred_compute_s=0.8 * pred,
+                      pred_comm_s=0.2 * pred)
+
+
+def test_monitor_names_the_term_that_is_off():
+    monitor = StepMonitor(warmup_steps=1, window=4, tolerance=0.2)
+    monitor.records = [record(1, 9.0, 1.0)] + [record(s, 2.0, 1.0) for s in range(2, 6)]
+    summary = monitor.summary()
+    assert summary["step_time_s"] == 2.0 and "compute_s" not in summary
+    assert "not separately measured" in monitor.disagreement(summary)
+    monitor.records[-1] = record(5, 2.0, 1.0, compute=0.9, comm=1.1)  # communication is what is off
+    message = monitor.disagreement(monitor.summary())
+    assert "the term off is exposed communication" in message and "+100%" in message
+    monitor.records = [record(s, 1.1, 1.0) for s in range(1, 6)]
+    assert monitor.disagreement(monitor.summary()) is None  # within 20%
+
+
+def test_monitor_report_with_pipeline_timeline(tmp_path):
+    monitor = StepMonitor(warmup_steps=1, window=2)
+    monitor.records = [record(s, 2.0 + 0.1 * s, 1.0, compute=1.5 if s == 3 else None, comm=0.6 if s == 3 else None)
+                       for s in range(1, 7)]
+    plan = Plan(dp=1, pp=4, grad_accum=8, schedule="1f1b")
+    trainer = SimpleNamespace(strategy=SimpleNamespace(report=SimpleNamespace(best=priced(plan, bubble=0.3)),
+                                                       root_device=torch.device("cpu")))
+    png = monitor.write_png(tmp_path / "report.png", trainer)
+    csv_path = monitor.write_csv(tmp_path / "report.csv")
+    assert png.read_bytes()[:4] == b"\x89PNG" and len(csv_path.read_text().splitlines()) == 7
+    assert not list(tmp_path.glob(".*"))  # no temporary file left
+
+
+def test_rebalance_refit_and_candidates():
+    plan = Plan(dp=2, zero=3, mbs=1, grad_accum=4)
+    splits = same_batch_splits(plan, 8)
+    assert [(p.mbs, p.grad_accum) for p in splits] == [(1, 4), (2, 2), (4, 1)]
+    summary = {"step_time_s": 3.0, "pred_step_time_s": 1.0, "pred_compute_s": 0.8, "pred_comm_s": 0.2}
+    assert refit_scales(summary) == (3.0, 3.0)
+    summary.update(compute_s=1.6, comm_s=1.4)
+    compute, comm = refit_scales(summary)
+    assert compute == pytest.approx(2.0) and comm == pytest.approx(7.0)
+    assert refit_step(priced(plan), (compute, comm)) == pytest.approx(0.8 * 2 + 0.2 * 7)
+
+
+def test_overlap_knobs_follow_the_exposed_communication():
+    model = ModelSpec(layers=4, hidden=256, heads=4, vocab=1000, seq_len=128)
+    cluster = ClusterSpec(name="gpu", devices_per_node=8)
+    cluster.device.name, cluster.device.memory_gib = "gpu", 80.0
+
+    def report(plan, comm):
+        return SimpleNamespace(best=priced(plan, compute=1.0, comm=comm), model=model, cluster=cluster,
+                               memory_fraction=0.9)
+
+    assert choose_overlap(report(Plan(dp=8, zero=0), 0.5)).forward_prefetch == 0  # nothing gathered
+    assert choose_overlap(report(Plan(dp=8, zero=3), 0.0)).forward_prefetch == 0  # nothing to hide
+    knobs = choose_overlap(report(Plan(dp=8, zero=3), 0.1))
+    assert (knobs.forward_prefetch, knobs.backward_prefetch, knobs.reduce_scatter_buffers) == (1, 1, 2)
+    heavy = choose_overlap(report(Plan(dp=8, zero=3), 0.5))
+    assert heavy.forward_prefetch == 2 and heavy.separate_reduce_scatter_group
+    zero2 = choose_overlap(report(Plan(dp=8, zero=2), 0.5))
+    assert zero2.forward_prefetch == 0 and zero2.reduce_scatter_buffers == 2  # parameters stay gathered
+    cluster.device.name = "cpu"
+    assert choose_overlap(report(Plan(dp=8, zero=3), 0.5)).reduce_scatter_buffers == 1  # no stream to stall

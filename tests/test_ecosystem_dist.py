@@ -1,0 +1,79 @@
+"""Ecosystem (issue 7), multi-process: the Fabric strategy and a Hugging Face Llama under the Trainer strategy
+train exactly like the single-process loop (2 processes), and the Hydra app runs with Lightning's launcher."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from common import STEPS, reference_run
+from conftest import ROOT, run_scenarios
+from test_strategy import assert_equivalent
+
+try:
+    import transformers  # noqa: F401
+
+    HAVE_HF = True
+except ImportError:
+    HAVE_HF = False
+
+FABRIC = ["fabric_dp", "fabric_tp", "fabric_ddp"]
+SCENARIOS = FABRIC + (["hf_llama", "hf_llama_tp"] if HAVE_HF else [])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run()
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return run_scenarios(tmp_path_factory, 2, SCENARIOS, script="ecosystem_scenarios.py")
+
+
+def load(out: Path, name: str) -> dict:
+    result = torch.load(out / f"{name}.pt", weights_only=False)
+    assert "crash" not in result, result.get("crash")
+    return result
+
+
+@pytest.mark.parametrize("name, layout", [("fabric_dp", (2, 1, 3)), ("fabric_tp", (1, 2, 0)),
+                                          ("fabric_ddp", (2, 1, 0))])
+def test_fabric_matches_single_process(world2, reference, name, layout):
+    result = load(world2, name)
+    plan = result["plan"]
+    assert (plan["dp"], plan["tp"], plan["zero"]) == layout and plan["grad_accum"] == 1
+    assert_equivalent(result, *reference)
+
+
+@pytest.mark.skipif(not HAVE_HF, reason="transformers not installed (extra 'hf'): pip install 'lightning-autopar[hf]'")
+@pytest.mark.parametrize("name, layout", [("hf_llama", (2, 3, 1)), ("hf_llama_tp", (1, 0, 2))])
+def test_hf_llama_matches_single_process(world2, name, layout):
+    from tests_hf import hf_reference_run
+
+    result = load(world2, name)
+    assert (result["plan"]["dp"], result["plan"]["zero"], result["plan"]["tp"]) == layout
+    assert_equivalent(result, *hf_reference_run(STEPS))
+
+
+def test_hydra_app_with_lightning_launcher(tmp_path):
+    """`python examples/train_gpt.py ...` on 2 CPU processes: Lightning re-runs the script for rank 1 with
+    Hydra's run dir, so both ranks compose the same config; rank 0 prints the plan and the final loss."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run(
+        [sys.executable, "examples/train_gpt.py", "model=gpt-tiny", "cluster=cpu", "trainer=debug",
+         "trainer.max_steps=3", "planner.fix=tp=2", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "autopar plan: GPT on cpu (1 x 2 cpu)" in proc.stdout
+    planned = next(line for line in proc.stdout.splitlines() if line.startswith("autopar: planned in"))
+    assert " tp=2 " in planned, planned
+    assert "final train_loss" in proc.stdout
+    assert (run_dir / "train_ddp_process_1.log").exists()  # rank 1 ran through Lightning's Hydra command
+    assert (run_dir / ".hydra" / "overrides.yaml").exists()
