@@ -307,6 +307,7 @@ class AutoParallelMixin:
             layers_per_stage=self.report.best.layers_per_stage, capacity_factor=self._capacity_factor)
         self._fsdp_roots = applied.fsdp_roots
         self._pipeline = applied.pipeline
+        self._transformer = applied.pipeline_root or transformer  # what the user's steps call
 
     def _dp_mesh(self, plan: Plan) -> Any:
         if plan.shard_size < plan.dp:
@@ -455,7 +456,7 @@ class AutoParallelMixin:
     def _pipeline_expert_restrictions(self, analysis: Any) -> dict[str, list[Any]]:
         """pp and ep values the runtime can apply to this model: pp needs a splittable stack of blocks, no MoE
         layers and automatic optimization; ep needs MoE layers with a route() method (parallel.experts)."""
-        from lightning_autopar.parallel.apply import has_moe
+        from lightning_autopar.parallel.apply import has_moe, pipeline_split
         from lightning_autopar.parallel.experts import moe_modules
         from lightning_autopar.parallel.pipeline import check_pipeline
         from lightning_autopar.profile.analyze import find_transformer
@@ -464,7 +465,8 @@ class AutoParallelMixin:
         _, transformer = find_transformer(module)
         out: dict[str, list[Any]] = {}
         try:
-            check_pipeline(analysis, transformer, module, 2)
+            split, split_analysis = pipeline_split(module, transformer, analysis)
+            check_pipeline(split_analysis, split, module, 2)
             splittable = True
         except ConfigError:
             splittable = False

@@ -4,7 +4,8 @@ single-process loop.
 Scenarios (tests/dist/pp_scenarios.py) run under torchrun, one process group per world size; per-step losses
 and final parameters are compared with the plain single-process loop on the same model (fp32) within
 LOSS_RTOL / PARAM_RTOL + PARAM_ATOL of tests/test_strategy.py (1e-5 relative; reached: ~2e-7 on losses,
-~1e-6 relative on parameters). Recompute's memory saving is measured in-process (CPU allocator via the profiler).
+~1e-6 relative on parameters). pp2_dp2_zero3 and ep2 also clip gradients (norms across stages / expert ranks).
+Recompute's memory saving is measured in-process (CPU allocator via the profiler).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 from conftest import run_scenarios
 from common import STEPS, make_data, make_module, model_config, reference_run
-from pp_scenarios import PP4, RESUME, SCENARIOS
+from pp_scenarios import MOE, PP4, RESUME, SCENARIOS
 from test_strategy import assert_equivalent, load
 
 from lightning_autopar.errors import ConfigError
@@ -24,7 +25,8 @@ WORLD2 = ["pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "recompute_full", "recompu
 WORLD4 = ["pp4_gpipe", "pp4_1f1b", "pp4_interleaved", "pp2_dp2_zero0", "pp2_dp2_zero3", "pp2_tp2", "ep2",
           "ep2_zero0", "ep4", "ep4_full", "ep2_tp2", "moe_dp4", "resume_pp", "resume_ep", "pp_moe_rejected"]
 WORLD8 = ["pp2_tp2_dp2"]
-MODEL = {name: model for name, (_, model) in {**SCENARIOS, **RESUME}.items()}
+MODEL = {name: spec[1] for name, spec in {**SCENARIOS, **RESUME}.items()}
+CLIPPED = {name for name, spec in SCENARIOS.items() if len(spec) > 2 and "gradient_clip_val" in spec[2]}
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +48,11 @@ _REFERENCES: dict = {}
 
 
 def reference(name: str, steps: int = STEPS):
-    key = (tuple(sorted(MODEL.get(name, PP4).items())), steps)
+    """The single-process run of scenario ``name``'s model (and gradient clipping, if it clips)."""
+    clip = SCENARIOS[name][2]["gradient_clip_val"] if name in CLIPPED else None
+    key = (tuple(sorted(MODEL.get(name, PP4).items())), steps, clip)
     if key not in _REFERENCES:
-        _REFERENCES[key] = reference_run(steps=steps, **MODEL.get(name, PP4))
+        _REFERENCES[key] = reference_run(steps=steps, clip=clip, **MODEL.get(name, PP4))
     return _REFERENCES[key]
 
 
@@ -225,3 +229,19 @@ def test_planner_chooses_ep_for_moe_when_fastest():
     assert all(c.step_time_s >= best.step_time_s for c in report.candidates)
     dense_layout = estimate(spec, "h100-sxm-dgx", {**best.plan.to_dict(), "ep": 1}, global_batch=256)
     assert dense_layout.step_time_s > best.step_time_s
+
+
+def test_expert_dispatch_matches_moe_and_capacity_drops():
+    """The EP forward on one rank computes the MoE layer exactly; a capacity factor drops assignments."""
+    from lightning_autopar.models.gpt import MoE
+    from lightning_autopar.parallel.experts import ExpertLayer, ExpertParallelForward
+
+    torch.manual_seed(0)
+    moe = MoE(model_config(**MOE))
+    x = torch.randn(2, 16, 32)
+    ref = moe(x)
+    layer = ExpertLayer(fqn="mlp", module=moe, experts=list(moe.experts))
+    torch.testing.assert_close(ExpertParallelForward(layer, 4, None, None)(x), ref, rtol=1e-6, atol=1e-7)
+    dropped = ExpertParallelForward(layer, 4, None, None, capacity_factor=0.5)(x)
+    kept = (dropped - ref).abs().amax(-1) < 1e-6
+    assert 0 < int(kept.sum()) < kept.numel()  # some tokens lost an expert, the others are untouched

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 class Applied:
     fsdp_roots: list[nn.Module]
     pipeline: Pipeline | None = None
+    pipeline_root: nn.Module | None = None  # the module the pipeline splits and runs (parallel.pipeline)
     experts: list[ExpertLayer] = field(default_factory=list)
     expert_meshes: dict[str, Any] = field(default_factory=dict)
 
@@ -55,6 +56,15 @@ def has_moe(analysis: ModelAnalysis) -> bool:
     return any(b.moe is not None for b in analysis.blocks)
 
 
+def pipeline_split(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis) -> tuple[nn.Module, ModelAnalysis]:
+    """(module to split, its analysis): the transformer, or the wrapper holding it and the LM head."""
+    from lightning_autopar.parallel.pipeline import pipeline_root
+    from lightning_autopar.profile.analyze import analyze
+
+    split = pipeline_root(root, transformer)
+    return split, (analysis if split is transformer else analyze(split, trace=False))
+
+
 def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer: nn.Module) -> None:
     """Raise one ConfigError for what the runtime cannot apply to this model."""
     from lightning_autopar.parallel.experts import check_ep
@@ -62,7 +72,9 @@ def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer
     from lightning_autopar.parallel.tensor import check_tp
 
     check_tp(analysis, plan.tp)
-    check_pipeline(analysis, transformer, root, plan.pp, plan.vpp)
+    if plan.pp > 1:
+        split, split_analysis = pipeline_split(root, transformer, analysis)
+        check_pipeline(split_analysis, split, root, plan.pp, plan.vpp)
     check_ep(analysis, transformer, plan.ep)
     if plan.pp > 1 and has_moe(analysis):
         raise ConfigError("plan.pp", "pp>1 with MoE layers: a stage's load-balancing losses (kept on its MoE "
@@ -82,14 +94,15 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     from lightning_autopar.topology.mesh import expert_meshes
 
     check_plan(plan, analysis, root, transformer)
-    pipeline = None
+    pipeline = split = None
     if plan.pp > 1:  # 1. PP split
         if loss_fn is None:
             raise ValueError("pipeline parallelism needs the loss function run on the last stage")
         schedule = plan.schedule
         if schedule == "1f1b" and plan.grad_accum < plan.pp:
             schedule = "gpipe"  # 1F1B with fewer micro-batches than stages is GPipe's order (torch rejects it)
-        pipeline = Pipeline(transformer, analysis, layout["pp"], schedule, plan.vpp, plan.grad_accum, device,
+        split, split_analysis = pipeline_split(root, transformer, analysis)
+        pipeline = Pipeline(split, split_analysis, layout["pp"], schedule, plan.vpp, plan.grad_accum, device,
                             loss_fn, layers_per_stage)
     local = present_blocks(analysis, transformer)
     apply_tensor_parallel(transformer, local, layout["tp"])  # 2. TP
@@ -110,4 +123,4 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     else:
         roots = apply_data_parallel(root, transformer, [b.fqn for b in local.blocks], dp_mesh, plan.zero,
                                     plan.precision)
-    return Applied(fsdp_roots=roots, pipeline=pipeline, experts=experts, expert_meshes=meshes)
+    return Applied(fsdp_roots=roots, pipeline=pipeline, pipeline_root=split, experts=experts, expert_meshes=meshes)

@@ -21,10 +21,16 @@ The strategy captures, per micro-batch, the arguments the user's ``training_step
 token ids, masks, ...), and every chunk calls the model with them: positions and masks derived from the inputs
 are right on every stage.
 
+What is split (``pipeline_root``): the innermost module holding every parameter of the LightningModule -- the
+transformer itself, or a wrapper adding the head to it (Hugging Face ``LlamaForCausalLM`` around ``LlamaModel``,
+whose own loss with ``labels=`` then runs on the last stage).
+
 Requirements (one ``ConfigError`` otherwise): a stack of at least ``pp * vpp`` blocks; every parameter outside
 the blocks belongs to the token embedding, the position embedding, the final norm or the LM head; a final norm
-or an LM head to stop at; untied embeddings; no parameters on the LightningModule outside the transformer.
-GPT-style models (ours, litgpt) and Llama-style models (including Hugging Face ``LlamaForCausalLM``) qualify.
+or an LM head to stop at; untied embeddings; the user's step calls that module once per micro-batch. Our GPT
+and Llama-style models qualify (tested: ``models.gpt.GPT``, Hugging Face ``LlamaForCausalLM``); litgpt's GPT has
+the same structure (untested). ``MixtralForCausalLM`` splits too, but MoE models are kept at pp=1 (see
+``parallel.apply``).
 """
 
 from __future__ import annotations
@@ -85,6 +91,20 @@ def check_pipeline(analysis: ModelAnalysis, transformer: nn.Module, root: nn.Mod
         if id(p) not in transformer_ids:
             raise ConfigError("plan.pp", f"parameter '{name}' of the LightningModule lives outside the transformer "
                               "(the module holding the blocks), so no pipeline stage can own it", "use pp=1")
+
+
+def pipeline_root(root: nn.Module, transformer: nn.Module) -> nn.Module:
+    """The module the pipeline splits and runs: the innermost module under ``root`` holding every parameter of
+    ``root`` -- the transformer itself (our GPT), or a wrapper adding the LM head to it (a Hugging Face
+    ``*ForCausalLM`` around its ``*Model``); ``transformer`` when none does."""
+    everything = {id(p) for p in root.parameters()}
+    best: tuple[int, nn.Module] | None = None
+    for name, module in root.named_modules():
+        if name and everything <= {id(p) for p in module.parameters()}:
+            depth = name.count(".")
+            if best is None or depth > best[0]:
+                best = (depth, module)
+    return best[1] if best is not None else transformer
 
 
 # ------------------------------------------------------------------------------------------- stand-ins
@@ -319,11 +339,6 @@ def split_model(transformer: nn.Module, analysis: ModelAnalysis, pp_rank: int, p
             _set(transformer, fqn, stand_in)
     _set(transformer, analysis.blocks_fqn, _blocks_container(local_items, blocks))
     return chunks
-
-
-def local_block_fqns(chunks: Sequence[PipelineChunk]) -> list[str]:
-    """Block FQNs (relative to the transformer) this rank holds, in order."""
-    return [f"{c._blocks_fqn}.{key}" for c in chunks for key, _ in c._block_items]
 
 
 # ------------------------------------------------------------------------------------------- schedule

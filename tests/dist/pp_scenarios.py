@@ -23,7 +23,8 @@ PP4 = {"layers": 4}  # pp=2 (x vpp=2) scenarios
 PP8 = {"layers": 8}  # pp=4 (x vpp=2) scenarios
 MOE = {"experts": 4, "top_k": 2}
 
-# name -> (fix, model config overrides)
+# name -> (fix, model config overrides[, Trainer kwargs])
+CLIP = {"gradient_clip_val": 0.05}
 SCENARIOS = {
     "pp2_gpipe": ("pp=2,dp=1,grad_accum=4,schedule=gpipe", PP4),
     "pp2_1f1b": ("pp=2,dp=1,grad_accum=4,schedule=1f1b", PP4),
@@ -34,9 +35,9 @@ SCENARIOS = {
     "pp4_1f1b": ("pp=4,dp=1,grad_accum=4,schedule=1f1b", PP8),
     "pp4_interleaved": ("pp=4,dp=1,grad_accum=4,schedule=interleaved,vpp=2", PP8),
     "pp2_dp2_zero0": ("pp=2,dp=2,zero=0,grad_accum=2,schedule=1f1b", PP4),
-    "pp2_dp2_zero3": ("pp=2,dp=2,zero=3,grad_accum=2,schedule=1f1b", PP4),
+    "pp2_dp2_zero3": ("pp=2,dp=2,zero=3,grad_accum=2,schedule=1f1b", PP4, CLIP),
     "pp2_tp2": ("pp=2,tp=2,dp=1,grad_accum=4,schedule=1f1b", PP4),
-    "ep2": ("dp=4,ep=2,zero=3,grad_accum=1", MOE),
+    "ep2": ("dp=4,ep=2,zero=3,grad_accum=1", MOE, CLIP),
     "ep2_zero0": ("dp=4,ep=2,zero=0,grad_accum=1,recompute=selective", MOE),
     "ep4_full": ("dp=4,ep=4,zero=3,grad_accum=1,recompute=full", MOE),
     "moe_dp4": ("dp=4,ep=1,zero=2,grad_accum=1", MOE),
@@ -68,8 +69,8 @@ def gathered_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def run(out: Path, name: str) -> None:
     if name in SCENARIOS:
-        fix, model = SCENARIOS[name]
-        trainer, module, losses, plan = fit(fix, model_kwargs=model)
+        fix, model, *trainer_kwargs = SCENARIOS[name]
+        trainer, module, losses, plan = fit(fix, model_kwargs=model, **(trainer_kwargs or [{}])[0])
         record(out, name, losses=losses, state=gathered_state(module), plan=plan,
                layers_per_stage=getattr(trainer.strategy.report.best, "layers_per_stage", None))
     elif name in RESUME:
