@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine: a venv in .venv, torch (the CPU 2.13.0 build when none is
-# importable; a CUDA machine brings its own), then this package with its test and Hydra extras.
+# importable; a CUDA machine brings its own), then this package with its test, Hydra, Hugging Face and
+# Accelerate extras (so no test is skipped for a missing package).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -9,5 +10,5 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/pip install -q torch==2.13.0
 fi
-.venv/bin/pip install -q -e ".[dev,hydra]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/pip install -q -e ".[dev,hydra,hf,accelerate]" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import lightning_autopar, torch; print('autopar set-up ok: torch', torch.__version__)"
