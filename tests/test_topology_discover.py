@@ -120,6 +120,16 @@ def test_cpu_memory_is_per_process_and_probe_links_are_used(tmp_path):
     assert spec.device.peak_tflops.bf16 == 0.5 and spec.device.memory_gib == 6.0
 
 
+def test_cpu_processes_beyond_the_cores_share_them():
+    full = dc.cluster_from_records(records(1, 4, name="Intel Xeon", kind="cpu"))  # 32 cores, 4 processes
+    recs = records(1, 4, name="Intel Xeon", kind="cpu")
+    for r in recs:
+        r.cpu_cores = 2  # this machine: 4 processes on 2 cores
+    shared = dc.cluster_from_records(recs)
+    assert shared.device.peak_tflops.fp32 == pytest.approx(full.device.peak_tflops.fp32 / 2)
+    assert shared.device.memory_bandwidth_gbs == pytest.approx(full.device.memory_bandwidth_gbs / 2)
+
+
 def test_mixed_devices_are_refused():
     recs = records(1, 2)
     recs[1].device_name = "NVIDIA A100-SXM4-80GB"

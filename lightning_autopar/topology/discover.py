@@ -396,6 +396,11 @@ def cluster_from_records(
             per_host[r.hostname] += 1
         per_process = min(r.host_memory_gib / per_host[r.hostname] for r in records)
         device.memory_gib = round(per_process, 2) or device.memory_gib
+        # more processes than cores: each process gets a time slice of a core (preset figures are per core)
+        share = min(1.0, min(r.cpu_cores / per_host[r.hostname] for r in records))
+        if share < 1.0 and measured is None:
+            device.peak_tflops = PeakTflops(**{k: v * share for k, v in vars(device.peak_tflops).items()})
+            device.memory_bandwidth_gbs *= share
     else:
         device.memory_gib = round(min(r.device_memory_gib for r in records), 2) or device.memory_gib
     if measured is not None:
