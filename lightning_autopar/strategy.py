@@ -632,9 +632,6 @@ class AutoParallelMixin:
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=options)
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
-    def teardown(self) -> None:
-        super().teardown()
-
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Automatic parallelism planned by autopar")
