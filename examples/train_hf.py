@@ -6,6 +6,7 @@ over configs/train_hf.yaml, the main job's config with model=llama_tiny:
 
     python examples/train_hf.py                                    # tiny Llama, 4 CPU processes
     python examples/train_hf.py model=mixtral_tiny                 # tiny Mixtral (4 experts, top-2)
+    python examples/train_hf.py model=mixtral_tiny planner.fix="ep=2"   # its experts split over 2 ranks
     python examples/train_hf.py trainer.devices=2 planner.fix="zero=3"
 """
 

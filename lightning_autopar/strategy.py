@@ -251,6 +251,8 @@ class AutoParallelMixin:
         if first is None or first.attention is None or first.attention.fused or first.attention.o is None or (
                 first.mlp is None and first.moe is None):
             restrict["tp"] = [1]  # the analysis could not find splittable attention and MLP
+        if any(b.moe is not None and b.moe.fused for b in analysis.blocks):
+            restrict["tp"] = [1]  # fused 3-D experts (HF Mixtral) are not split by TP (parallel.tensor.check_tp)
         if not self._automatic_optimization():
             restrict["grad_accum"] = [1]  # the user's own loop does backward: one micro-batch per step
         restrict.update(self._pipeline_expert_restrictions(analysis))
@@ -454,10 +456,11 @@ class AutoParallelMixin:
     # ------------------------------------------------------------------ pipeline and expert parallelism
 
     def _pipeline_expert_restrictions(self, analysis: Any) -> dict[str, list[Any]]:
-        """pp and ep values the runtime can apply to this model: pp needs a splittable stack of blocks, no MoE
-        layers and automatic optimization; ep needs MoE layers with a route() method (parallel.experts)."""
+        """pp and ep values the runtime can apply to this model: pp needs a splittable stack of blocks and
+        automatic optimization; ep needs MoE layers with a route() method or the fused layout of HF Mixtral
+        (parallel.experts)."""
         from lightning_autopar.parallel.apply import has_moe, pipeline_split
-        from lightning_autopar.parallel.experts import moe_modules
+        from lightning_autopar.parallel.experts import moe_modules, supports_ep
         from lightning_autopar.parallel.pipeline import check_pipeline
         from lightning_autopar.profile.analyze import find_transformer
 
@@ -471,9 +474,9 @@ class AutoParallelMixin:
         except ConfigError:
             splittable = False
         moe = has_moe(analysis)
-        if moe or not splittable or not self._automatic_optimization():
+        if not splittable or not self._automatic_optimization():
             out["pp"] = [1]
-        if not moe or not all(callable(getattr(m, "route", None)) for _, m, _ in moe_modules(transformer, analysis)):
+        if not moe or not all(supports_ep(m, info) for _, m, info in moe_modules(transformer, analysis)):
             out["ep"] = [1]
         return out
 

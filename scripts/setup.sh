@@ -11,4 +11,9 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/pip install -q torch==2.13.0
 fi
 .venv/bin/pip install -q -e ".[dev,hydra,hf,accelerate]" 2>&1 | grep -v "^WARNING: Location" || true
+# litgpt's GPT for the pipeline tests, without its pins (huggingface_hub<1.4 conflicts with transformers 5;
+# the tests use litgpt.model and litgpt.config only, whose imports the packages above satisfy)
+if ! .venv/bin/python -c "import litgpt.model" >/dev/null 2>&1; then
+  .venv/bin/pip install -q --no-deps litgpt==0.5.13 2>&1 | grep -v "^WARNING: Location" || true
+fi
 .venv/bin/python -c "import lightning_autopar, torch; print('autopar set-up ok: torch', torch.__version__)"

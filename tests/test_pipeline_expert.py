@@ -21,9 +21,18 @@ from test_strategy import assert_equivalent, load
 
 from lightning_autopar.errors import ConfigError
 
-WORLD2 = ["pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "recompute_full", "recompute_selective", "pp_validation"]
+WORLD2 = ["pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "recompute_full", "recompute_selective", "pp2_moe_1f1b",
+          "pp2_moe_interleaved", "pp_validation", "pp_moe_validation"]
+try:
+    import litgpt.model  # noqa: F401
+
+    HAVE_LITGPT = True
+except ImportError:  # scripts/setup.sh installs it (without its pins)
+    HAVE_LITGPT = False
+if HAVE_LITGPT:
+    WORLD2.append("litgpt_pp2")
 WORLD4 = ["pp4_gpipe", "pp4_1f1b", "pp4_interleaved", "pp2_dp2_zero0", "pp2_dp2_zero3", "pp2_tp2", "ep2",
-          "ep2_zero0", "ep4", "ep4_full", "ep2_tp2", "moe_dp4", "resume_pp", "resume_ep", "pp_moe_rejected"]
+          "ep2_zero0", "ep4", "ep4_full", "ep2_tp2", "moe_dp4", "pp2_ep2", "resume_pp", "resume_ep"]
 WORLD8 = ["pp2_tp2_dp2"]
 MODEL = {name: spec[1] for name, spec in {**SCENARIOS, **RESUME}.items()}
 CLIPPED = {name for name, spec in SCENARIOS.items() if len(spec) > 2 and "gradient_clip_val" in spec[2]}
@@ -50,20 +59,36 @@ _REFERENCES: dict = {}
 def reference(name: str, steps: int = STEPS):
     """The single-process run of scenario ``name``'s model (and gradient clipping, if it clips)."""
     clip = SCENARIOS[name][2]["gradient_clip_val"] if name in CLIPPED else None
-    key = (tuple(sorted(MODEL.get(name, PP4).items())), steps, clip)
+    model = MODEL.get(name, PP4)
+    fix = dict(kv.split("=") for kv in {**SCENARIOS, **RESUME}[name][0].split(","))
+    # an MoE balance loss is per micro-batch: the reference runs the same micro-batches
+    micro = int(fix.get("grad_accum", 1)) if model.get("experts") else 1
+    dp = int(fix.get("dp", 1)) if micro > 1 else 1
+    key = (tuple(sorted(model.items())), steps, clip, micro, dp)
     if key not in _REFERENCES:
-        _REFERENCES[key] = reference_run(steps=steps, clip=clip, **MODEL.get(name, PP4))
+        _REFERENCES[key] = reference_run(steps=steps, clip=clip, micro_batches=micro, dp=dp, **model)
     return _REFERENCES[key]
 
 
-@pytest.mark.parametrize("name", WORLD2[:-1])
+@pytest.mark.parametrize("name", [n for n in WORLD2 if n in SCENARIOS])
 def test_world2_matches_single_process(world2, name):
     assert_equivalent(load(world2, name), *reference(name))
 
 
-@pytest.mark.parametrize("name", [n for n in WORLD4 if not n.startswith(("resume", "pp_moe"))])
+@pytest.mark.parametrize("name", [n for n in WORLD4 if not n.startswith("resume")])
 def test_world4_matches_single_process(world4, name):
     assert_equivalent(load(world4, name), *reference(name))
+
+
+@pytest.mark.skipif(not HAVE_LITGPT, reason="litgpt not installed (scripts/setup.sh installs it)")
+def test_litgpt_gpt_pipelined_matches_single_process(world2):
+    """litgpt's own GPT (fused qkv, RoPE caches on the root) in 4 interleaved chunks over 2 stages."""
+    from tests_hf import hf_reference_run
+    from tests_litgpt import make_litgpt_module
+
+    result = load(world2, "litgpt_pp2")
+    assert (result["plan"]["pp"], result["plan"]["vpp"]) == (2, 2)
+    assert_equivalent(result, *hf_reference_run(STEPS, make=make_litgpt_module))
 
 
 def test_pp2_tp2_dp2_on_8_processes(world8):
@@ -86,24 +111,23 @@ def test_plans_are_the_requested_ones(world2, world4):
     assert load(world2, "recompute_selective")["plan"]["recompute"] == "selective"
     assert load(world4, "pp4_interleaved")["plan"]["vpp"] == 2
     assert [load(world4, n)["plan"]["ep"] for n in ("ep2", "ep4", "moe_dp4")] == [2, 4, 1]
+    assert [load(world4, "pp2_ep2")["plan"][k] for k in ("pp", "ep", "dp")] == [2, 2, 2]
+    assert load(world2, "pp2_moe_interleaved")["plan"]["vpp"] == 2
 
 
-def test_validation_runs_forward_only_through_the_pipeline(world2):
-    """val_loss after 2 steps equals the single-device model's mean loss on the 2 validation batches, on all ranks."""
-    result = load(world2, "pp_validation")
-    _, state = reference("pp2_1f1b", steps=2)
-    module = make_module(**PP4)
+@pytest.mark.parametrize("name, trained", [("pp_validation", "pp2_1f1b"), ("pp_moe_validation", "pp2_moe_1f1b")])
+def test_validation_runs_forward_only_through_the_pipeline(world2, name, trained):
+    """val_loss after 2 steps equals the single-device model's mean loss on the 2 validation batches, on all ranks
+    (for the MoE model: cross-entropy plus every stage's balance losses)."""
+    result = load(world2, name)
+    _, state = reference(trained, steps=2)
+    module = make_module(**MODEL[trained])
     module.load_state_dict(state)
     data = make_data()
     with torch.no_grad():
         expected = sum(module.loss(data[i * 8:(i + 1) * 8]).item() for i in range(2)) / 2
     assert len(set(result["val_losses"])) == 1
     assert result["val_losses"][0] == pytest.approx(expected, rel=1e-5)
-
-
-def test_pp_on_moe_model_is_one_clear_error(world4):
-    result = load(world4, "pp_moe_rejected")
-    assert result["kind"] == "ConfigError" and result["error"].startswith("plan.pp: pp>1 with MoE layers")
 
 
 # ------------------------------------------------------------------------------------------- in-process
@@ -164,9 +188,13 @@ def _split_and_run(model, analysis, pp, vpp, inputs):
         chunks += split_model(part, analysis, rank, pp, vpp, sizes, lambda i: inputs)
         copies.append(part)
     out = None
-    for chunk in sorted(chunks, key=lambda c: c.index):
-        out = chunk() if chunk.index == 0 else chunk(out)
+    for chunk in sorted(chunks, key=lambda c: c.index):  # MoE values travel with the activation as a tuple
+        out = chunk() if chunk.index == 0 else chunk(*(out if isinstance(out, tuple) else (out,)))
     return chunk.rebuild(out), copies
+
+
+def _grads_by_name(*models) -> dict[str, torch.Tensor]:
+    return {n: p.grad for m in models for n, p in m.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("pp, vpp", [(2, 1), (4, 1), (2, 2)])
@@ -200,6 +228,58 @@ def test_split_hugging_face_llama():
     ref = model(input_ids=ids, labels=labels)
     torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=0)  # the model's own loss, on the last stage
     torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pp, vpp", [(2, 1), (4, 1), (2, 2)])
+def test_split_moe_gpt_carries_balance_losses(pp, vpp):
+    """Every stage's MoE balance losses reach the last stage's loss (model.aux_loss() there sees all layers)
+    and their gradients reach the earlier stages: loss and gradients equal the unsplit model's."""
+    from lightning_autopar.models.gpt import GPT, lm_loss
+    from lightning_autopar.profile.analyze import analyze
+
+    torch.manual_seed(0)
+    model = GPT(model_config(layers=8, **MOE))
+    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    analysis = analyze(model, trace=False)
+    full = copy.deepcopy(model)
+    ref = lm_loss(full(idx), targets) + full.aux_loss()
+    ref.backward()
+    out, copies = _split_and_run(model, analysis, pp, vpp, ((idx,), {}))
+    last = copies[(pp * vpp - 1) % pp]
+    loss = lm_loss(out, targets) + last.aux_loss()
+    loss.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
+    grads, ref_grads = _grads_by_name(*copies), _grads_by_name(full)
+    assert sorted(grads) == sorted(ref_grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert all(n.split(".")[0] != "pipeline_moe_stand_ins" for part in copies for n, _ in part.named_parameters())
+
+
+def test_split_hugging_face_mixtral_carries_router_logits():
+    """Hugging Face Mixtral's own balance loss on the last stage covers every layer's router logits."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_autopar.profile.analyze import analyze
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     max_position_embeddings=32, output_router_logits=True)
+    model = transformers.MixtralForCausalLM(cfg)
+    analysis = analyze(model, trace=False)
+    ids = torch.randint(0, 64, (2, 16))
+    full = copy.deepcopy(model)
+    ref = full(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    out, copies = _split_and_run(model, analysis, 2, 2, ((), {"input_ids": ids, "labels": ids}))
+    assert len(out.router_logits) == 4
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)  # includes router_aux_loss_coef * aux
+    out.loss.backward()
+    grads, ref_grads = _grads_by_name(*copies), _grads_by_name(full)
+    assert sorted(grads) == sorted(ref_grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_unsplittable_model_is_one_clear_error():

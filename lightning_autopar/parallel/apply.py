@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
-from lightning_autopar.errors import ConfigError
 
 if TYPE_CHECKING:
     from lightning_autopar.parallel.experts import ExpertLayer
@@ -40,7 +39,9 @@ class Applied:
     expert_meshes: dict[str, Any] = field(default_factory=dict)
 
     def expert_params(self) -> set[int]:
-        return {id(p) for layer in self.experts for e in layer.experts for p in e.parameters()}
+        """Expert parameters that differ between the ranks of an EP group (norms combined over it). Not those
+        of the fused layout: DTensors sharded over "ep", whose norm already covers the group."""
+        return {id(p) for layer in self.experts if not layer.fused for e in layer.experts for p in e.parameters()}
 
 
 def present_blocks(analysis: ModelAnalysis, transformer: nn.Module) -> ModelAnalysis:
@@ -76,10 +77,6 @@ def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer
         split, split_analysis = pipeline_split(root, transformer, analysis)
         check_pipeline(split_analysis, split, root, plan.pp, plan.vpp)
     check_ep(analysis, transformer, plan.ep)
-    if plan.pp > 1 and has_moe(analysis):
-        raise ConfigError("plan.pp", "pp>1 with MoE layers: a stage's load-balancing losses (kept on its MoE "
-                          "modules) cannot reach the loss computed on the last stage",
-                          "use pp=1 for MoE models (ep/tp/dp)")
 
 
 def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis, plan: Plan, layout: MeshLayout,
@@ -110,7 +107,8 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     if has_moe(local) and (plan.ep > 1 or plan.dp > 1):  # 3. EP
         meshes = expert_meshes(layout, plan) if plan.ep > 1 else {}
         experts = apply_expert_parallel(transformer, local, meshes["ep"].get_group() if meshes else None,
-                                        layout["dp_flat"].get_group() if plan.dp > 1 else None, capacity_factor)
+                                        layout["dp_flat"].get_group() if plan.dp > 1 else None, capacity_factor,
+                                        ep_mesh=meshes.get("ep"))
     blocks = {b.fqn: transformer.get_submodule(b.fqn) for b in local.blocks}  # 4. recompute
     attention_of = {blocks[b.fqn]: blocks[b.fqn].get_submodule(b.attention.fqn) if b.attention else blocks[b.fqn]
                     for b in local.blocks if b.moe is not None}

@@ -4,13 +4,26 @@ EP is carved out of the data-parallel ranks (``ep`` divides ``dp``; Megatron / t
 consecutive data-parallel ranks (``topology.mesh.ep_group_ranks``), and rank ``r`` of the group holds experts
 ``[r * E/ep, (r+1) * E/ep)``. Non-local experts are removed from the expert ``ModuleList`` while the local ones
 keep their original indices, so parameter names are the user's (``...mlp.experts.5.up_proj.weight``) and a DCP
-checkpoint is the union of the ranks' experts.
+checkpoint is the union of the ranks' experts (fused layout: those rows of the 3-D weights, see below).
 
-Supported MoE layout: a module with a router ``nn.Linear(hidden, E)``, an ``nn.ModuleList`` of E experts and a
-``route(x) -> (topk weights, topk expert ids, aux loss)`` method holding the routing math (as
-``models.gpt.MoE``); ``route`` may take ``reduce_counts`` (see below). The layer's forward is replaced by:
+Supported MoE layouts:
 
-1. ``route`` on this rank's tokens: the same routing math as on one device;
+* a module with a router ``nn.Linear(hidden, E)``, an ``nn.ModuleList`` of E experts and a
+  ``route(x) -> (topk weights, topk expert ids, aux loss)`` method holding the routing math (as
+  ``models.gpt.MoE``); ``route`` may take ``reduce_counts`` (see below). The layer's forward is replaced;
+* the fused layout of Hugging Face Mixtral (transformers 5): a router module (``gate``, weight [E, hidden],
+  returning (logits, top-k scores, top-k ids)) and an experts module holding 3-D parameters with the experts
+  along dim 0 (``gate_up_proj`` [E, 2*ffn, hidden], ``down_proj`` [E, hidden, ffn]). The block's own forward runs
+  unchanged (jitter, its ``gate``: the routing math is the user's); only the experts module's forward is
+  replaced, by steps 2-4 below with HF's own experts forward (whichever ``experts_implementation``) run on the
+  received rows with the local weights. Each expert parameter becomes a DTensor ``Shard(0)`` on the "ep" mesh:
+  parameter names and global shapes stay the user's, so DCP checkpoints hold whole tensors and reshard across
+  plans. FSDP then shards dim 1 over the expert-data-parallel mesh (``parallel.fsdp.shard_experts``). TP does
+  not split these experts (the strategy keeps tp=1 for such models, ``parallel.tensor.check_tp``).
+
+The forward then does:
+
+1. routing on this rank's tokens: the same routing math as on one device;
 2. dispatch: assignments sorted by expert, counts exchanged, tokens sent with ``all_to_all_single`` (uneven
    split sizes) to the rank holding their expert;
 3. the local experts on the tokens they received (every local expert runs, on zero rows if need be, so all
@@ -29,6 +42,16 @@ this rank's mean: the mean over ranks of ``E * sum_e f_e * P_e,rank`` is then ex
 the same tokens, and so are its gradients (f carries none). With ``grad_accum > 1`` each micro-batch's loss
 covers that micro-batch's tokens across the data-parallel group: equal to one device running the same
 micro-batches (as Lightning's own gradient accumulation would).
+
+Hugging Face Mixtral computes its balance loss outside the layers (``load_balancing_loss_func`` on the router
+logits the model records when ``output_router_logits`` is on). With data parallelism each router's first output
+(the logits, which the MoE block itself ignores) is replaced in training mode by the autograd-aware all-gather
+of the logits over the data-parallel group (``RouterLogitsGather``): every rank computes the single-device loss
+of the global micro-batch, the gather's backward sums the ranks' gradients and the data-parallel average
+divides them again, so values and gradients are exact (``router_logits`` returned by the model then hold the
+global rows). Not in eval mode (each rank's own tokens, no collective), and not when the model is called with
+an ``attention_mask`` (the loss masks the rows with it, which only matches this rank's rows): the loss then
+covers this rank's tokens, averaged over ranks like the LM loss (a warning says so once).
 
 Gradients: expert weights are sharded / reduced by FSDP over the expert-data-parallel ranks (those holding the
 same experts: ``dp / ep`` of them; see ``parallel.fsdp``), divided by the full ``dp`` (every token of the
@@ -59,8 +82,13 @@ class ExpertLayer:
 
     fqn: str  # of the MoE module, relative to the transformer
     module: nn.Module
-    experts: list[nn.Module] = field(default_factory=list)  # local experts, in expert-id order
+    experts: list[nn.Module] = field(default_factory=list)  # local experts, in expert-id order (fused: the module)
     first_expert: int = 0
+    fused_params: list[str] = field(default_factory=list)  # fused layout: its DTensor parameters (Shard(0) on ep)
+
+    @property
+    def fused(self) -> bool:
+        return bool(self.fused_params)
 
 
 def moe_modules(transformer: nn.Module, analysis: ModelAnalysis) -> list[tuple[str, nn.Module, Any]]:
@@ -76,6 +104,11 @@ def moe_modules(transformer: nn.Module, analysis: ModelAnalysis) -> list[tuple[s
         fqn = f"{info.fqn}.{info.moe.fqn}" if info.moe.fqn else info.fqn
         out.append((fqn, block.get_submodule(info.moe.fqn) if info.moe.fqn else block, info.moe))
     return out
+
+
+def supports_ep(module: nn.Module, info: Any) -> bool:
+    """Whether EP can shard this MoE module: the fused layout, or a ``route`` method holding the routing math."""
+    return info.fused or callable(getattr(module, "route", None))
 
 
 def _takes_reduce_counts(module: nn.Module) -> bool:
@@ -96,10 +129,10 @@ def check_ep(analysis: ModelAnalysis, transformer: nn.Module, ep: int) -> None:
         if info.num_experts % ep:
             raise ConfigError("plan.ep", f"ep={ep} does not divide the {info.num_experts} experts of {fqn}",
                               "choose ep dividing the number of experts")
-        if not callable(getattr(module, "route", None)):
+        if not supports_ep(module, info):
             raise ConfigError("plan.ep", f"{fqn} ({type(module).__name__}) has no route(x) -> (weights, expert ids, "
-                              "aux loss) method holding its routing math", "use ep=1, or add route() (see "
-                              "lightning_autopar.models.gpt.MoE)")
+                              "aux loss) method holding its routing math, nor the fused layout (router + 3-D expert "
+                              "weights)", "use ep=1, or add route() (see lightning_autopar.models.gpt.MoE)")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -122,6 +155,19 @@ class _AllToAll(torch.autograd.Function):
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         return back, None, None, None
+
+
+def gather_rows(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The rows of ``x`` from every rank of ``group``, in rank order (sizes may differ); autograd-aware: the
+    backward sums each rank's rows' gradients over the group (an all-to-all of ``x`` copies, its inverse)."""
+    import torch.distributed as dist
+
+    size = group.size()
+    mine = torch.tensor([x.shape[0]], device=x.device)
+    sizes = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(sizes, mine, group=group)
+    return _AllToAll.apply(x.repeat(size, *[1] * (x.dim() - 1)), [int(n) for n in sizes], [x.shape[0]] * size,
+                           group)
 
 
 class ExpertParallelForward:
@@ -186,8 +232,7 @@ class ExpertParallelForward:
             per_expert = recv_counts.view(G, local).sum(0).tolist()
         else:
             grouped, per_expert = sent, counts.tolist()
-        outs = [expert(rows) for expert, rows in zip(self.layer.experts, grouped.split(per_expert))]
-        y = torch.cat(outs) if outs else grouped
+        y = self.run_experts(grouped, per_expert)
         if G > 1:
             inverse = torch.empty_like(perm)
             inverse[perm] = torch.arange(perm.numel(), device=perm.device)
@@ -195,20 +240,136 @@ class ExpertParallelForward:
         w = weights.reshape(-1)[order].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token, y * w[:, None])
 
+    def run_experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        """The local experts on ``rows`` (grouped by local expert, ``per_expert`` rows each)."""
+        outs = [expert(part) for expert, part in zip(self.layer.experts, rows.split(per_expert))]
+        return torch.cat(outs) if outs else rows
+
+
+class FusedExpertsForward(ExpertParallelForward):
+    """Replaces a fused experts module's ``forward(hidden_states, top_k_index, top_k_weights)``: the block routed
+    with its own gate; tokens go to the ranks holding their experts and through HF's own experts forward there."""
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        return self.dispatch(hidden_states, top_k_weights, top_k_index)
+
+    def run_experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        """The module's own forward with its local weights (the DTensors' local shards swapped in for the call),
+        ``num_experts`` local, each row routed to its local expert with weight 1 (k=1)."""
+        from torch.distributed.tensor import DTensor
+
+        module = self.layer.experts[0]
+        weights = {n: module._parameters[n] for n in self.layer.fused_params}
+        local = {n: w.to_local() if isinstance(w, DTensor) else w for n, w in weights.items()}
+        if rows.shape[0] == 0:  # nothing received: the weights still join the graph (zero gradients)
+            return rows + sum(t.sum() for t in local.values()) * 0
+        ids = torch.repeat_interleave(torch.arange(len(per_expert), device=rows.device),
+                                      torch.tensor(per_expert, device=rows.device))[:, None]
+        count = getattr(module, "num_experts", None)
+        try:
+            module._parameters.update(local)
+            if count is not None:
+                module.num_experts = len(per_expert)
+            return type(module).forward(module, rows, ids, torch.ones(ids.shape, dtype=rows.dtype, device=rows.device))
+        finally:
+            module._parameters.update(weights)
+            if count is not None:
+                module.num_experts = count
+
+
+class RouterLogitsGather:
+    """Exact Hugging Face balance loss under data parallelism (see the module doc): the routers' first output
+    becomes the all-gather of the logits over ``group`` while the transformer runs a training forward that
+    records router logits without an ``attention_mask``."""
+
+    def __init__(self, transformer: nn.Module, group: ProcessGroup) -> None:
+        self.group = group
+        self.active = False
+        self.warned = False
+        names = list(inspect.signature(transformer.forward).parameters)
+        self.mask_position = names.index("attention_mask") if "attention_mask" in names else None
+        transformer.register_forward_pre_hook(self._before, with_kwargs=True)
+        transformer.register_forward_hook(self._after, with_kwargs=True, always_call=True)
+
+    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        config = getattr(module, "config", None)
+        recording = kwargs.get("output_router_logits", getattr(config, "output_router_logits", False))
+        mask = kwargs.get("attention_mask")
+        if mask is None and self.mask_position is not None and len(args) > self.mask_position:
+            mask = args[self.mask_position]
+        self.active = bool(module.training and recording and mask is None)
+        if module.training and recording and mask is not None and not self.warned:
+            import warnings
+
+            self.warned = True
+            warnings.warn("autopar: the model got an attention_mask, so each data-parallel rank's load-balancing "
+                          "loss covers its own tokens (averaged over ranks) instead of the global micro-batch's "
+                          "(lightning_autopar.parallel.experts)", stacklevel=2)
+
+    def _after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.active = False
+
+    def wrap(self, router: nn.Module) -> None:
+        """Replace ``router``'s forward (an instance attribute) by one gathering its first output when active."""
+        forward = router.forward
+
+        def gathered(*args: Any, **kwargs: Any) -> Any:
+            out = forward(*args, **kwargs)
+            if not self.active:
+                return out
+            return (gather_rows(out[0], self.group), *out[1:])
+
+        router.forward = gathered
+
+
+def _shard_fused(module: nn.Module, names: list[str], first: int, count: int, ep_mesh: Any) -> None:
+    """Each parameter ``names`` of ``module`` becomes a DTensor ``Shard(0)`` on ``ep_mesh`` (this rank's rows
+    ``[first, first + count)``, the same on every rank since the strategy broadcast the model)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    with torch.no_grad():
+        for name in names:
+            full = module._parameters[name]
+            local = full.detach()[first:first + count].clone()
+            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=full.requires_grad))
+
 
 def apply_expert_parallel(transformer: nn.Module, analysis: ModelAnalysis, ep_group: ProcessGroup | None,
-                          count_group: ProcessGroup | None, capacity_factor: float | None = None) -> list[ExpertLayer]:
+                          count_group: ProcessGroup | None, capacity_factor: float | None = None,
+                          ep_mesh: Any = None) -> list[ExpertLayer]:
     """Shard every MoE layer's experts over ``ep_group`` (None or size 1: all experts stay) and route through
     all-to-all; ``count_group`` (the data-parallel group) makes the balance loss cover the global micro-batch.
+    The fused layout needs ``ep_mesh`` (the DeviceMesh of ``ep_group``) when ep > 1.
 
-    Returns the layers with their local experts (for FSDP over the expert-data-parallel mesh). Layers whose
-    module has no ``route`` method are left as they are when ``ep == 1``.
+    Returns the layers with their local experts (for FSDP over the expert-data-parallel mesh). With ``ep == 1``
+    layers whose module has no ``route`` method keep their forward (fused layout: only the router logits are
+    gathered for the balance loss, see ``RouterLogitsGather``).
     """
     ep = 1 if ep_group is None else ep_group.size()
     check_ep(analysis, transformer, ep)
     rank = 0 if ep_group is None else ep_group.rank()
     layers = []
+    gather = None
     for fqn, module, info in moe_modules(transformer, analysis):
+        if info.fused:
+            if count_group is not None and count_group.size() > 1 and hasattr(
+                    getattr(transformer, "config", None), "output_router_logits"):
+                gather = gather or RouterLogitsGather(transformer, count_group)
+                gather.wrap(module.get_submodule(info.router))
+            if ep == 1:
+                continue
+            if ep_mesh is None:
+                raise ValueError("the fused expert layout needs the ep DeviceMesh (ep_mesh)")
+            experts = module.get_submodule(info.experts)
+            per_rank = info.num_experts // ep
+            _shard_fused(experts, info.fused_params, rank * per_rank, per_rank, ep_mesh)
+            layer = ExpertLayer(fqn=fqn, module=module, experts=[experts], first_expert=rank * per_rank,
+                                fused_params=list(info.fused_params))
+            experts.forward = FusedExpertsForward(layer, info.num_experts, ep_group, None, capacity_factor)
+            layers.append(layer)
+            continue
         if not callable(getattr(module, "route", None)):
             continue
         container = module.get_submodule(info.experts)

@@ -13,11 +13,12 @@ Mapping (FSDP2 has no separate ZeRO-1/2 switches; these are the nearest semantic
 With ``dp_shard < dp`` the mesh is 2-D (HSDP): shard inside groups of ``dp_shard``, replicate across them.
 Gradients are averaged over all data-parallel ranks.
 
-Expert parallelism: each local expert is its own unit on the expert-data-parallel mesh (the ``dp / ep`` ranks
-holding the same experts), wrapped before its block so the block's unit leaves its parameters alone; its
-gradients are summed over that mesh and divided by the full ``dp`` (tokens from the whole EP group reached
-them through the all-to-all). Pipeline parallelism: one set of units per pipeline chunk (its blocks, then the
-chunk for its embeddings / norm / head), the chunk being what the pipeline schedule drives.
+Expert parallelism: each local expert (fused layout: the experts module, its DTensor parameters sharded on dim
+1) is its own unit on the expert-data-parallel mesh (the ``dp / ep`` ranks holding the same experts), wrapped
+before its block so the block's unit leaves its parameters alone; its gradients are summed over that mesh and
+divided by the full ``dp`` (tokens from the whole EP group reached them through the all-to-all). Pipeline
+parallelism: one set of units per pipeline chunk (its blocks, then the chunk for its embeddings / norm / head),
+the chunk being what the pipeline schedule drives.
 """
 
 from __future__ import annotations
@@ -47,19 +48,52 @@ def data_parallel_units(root: nn.Module, block_fqns: Iterable[str], covered: nn.
     return units + [covered] + extra
 
 
+def _expert_placement(shard_size: int):
+    """FSDP's placement for a parameter of the fused expert layout (a DTensor with the experts along dim 0,
+    ``Shard(0)`` on the "ep" mesh): dim 1, so the two shardings compose without strided sharding (as
+    torchtitan does); FSDP's default (dim 0) when dim 1 does not divide evenly, or for plain parameters."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def place(param: nn.Parameter):
+        if isinstance(param, DTensor) and param.dim() >= 2 and param.shape[1] % shard_size == 0:
+            return Shard(1)
+        return None
+
+    return place
+
+
 def shard_experts(experts: Iterable[nn.Module], edp_mesh: DeviceMesh, zero: int, dp: int,
                   precision: str = "fp32") -> None:
-    """One FSDP unit per local expert on the expert-data-parallel mesh, gradients divided by ``dp``."""
+    """One FSDP unit per local expert (fused layout: per experts module) on the expert-data-parallel mesh,
+    gradients divided by ``dp``."""
     from torch.distributed.fsdp import fully_shard
 
     policy = mixed_precision_policy(precision)
+    place = _expert_placement(edp_mesh.mesh.shape[-1])
     for expert in experts:
-        fully_shard(expert, mesh=edp_mesh, reshard_after_forward=zero == 3, mp_policy=policy)
+        fully_shard(expert, mesh=edp_mesh, reshard_after_forward=zero == 3, mp_policy=policy,
+                    shard_placement_fn=place)
         expert.set_gradient_divide_factor(float(dp))
         if edp_mesh.mesh.shape[-1] > 1:
             # a real reduce-scatter: plain SUM, then divide (gloo has no PREMUL_SUM). With a shard group of
             # one FSDP divides while copying and must not divide again after the (SUM) all-reduce.
             expert.set_force_sum_reduction_for_comms(True)
+
+
+def keep_hf_output_recording(modules: Iterable[nn.Module]) -> None:
+    """``fully_shard`` swaps a module's class for a subclass (``FSDPMixtralModel``); Hugging Face looks up what a
+    model records (router logits -- hence Mixtral's balance loss --, hidden states, attentions) by class name, so
+    a wrapped model would silently record nothing: register the new classes too."""
+    import sys
+
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    registry = getattr(capturing, "_CAN_RECORD_REGISTRY", None)
+    if registry is None:
+        return
+    for module in modules:
+        recordable = getattr(module, "_can_record_outputs", None)
+        if recordable and not registry.get(module):
+            registry[module] = recordable
 
 
 def _shard_units(units: list[nn.Module], n_blocks: int, dp_mesh: DeviceMesh, zero: int, precision: str) -> None:
@@ -70,6 +104,7 @@ def _shard_units(units: list[nn.Module], n_blocks: int, dp_mesh: DeviceMesh, zer
         # the last block is gathered again right away by backward: keeping it saves one all-gather
         reshard = zero == 3 and i < n_blocks - 1
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    keep_hf_output_recording(units)
 
 
 def apply_data_parallel(

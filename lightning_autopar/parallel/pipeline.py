@@ -25,18 +25,30 @@ What is split (``pipeline_root``): the innermost module holding every parameter 
 transformer itself, or a wrapper adding the head to it (Hugging Face ``LlamaForCausalLM`` around ``LlamaModel``,
 whose own loss with ``labels=`` then runs on the last stage).
 
+MoE models: the load-balancing losses of every stage's MoE layers must reach the user's loss on the last stage,
+exactly as on one device (their gradients then flow back through the schedule). Each non-last chunk sends,
+next to its activation, one tensor per MoE layer so far (``MoESource``): the layer's ``aux_loss`` attribute
+(``models.gpt.MoE``; any MoE module keeping its balance loss in a tensor attribute of that name), or the router
+output Hugging Face records for its balance loss (``_can_record_outputs["router_logits"]``, e.g. Mixtral's router
+logits). On the last chunk the received values are handed to the user's code where it looks for them:
+attributes are set on parameter-free stand-ins of the layers' modules (same class, registered beside the blocks
+as ``pipeline_moe_stand_ins``, so ``isinstance`` walks over ``modules()`` find them; on the layer's own module
+when this rank holds it), and recorded router outputs are replayed by stand-in routers before the chunk's first
+block, so Hugging Face's recorder lists every layer in order. A balance loss kept anywhere else (e.g. returned
+through the block outputs) is not carried.
+
 Requirements (one ``ConfigError`` otherwise): a stack of at least ``pp * vpp`` blocks; every parameter outside
 the blocks belongs to the token embedding, the position embedding, the final norm or the LM head; a final norm
 or an LM head to stop at; untied embeddings; the user's step calls that module once per micro-batch. Our GPT
-and Llama-style models qualify (tested: ``models.gpt.GPT``, Hugging Face ``LlamaForCausalLM``); litgpt's GPT has
-the same structure (untested). ``MixtralForCausalLM`` splits too, but MoE models are kept at pp=1 (see
-``parallel.apply``).
+(dense and MoE) and Llama / Mixtral-style models qualify (tested: ``models.gpt.GPT``, Hugging Face
+``LlamaForCausalLM`` and ``MixtralForCausalLM``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
@@ -141,6 +153,7 @@ class _Run:
 
     def __init__(self) -> None:
         self.received: torch.Tensor | None = None
+        self.replay: Callable[[], None] | None = None  # last chunk: earlier stages' router outputs, replayed
 
     def dtype(self) -> torch.dtype:
         return self.received.dtype if self.received is not None else torch.get_default_dtype()
@@ -194,12 +207,102 @@ class _Inject(nn.Module):
             if key is None:
                 raise RuntimeError("pipeline: cannot find the hidden-state argument of the first block")
             kwargs = {**kwargs, key: received}
+        replay = self.__dict__["_run_ref"].replay
+        if replay is not None:  # before the chunk's first router, so recorded outputs stay in layer order
+            replay()
         return self.__dict__["_block"](*args, **kwargs)
 
 
 def _set(root: nn.Module, fqn: str, module: nn.Module) -> None:
     parent, _, leaf = fqn.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+# ------------------------------------------------------------------------------------------- MoE values across stages
+
+
+@dataclass
+class MoESource:
+    """A per-layer value the user's loss reads on the last stage but the layer's own stage computes: an MoE
+    module's load-balancing loss attribute (``attr``, as ``models.gpt.MoE.aux_loss``), or a router output that
+    Hugging Face records for its balance loss (``index`` into the router's output tuple)."""
+
+    block: str  # the block's key in the blocks container
+    module: nn.Module
+    attr: str | None = None
+    index: int | None = None
+
+
+def router_recorder(root: nn.Module) -> tuple[type, int] | None:
+    """(router class, output index) when a Hugging Face model in ``root`` records router outputs for its
+    load-balancing loss (``_can_record_outputs["router_logits"]``), else None."""
+    for module in root.modules():
+        spec = (getattr(type(module), "_can_record_outputs", None) or {}).get("router_logits")
+        for one in spec if isinstance(spec, list) else [spec] if spec is not None else []:
+            if isinstance(one, type):
+                return one, 1  # a bare class records output[1] (transformers' convention)
+            if getattr(one, "target_class", None) is not None:
+                return one.target_class, int(one.index)
+            raise ConfigError("plan.pp", f"{type(module).__name__} records its router outputs by module name "
+                              f"({one.class_name!r}), which pipeline stages cannot carry to the last stage",
+                              "use pp=1")
+    return None
+
+
+def moe_sources(root: nn.Module, analysis: ModelAnalysis, items: Sequence[tuple[str, nn.Module]]) -> list[MoESource]:
+    """The MoE values of the blocks ``items`` (in block order) that the last stage's loss may read."""
+    recorder = router_recorder(root)
+    moe_of = {info.fqn.rsplit(".", 1)[-1]: info.moe for info in analysis.blocks if info.moe is not None}
+    sources = []
+    for key, block in items:
+        info = moe_of.get(key)
+        if info is not None:
+            module = block.get_submodule(info.fqn) if info.fqn else block
+            if isinstance(getattr(module, "aux_loss", None), torch.Tensor):
+                sources.append(MoESource(key, module, attr="aux_loss"))
+        if recorder is not None:
+            sources += [MoESource(key, m, index=recorder[1]) for m in block.modules() if isinstance(m, recorder[0])]
+    return sources
+
+
+def _install_recorders(root: nn.Module) -> None:
+    """Install Hugging Face's output-recorder hooks on the whole model now: transformers installs them lazily on
+    the first forward that records, which after the split would only see one chunk's modules."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # another transformers layout: its hooks, if any, are its own business
+        return
+    recording = [m for m in root.modules() if getattr(type(m), "_can_record_outputs", None)]
+    for module in recording:
+        # the innermost recording model only (the one whose forward records): installing from a wrapper would
+        # install its inner model's hooks a second time when they are already there
+        if not any(other is not module and other in set(module.modules()) for other in recording):
+            maybe_install_capturing_hooks(module)
+
+
+class _ReplayForward:
+    """A stand-in router's forward on the last stage: returns the received value where Hugging Face's output
+    recorder reads it, so the model's own balance loss sees every layer in order."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.value: torch.Tensor | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple:
+        return tuple(self.value if i == self.index else None for i in range(self.index + 1))
+
+
+def stand_in_module(module: nn.Module) -> nn.Module:
+    """A parameter-free instance of ``module``'s class (so the user's ``isinstance`` checks and Hugging Face's
+    recorder hooks still find it) carrying its plain attributes and forward hooks, for a layer of another stage."""
+    ghost = type(module).__new__(type(module))
+    nn.Module.__init__(ghost)
+    for key, value in vars(module).items():
+        if not key.startswith("_") and key != "forward" and not isinstance(value, (nn.Module, torch.Tensor)):
+            ghost.__dict__[key] = value
+    ghost._forward_hooks.update(module._forward_hooks)  # recorders installed before the split
+    ghost._forward_hooks_with_kwargs.update(module._forward_hooks_with_kwargs)
+    return ghost
 
 
 # ------------------------------------------------------------------------------------------- chunks
@@ -215,7 +318,9 @@ class PipelineChunk(nn.Module):
 
     def __init__(self, index: int, num_chunks: int, transformer: nn.Module, analysis: ModelAnalysis,
                  block_items: list[tuple[str, nn.Module]], owned: dict[str, nn.Module],
-                 stand_ins: dict[str, nn.Module], inputs: Callable[[int], tuple[tuple, dict]]) -> None:
+                 stand_ins: dict[str, nn.Module], inputs: Callable[[int], tuple[tuple, dict]],
+                 own: Sequence[MoESource] = (), before: Sequence[MoESource] = (),
+                 replay_targets: Sequence[nn.Module] = ()) -> None:
         super().__init__()
         self.index, self.num_chunks = index, num_chunks
         self.blocks = nn.ModuleList(m for _, m in block_items)
@@ -228,6 +333,18 @@ class PipelineChunk(nn.Module):
         self.mb_index = 0
         self.out_spec: Any = None
         self._non_tensor: list[tuple[int, Any]] = []
+        # MoE values: what arrives with the activation (earlier chunks' layers, in order), what this chunk adds,
+        # and (last chunk) the modules that hand the received ones to the user's loss
+        self._before, self._own = list(before), list(own)
+        self._replay_targets = list(replay_targets)
+        self.received_values: tuple[torch.Tensor, ...] = ()
+        self._recorded: dict[int, torch.Tensor] = {}
+        self._recording = False
+        for source in self._own:
+            if source.index is not None:
+                source.module.register_forward_hook(self._recorder(source))
+        if index == num_chunks - 1 and any(s.index is not None for s in self._before):
+            self._run.replay = self._replay_recorded
         # the pieces' modules while this chunk runs
         first, last = index == 0, index == num_chunks - 1
         self._pieces: dict[str, nn.Module] = {}
@@ -242,6 +359,44 @@ class PipelineChunk(nn.Module):
     @property
     def is_first(self) -> bool:
         return self.index == 0
+
+    @property
+    def carries_moe_values(self) -> bool:
+        """Whether this chunk's activation travels with MoE values (earlier or its own layers')."""
+        return bool(self._before or self._own)
+
+    def _recorder(self, source: MoESource) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._recording:  # this chunk's forward, not a recompute in backward
+                self._recorded[id(source)] = output[source.index] if isinstance(output, tuple) else output
+        return hook
+
+    def _own_values(self) -> list[torch.Tensor]:
+        values = []
+        for source in self._own:
+            if source.attr is not None:
+                # a 1-element copy: p2p of a 0-dim tensor is avoided, and FSDP warns on outputs that are views
+                values.append(getattr(source.module, source.attr).reshape(1).clone())
+            elif id(source) in self._recorded:
+                values.append(self._recorded[id(source)])
+            else:
+                raise RuntimeError(f"pipeline: the router {type(source.module).__name__} of block {source.block} "
+                                   "did not run in its stage's forward")
+        return values
+
+    def _hand_over(self, received: tuple[torch.Tensor, ...]) -> None:
+        """Last chunk: give the user's loss the earlier layers' values of this micro-batch."""
+        self.received_values = received
+        for source, target, value in zip(self._before, self._replay_targets, received):
+            if source.attr is not None:
+                setattr(target, source.attr, value.reshape(()))
+            else:  # a copy: it becomes part of the model output, and FSDP warns on outputs that are views
+                target.forward.value = value.clone()
+
+    def _replay_recorded(self) -> None:
+        for source, target in zip(self._before, self._replay_targets):
+            if source.index is not None:
+                target()
 
     @property
     def is_last(self) -> bool:
@@ -275,13 +430,25 @@ class PipelineChunk(nn.Module):
 
         args, kwargs = self.__dict__["_inputs"](self.mb_index)
         hidden = None if self.is_first else received[0]
+        values = tuple(received[1:])
+        if len(values) != len(self._before):
+            raise RuntimeError(f"pipeline: chunk {self.index} received {len(values)} MoE values, expected "
+                               f"{len(self._before)}")
+        if self.is_last:
+            self._hand_over(values)
+        self._recorded, self._recording = {}, True
         with self._active(hidden):
             try:
                 out = self.__dict__["_transformer"](*args, **kwargs)
             except _StageOutput as stop:
                 if self.is_last:
                     raise
-                return stop.value
+                if not self.carries_moe_values:
+                    return stop.value
+                # earlier layers' values pass through (a copy: an output must not be the received tensor)
+                return (stop.value, *(v.clone() for v in values), *self._own_values())
+            finally:
+                self._recording = False
         if not self.is_last:
             raise RuntimeError("pipeline: the forward finished without reaching the final norm / LM head")
         leaves, self.out_spec = tree_flatten(out)
@@ -322,6 +489,10 @@ def split_model(transformer: nn.Module, analysis: ModelAnalysis, pp_rank: int, p
         if fqn:
             stand_ins[fqn] = nn.Identity()
     originals = {fqn: transformer.get_submodule(fqn) for fqn in stand_ins}
+    if router_recorder(transformer) is not None:
+        _install_recorders(transformer)
+    sources = [moe_sources(transformer, analysis, all_items[bounds[j]:bounds[j + 1]]) for j in range(num_chunks)]
+    local_keys = {key for j in mine for key, _ in all_items[bounds[j]:bounds[j + 1]]}
     chunks = []
     local_items: list[tuple[str, nn.Module]] = []
     for j in mine:
@@ -330,15 +501,47 @@ def split_model(transformer: nn.Module, analysis: ModelAnalysis, pp_rank: int, p
         owned = {}
         if j == 0:
             owned.update({f: originals[f] for f in (analysis.token_embedding, analysis.position_embedding) if f})
+        replay: list[nn.Module] = []
         if j == num_chunks - 1:
             owned.update({f: originals[f] for f in (analysis.final_norm, analysis.lm_head) if f})
-        chunks.append(PipelineChunk(j, num_chunks, transformer, analysis, items, owned, stand_ins, inputs))
+            replay = _replay_targets([s for before in sources[:j] for s in before], local_keys, transformer,
+                                     analysis.blocks_fqn)
+        chunks.append(PipelineChunk(j, num_chunks, transformer, analysis, items, owned, stand_ins, inputs,
+                                    own=sources[j], before=[s for before in sources[:j] for s in before],
+                                    replay_targets=replay))
     owned_here = {f for c in chunks for f in c._pieces if c._pieces[f] is originals.get(f)}
     for fqn, stand_in in stand_ins.items():
         if fqn not in owned_here:
             _set(transformer, fqn, stand_in)
     _set(transformer, analysis.blocks_fqn, _blocks_container(local_items, blocks))
     return chunks
+
+
+def _replay_targets(before: list[MoESource], local_keys: set[str], transformer: nn.Module,
+                    blocks_fqn: str) -> list[nn.Module]:
+    """Last chunk: per earlier MoE value, the module the user's loss reads it from. An attribute goes on the
+    layer's own module when this rank holds it (interleaved schedules), else on a stand-in; a recorded router
+    output is always replayed by a stand-in router. Stand-ins are registered beside the blocks (no parameters,
+    so names and state dicts are unchanged) where the user's ``modules()`` walk and Hugging Face's recorder
+    find them."""
+    targets: list[nn.Module] = []
+    stand_ins = []
+    for source in before:
+        if source.attr is not None and source.block in local_keys:
+            targets.append(source.module)
+            continue
+        ghost = stand_in_module(source.module)
+        if source.attr is not None:
+            setattr(ghost, source.attr, torch.zeros(()))
+        else:
+            ghost.forward = _ReplayForward(source.index)
+        targets.append(ghost)
+        stand_ins.append(ghost)
+    if stand_ins:
+        parent, _, _ = blocks_fqn.rpartition(".")
+        owner = transformer.get_submodule(parent) if parent else transformer
+        owner.add_module("pipeline_moe_stand_ins", nn.ModuleList(stand_ins))
+    return targets
 
 
 # ------------------------------------------------------------------------------------------- schedule
@@ -397,6 +600,16 @@ class Pipeline:
         self.chunks = split_model(transformer, analysis, self.pp_rank, self.pp, vpp, self.sizes, self.input_of)
         Stage = self._stage_cls = _stage_class()
         self.stages = [Stage(c, c.index, c.num_chunks, device, group=self.group) for c in self.chunks]
+        user_loss = loss_fn
+
+        def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+            loss = user_loss(output, target)
+            # every received MoE value gets a gradient (zero where the user's loss does not read it), so the
+            # stages before always have one to send back
+            for value in self.last_chunk.received_values:
+                loss = loss + (value * 0).sum()
+            return loss
+
         if schedule == "interleaved" or len(self.stages) > 1:
             self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         else:
@@ -447,7 +660,7 @@ class Pipeline:
         ranks = self.pp_mesh.mesh.flatten().tolist()
         by_index = {c.index: c for c in self.chunks}
         num_chunks = self.chunks[0].num_chunks
-        hidden: torch.Tensor | None = None
+        received: tuple[torch.Tensor, ...] = ()
         out = None
         try:
             with torch.no_grad():
@@ -456,21 +669,24 @@ class Pipeline:
                     if owner != self.pp_rank:
                         continue
                     chunk = by_index[j]
-                    if j > 0 and prev != self.pp_rank:
+                    if j > 0 and prev != self.pp_rank:  # the activation (and MoE values) of the chunk before
                         meta: list[Any] = [None]
                         dist.recv_object_list(meta, src=ranks[prev], group=self.group)
-                        hidden = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
-                        dist.recv(hidden, src=ranks[prev], group=self.group)
+                        received = tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in meta[0])
+                        for tensor in received:
+                            dist.recv(tensor, src=ranks[prev], group=self.group)
                     chunk.mb_index = 0
-                    result = chunk() if j == 0 else chunk(hidden)
+                    result = chunk(*received)
                     if chunk.is_last:
                         out = chunk.rebuild(result)
                         break
-                    hidden = result
+                    received = result if isinstance(result, tuple) else (result,)
                     nxt = (j + 1) % self.pp
                     if nxt != self.pp_rank:
-                        dist.send_object_list([(tuple(hidden.shape), hidden.dtype)], dst=ranks[nxt], group=self.group)
-                        dist.send(hidden.contiguous(), dst=ranks[nxt], group=self.group)
+                        meta = [[(tuple(t.shape), t.dtype) for t in received]]
+                        dist.send_object_list(meta, dst=ranks[nxt], group=self.group)
+                        for tensor in received:
+                            dist.send(tensor.contiguous(), dst=ranks[nxt], group=self.group)
         finally:
             self.inputs = []
             self._reshard()

@@ -3,6 +3,8 @@
 Per block: q, k, v (or the MLP's up and gate) are ``ColwiseParallel`` (each rank owns whole heads / a slice of
 the FFN), o and down are ``RowwiseParallel`` (partial sums all-reduced), so each block costs two all-reduces
 forward and two backward. MoE experts are split the same way inside each expert; the router stays replicated.
+Experts stored as fused 3-D weights (HF Mixtral's ``gate_up_proj`` fuses gate and up along dim 1) are not split:
+``check_tp`` rejects tp > 1 for them and the strategy plans tp=1 (EP and FSDP shard them instead).
 Embeddings, norms and the LM head stay replicated across the TP group. Head-count attributes found by the
 analysis (e.g. ``n_heads``) are divided by ``tp`` so the module's own reshapes see the local width.
 """
@@ -35,6 +37,10 @@ def check_tp(analysis: ModelAnalysis, tp: int) -> None:
                               "split would mix q, k and v", "use tp=1, or separate q/k/v projections")
         if block.mlp is None and block.moe is None:
             raise ConfigError("plan.tp", f"{block.fqn}: MLP not recognised", "use tp=1")
+        if block.moe is not None and block.moe.fused:
+            raise ConfigError("plan.tp", f"{block.fqn}.{block.moe.fqn}: experts stored as fused 3-D weights "
+                              f"({', '.join(block.moe.fused_params)}) are not split by TP",
+                              "use tp=1 (ep and dp shard these experts)")
     if spec.heads % tp or spec.kv_heads % tp:
         raise ConfigError("plan.tp", f"tp={tp} does not divide heads={spec.heads} and kv_heads={spec.kv_heads}",
                           f"choose tp among the common divisors of {spec.heads} and {spec.kv_heads}")

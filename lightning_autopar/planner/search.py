@@ -219,7 +219,6 @@ def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq
 
     # ---- dpc level (layout x precision x schedule/vpp x zero/dp_shard): data-parallel traffic and model states
     dl = D["layout"]
-    h = lambda a: np.asarray(a)[dl]  # noqa: E731
     tp_d, pp_d, cp_d, dp_d, ep_d = (f(Lt[n][dl]) for n in ("tp", "pp", "cp", "dp", "ep"))
     zero, prec_d = D["zero"], D["precision"]
     ds = np.where(D["dp_shard"] > 0, D["dp_shard"], Lt["dp"][dl]).astype(float)

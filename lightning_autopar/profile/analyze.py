@@ -7,7 +7,8 @@ Parameters are swapped for meta tensors (``torch.func.functional_call``), so a m
 * inside a block, by structure and shapes rather than attribute names: the attention (the module that calls
   ``scaled_dot_product_attention`` or a 4-D softmax; its linears split into q/k/v/o or fused qkv), the MLP
   (linears hidden -> ffn [gate, up] and ffn -> hidden [down]) and MoE layers (a router hidden -> E next to a
-  list of E identical MLPs);
+  list of E identical MLPs, or -- the fused layout of Hugging Face Mixtral -- a router module with a weight
+  [E, hidden] next to an experts module holding 3-D parameters [E, ...]);
 * embeddings (token, position), the final norm and the LM head (tied or not);
 * per block: parameters, forward+backward FLOPs (``FlopCounterMode``) and saved-activation bytes.
 
@@ -59,11 +60,20 @@ class MLPInfo:
 @dataclass
 class MoEInfo:
     fqn: str  # relative to the block
-    router: str
-    experts: str  # the ModuleList of experts
+    router: str  # relative to the MoE module: an nn.Linear(hidden, E), or a router module with a weight [E, hidden]
+    experts: str  # the ModuleList of experts, or (fused layout) the module holding the experts' stacked weights
     num_experts: int = 0
     top_k: int = 0
-    expert_mlp: MLPInfo | None = None  # structure of one expert, relative to the expert
+    expert_mlp: MLPInfo | None = None  # structure of one expert, relative to the expert (ModuleList layout)
+    # fused layout (Hugging Face Mixtral: ``gate_up_proj`` [E, 2*ffn, hidden], ``down_proj`` [E, hidden, ffn]): the
+    # experts module's parameters, each with the experts along dim 0; empty for a ModuleList of experts
+    fused_params: list[str] = field(default_factory=list)
+    ffn_hidden: int = 0  # one expert's FFN width
+    gated: bool = False  # SwiGLU-style experts (gate and up projections)
+
+    @property
+    def fused(self) -> bool:
+        return bool(self.fused_params)
 
 
 @dataclass
@@ -189,6 +199,50 @@ def _classify_attention(fqn: str, module: nn.Module, hidden: int, heads: int, he
     return info
 
 
+def _top_k(*modules: nn.Module) -> int:
+    """The routed-experts-per-token count from the first module with an int attribute named like it."""
+    for module in modules:
+        for attr, value in vars(module).items():
+            if isinstance(value, int) and not isinstance(value, bool) and (
+                    "top" in attr.lower() or attr.lower() in ("k", "num_experts_per_tok")):
+                return value
+    return 0
+
+
+def _classify_fused_moe(fqn: str, module: nn.Module, hidden: int) -> MoEInfo | None:
+    """The fused layout: a router child whose ``weight`` is [E, hidden] (not an nn.Linear) and an experts child
+    whose parameters all have E along dim 0, at least one 3-D. Projections as nn.Linear stores them ([out, in]),
+    or transposed when the experts module says ``is_transposed``: inputs read ``hidden``, the output projection
+    writes it; one input of width 2*ffn is a fused gate+up."""
+    children = dict(module.named_children())
+    for r_name, router in children.items():
+        weight = getattr(router, "weight", None)
+        if isinstance(router, nn.Linear) or not isinstance(weight, torch.Tensor) or weight.dim() != 2 \
+                or weight.shape[1] != hidden or weight.shape[0] < 2:
+            continue
+        num = weight.shape[0]
+        for e_name, experts in children.items():
+            params = dict(experts.named_parameters(recurse=False))
+            if e_name == r_name or not params or any(p.dim() < 2 or p.shape[0] != num for p in params.values()) \
+                    or not any(p.dim() == 3 for p in params.values()) or _param_count(experts) != sum(
+                        p.numel() for p in params.values()):
+                continue
+            flip = bool(getattr(experts, "is_transposed", False))
+            shapes = {n: (p.shape[2], p.shape[1]) if flip else (p.shape[1], p.shape[2])
+                      for n, p in params.items() if p.dim() == 3}  # name -> (out, in)
+            ins = [n for n, (o, i) in shapes.items() if i == hidden and o != hidden]
+            outs = [n for n, (o, i) in shapes.items() if o == hidden and i != hidden]
+            if len(outs) != 1:
+                continue
+            ffn = shapes[outs[0]][1]
+            widths = sorted(shapes[n][0] for n in ins)
+            if widths not in ([ffn], [2 * ffn], [ffn, ffn]):
+                continue
+            return MoEInfo(fqn=fqn, router=r_name, experts=e_name, num_experts=num, top_k=_top_k(module, router),
+                           fused_params=list(params), ffn_hidden=ffn, gated=widths != [ffn])
+    return None
+
+
 def _classify_moe(fqn: str, module: nn.Module, hidden: int) -> MoEInfo | None:
     lists = [(n, m) for n, m in module.named_children() if isinstance(m, nn.ModuleList) and len(m) >= 2]
     for name, experts in lists:
@@ -202,11 +256,10 @@ def _classify_moe(fqn: str, module: nn.Module, hidden: int) -> MoEInfo | None:
         if not routers:
             continue
         expert_mlp = _classify_mlp("", experts[0], hidden)
-        top_k = next((v for a, v in vars(module).items() if isinstance(v, int) and not isinstance(v, bool)
-                      and ("top" in a.lower() or a.lower() in ("k", "num_experts_per_tok"))), 0)
-        return MoEInfo(fqn=fqn, router=routers[0], experts=name, num_experts=len(experts), top_k=top_k,
-                       expert_mlp=expert_mlp)
-    return None
+        return MoEInfo(fqn=fqn, router=routers[0], experts=name, num_experts=len(experts), top_k=_top_k(module),
+                       expert_mlp=expert_mlp, ffn_hidden=expert_mlp.ffn_hidden if expert_mlp else 0,
+                       gated=bool(expert_mlp and expert_mlp.gate))
+    return _classify_fused_moe(fqn, module, hidden)
 
 
 # ------------------------------------------------------------------------------------------- tracing
@@ -385,9 +438,9 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
                 info.moe = moe
                 moe_every_hits.append(i)
                 experts, top_k = moe.num_experts, moe.top_k or top_k
-                if moe.expert_mlp:
-                    ffn_hidden = ffn_hidden or moe.expert_mlp.ffn_hidden
-                    ffn_kind = "swiglu" if moe.expert_mlp.gate else ffn_kind
+                if moe.ffn_hidden:
+                    ffn_hidden = ffn_hidden or moe.ffn_hidden
+                    ffn_kind = "swiglu" if moe.gated else ffn_kind
             if info.mlp is None and info.moe is None and (mlp := _classify_mlp(name, mod, hidden)) is not None:
                 info.mlp = mlp
                 ffn_hidden, ffn_kind = mlp.ffn_hidden, ("swiglu" if mlp.gate else "gelu")

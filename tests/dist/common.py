@@ -32,9 +32,14 @@ def make_data() -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def reference_run(steps: int = STEPS, clip: float | None = None, seed: int = 0, **overrides):
+def reference_run(steps: int = STEPS, clip: float | None = None, seed: int = 0, micro_batches: int = 1, dp: int = 1,
+                  **overrides):
     """The plain single-process loop: same model (``overrides`` of its config), data, seed and optimizer.
-    Returns (losses, state dict)."""
+    Returns (losses, state dict).
+
+    ``micro_batches > 1``: each step accumulates that many micro-batches, micro-batch m being the m-th slice of
+    every one of ``dp`` data-parallel slices (the strategy's split). Only an MoE model's balance loss, which is
+    not linear in the tokens, tells this apart from one pass over the whole batch."""
     import lightning.pytorch as L
 
     L.seed_everything(seed, verbose=False)
@@ -42,11 +47,17 @@ def reference_run(steps: int = STEPS, clip: float | None = None, seed: int = 0, 
     opt = module.configure_optimizers()
     data = make_data()
     losses = []
+    rows = GLOBAL_BATCH // (dp * micro_batches)
     for step in range(steps):
         i = step % BATCHES_PER_EPOCH
         x, y = data[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH]
-        loss = module.loss((x, y))
-        loss.backward()
+        loss = 0.0
+        for m in range(micro_batches):
+            picked = torch.cat([torch.arange(r * GLOBAL_BATCH // dp + m * rows, r * GLOBAL_BATCH // dp + (m + 1) * rows)
+                                for r in range(dp)])
+            part = module.loss((x[picked], y[picked])) / micro_batches
+            part.backward()
+            loss = loss + part.detach()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         opt.step()

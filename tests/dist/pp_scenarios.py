@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import STEPS  # noqa: E402
-from scenarios import fit, main, record, record_error  # noqa: E402
+from scenarios import fit, main, record  # noqa: E402
 
 import lightning.pytorch as L  # noqa: E402
 
@@ -44,11 +44,20 @@ SCENARIOS = {
     "ep2_tp2": ("dp=2,ep=2,tp=2,zero=3,grad_accum=1", MOE),
     "ep4": ("dp=4,ep=4,zero=0,grad_accum=1", MOE),
     "pp2_tp2_dp2": ("pp=2,tp=2,dp=2,zero=3,grad_accum=2,schedule=1f1b", PP4),
+    # MoE under pipeline parallelism: the balance losses of every stage reach the last stage's loss
+    "pp2_moe_1f1b": ("pp=2,dp=1,grad_accum=4,schedule=1f1b", {**MOE, **PP4}),
+    "pp2_moe_interleaved": ("pp=2,dp=1,grad_accum=4,schedule=interleaved,vpp=2", {**MOE, **PP4}),
+    "pp2_ep2": ("pp=2,dp=2,ep=2,zero=3,grad_accum=2,schedule=1f1b", {**MOE, **PP4}, CLIP),
 }
 RESUME = {
     "resume_pp": ("pp=2,dp=2,zero=3,grad_accum=2,schedule=1f1b", PP4),
     "resume_ep": ("dp=4,ep=2,zero=3,grad_accum=1", MOE),
 }
+
+
+LITGPT_FIX = "pp=2,dp=1,grad_accum=4,schedule=interleaved,vpp=2"
+# forward-only validation scenarios -> model config
+VALIDATION = {"pp_validation": PP4, "pp_moe_validation": {**MOE, **PP4}}
 
 
 def gathered_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -81,7 +90,12 @@ def run(out: Path, name: str) -> None:
         ckpt = out / f"ckpts_{name}" / f"epoch=0-step={STEPS // 2}.ckpt"
         trainer, module, losses, plan = fit(fix, model_kwargs=model, ckpt_path=str(ckpt), seed=123)
         record(out, name, losses=losses, state=gathered_state(module), plan=plan)
-    elif name == "pp_validation":
+    elif name == "litgpt_pp2":  # litgpt's GPT, unchanged, split into 4 chunks (interleaved)
+        from tests_litgpt import make_litgpt_module
+
+        trainer, module, losses, plan = fit(LITGPT_FIX, make=make_litgpt_module)
+        record(out, name, losses=losses, state=gathered_state(module), plan=plan)
+    elif name in VALIDATION:
         # forward-only validation through the pipeline: the same val_loss reaches every rank
         import torch.distributed as dist
         from torch.utils.data import DataLoader
@@ -90,7 +104,7 @@ def run(out: Path, name: str) -> None:
         from lightning_autopar import AutoParallelStrategy
 
         L.seed_everything(0, verbose=False)
-        module = make_module(**PP4)
+        module = make_module(**VALIDATION[name])
         strategy = AutoParallelStrategy(fix="pp=2,dp=1,grad_accum=4,schedule=1f1b", cluster="cpu", print_plan=False)
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=2,
                             logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -101,8 +115,6 @@ def run(out: Path, name: str) -> None:
         values: list = [None] * dist.get_world_size()
         dist.all_gather_object(values, float(trainer.callback_metrics["val_loss"]))
         record(out, name, val_losses=values, state=gathered_state(module))
-    elif name == "pp_moe_rejected":
-        record_error(out, name, "pp=2,dp=1,grad_accum=4", model_kwargs={**MOE, **PP4})
     else:
         raise SystemExit(f"unknown scenario {name}")
 

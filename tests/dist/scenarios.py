@@ -40,10 +40,10 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def fit(fix, steps=STEPS, ckpt_path=None, seed=0, model_kwargs=None, strategy_kwargs=None, batch_size=GLOBAL_BATCH,
-        **trainer_kwargs):
+        make=make_module, **trainer_kwargs):
     world = int(os.environ["WORLD_SIZE"])
     L.seed_everything(seed, verbose=False)
-    module = make_module(**(model_kwargs or {}))
+    module = make(**(model_kwargs or {}))
     collector = LossCollector()
     strategy = AutoParallelStrategy(fix=fix, cluster="cpu", print_plan=False, **(strategy_kwargs or {}))
     cbs = trainer_kwargs.pop("extra_callbacks", [])

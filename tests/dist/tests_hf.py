@@ -1,6 +1,8 @@
-"""A tiny Hugging Face Llama for the equivalence tests (shapes as tests/dist/common.py's GPT)."""
+"""A tiny Hugging Face Llama and Mixtral for the equivalence tests (shapes as tests/dist/common.py's GPT)."""
 
 from __future__ import annotations
+
+MOE_AUX_COEF = 0.5  # large, so a balance loss that were not exact under data parallelism would show
 
 
 def make_hf_module():
@@ -14,13 +16,28 @@ def make_hf_module():
     return LitCausalLM(causal_lm(spec), lr=0.1, optimizer="sgd", momentum=0.9)
 
 
-def hf_reference_run(steps: int):
-    """The single-process loop for the tiny Llama: (losses, state dict)."""
+def make_hf_moe_module():
+    """A tiny MixtralForCausalLM (4 experts, top-2; fused 3-D expert weights) with its balance loss on."""
+    from common import SEQ, VOCAB
+
+    from lightning_autopar.models.hf import LitCausalLM, causal_lm
+    from lightning_autopar.specs import ModelSpec
+
+    spec = ModelSpec(name="mixtral-test", layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=64,
+                     ffn_kind="swiglu", vocab=VOCAB, seq_len=SEQ, experts=4, top_k=2)
+    model = causal_lm(spec)
+    model.config.router_aux_loss_coef = MOE_AUX_COEF
+    return LitCausalLM(model, lr=0.1, optimizer="sgd", momentum=0.9)
+
+
+def hf_reference_run(steps: int, make=None, clip: float | None = None):
+    """The single-process loop for the tiny Llama (or ``make()``'s module): (losses, state dict)."""
     import lightning.pytorch as L
+    import torch
     from common import BATCHES_PER_EPOCH, GLOBAL_BATCH, make_data
 
     L.seed_everything(0, verbose=False)
-    module = make_hf_module()
+    module = (make or make_hf_module)()
     opt = module.configure_optimizers()
     data = make_data()
     losses = []
@@ -28,6 +45,8 @@ def hf_reference_run(steps: int):
         i = step % BATCHES_PER_EPOCH
         loss = module.loss(data[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH])
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

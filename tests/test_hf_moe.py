@@ -1,0 +1,144 @@
+"""Hugging Face Mixtral (transformers 5: fused 3-D expert weights) under expert and data parallelism trains
+exactly like the single-process loop.
+
+One torchrun launch of world 4 runs tests/dist/hf_moe_scenarios.py; per-step losses and final parameters are
+compared with the plain single-process loop within LOSS_RTOL / PARAM_RTOL + PARAM_ATOL of tests/test_strategy.py
+(reached: ~1e-7 relative on losses, ~1e-7 absolute on parameters). The balance-loss weight is raised to 0.5 so
+that a per-rank (inexact) balance loss would fail the comparison (it misses by ~1e-3 on losses). In-process:
+the analysis finds the fused layout, the planner's spec counts the experts, the strategy allows ep and keeps
+tp=1, HF's experts forward under the EP dispatch, and when the router logits are gathered.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from common import SEQ, STEPS, VOCAB
+from conftest import run_scenarios
+from test_strategy import assert_equivalent, load
+
+transformers = pytest.importorskip("transformers")
+
+from hf_moe_scenarios import CLIP, RESUME, SCENARIOS  # noqa: E402
+from tests_hf import hf_reference_run, make_hf_moe_module  # noqa: E402
+
+from lightning_autopar.errors import ConfigError  # noqa: E402
+
+WORLD4 = [*SCENARIOS, RESUME]
+LAYOUT = {"mixtral_dp4": (4, 0, 1), "mixtral_ep2_zero3": (4, 3, 2), "mixtral_ep4": (4, 0, 4),
+          "mixtral_ep2_clip": (4, 2, 2), "mixtral_pp2_ep2": (2, 3, 2), RESUME: (4, 3, 2)}
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return run_scenarios(tmp_path_factory, 4, WORLD4, script="hf_moe_scenarios.py")
+
+
+_REFERENCES: dict = {}
+
+
+def reference(clip: float | None = None):
+    if clip not in _REFERENCES:
+        _REFERENCES[clip] = hf_reference_run(STEPS, make=make_hf_moe_module, clip=clip)
+    return _REFERENCES[clip]
+
+
+@pytest.mark.parametrize("name", WORLD4)
+def test_mixtral_matches_single_process(world4, name):
+    """dp=4 ep=1 (exact balance loss), ep=2 zero=3, ep=4 zero=0, ep=2 with clipping, pp=2 x dp=2 x ep=2, and a
+    resume at step 4."""
+    result = load(world4, name)
+    plan = result["plan"]
+    assert (plan["dp"], plan["zero"], plan["ep"], plan["tp"]) == (*LAYOUT[name], 1)
+    clip = CLIP if "gradient_clip_val" in SCENARIOS.get(name, ("", {}))[1] else None
+    assert_equivalent(result, *reference(clip), first_step=STEPS // 2 if name == RESUME else 0)
+
+
+# ------------------------------------------------------------------------------------------- in-process
+
+
+def _tiny_mixtral():
+    torch.manual_seed(0)
+    return make_hf_moe_module()
+
+
+def test_analysis_finds_the_fused_layout_and_the_spec_counts_experts():
+    from lightning_autopar.models.hf import LitCausalLM, causal_lm
+    from lightning_autopar.parallel.tensor import check_tp
+    from lightning_autopar.profile.analyze import analyze, find_transformer, model_spec_from_module
+    from lightning_autopar.specs import load_model_spec
+
+    module = _tiny_mixtral()
+    analysis = analyze(find_transformer(module)[1], trace=False)
+    moe = analysis.blocks[0].moe
+    assert moe is not None and moe.fused
+    assert (moe.fqn, moe.router, moe.experts) == ("mlp", "gate", "experts")
+    assert (moe.num_experts, moe.top_k, moe.ffn_hidden, moe.gated) == (4, 2, 64, True)
+    assert moe.fused_params == ["gate_up_proj", "down_proj"]
+    with pytest.raises(ConfigError, match=r"^plan.tp: .*fused 3-D"):
+        check_tp(analysis, 2)
+
+    preset = load_model_spec("mixtral_tiny")
+    model = causal_lm(preset)
+    spec = model_spec_from_module(LitCausalLM(model))
+    assert (spec.experts, spec.top_k, spec.ffn_hidden, spec.ffn_kind) == (4, 2, preset.ffn_hidden, "swiglu")
+    actual = sum(p.numel() for p in model.parameters())
+    assert spec.total_params() == pytest.approx(actual, rel=0.01)
+
+
+def test_strategy_allows_ep_and_keeps_tp1_for_fused_experts():
+    from lightning_autopar import AutoParallelStrategy
+    from lightning_autopar.profile.analyze import analyze, find_transformer
+
+    module = _tiny_mixtral()
+    strategy = AutoParallelStrategy(cluster="cpu", print_plan=False)
+    strategy.connect(module)
+    restrict = strategy._restrictions(None, analyze(find_transformer(module)[1], trace=False), "fp32")
+    assert restrict["tp"] == [1]
+    assert restrict.get("ep", [2]) != [1]
+
+
+def test_fused_dispatch_runs_hf_experts_forward():
+    """The EP dispatch (one rank) through HF's own experts forward equals the MoE block, for each experts
+    implementation; a rank receiving no rows still gives every expert weight a (zero) gradient."""
+    from lightning_autopar.parallel.experts import ExpertLayer, FusedExpertsForward
+
+    block = _tiny_mixtral().model.model.layers[0].mlp
+    experts = block.experts
+    x = torch.randn(2, SEQ, 32)
+    layer = ExpertLayer(fqn="mlp", module=block, experts=[experts], fused_params=["gate_up_proj", "down_proj"])
+    for implementation in ("eager", "grouped_mm", "batched_mm"):
+        experts.config._experts_implementation = implementation
+        ref = block(x)
+        experts.forward = FusedExpertsForward(layer, 4, None, None)
+        try:
+            torch.testing.assert_close(block(x), ref, rtol=1e-6, atol=1e-7)
+        finally:
+            del experts.forward
+    out = FusedExpertsForward(layer, 4, None, None).run_experts(x.new_zeros(0, 32), [0, 0, 0, 0])
+    out.sum().backward()
+    assert out.shape == (0, 32)
+    assert all(p.grad is not None and not p.grad.any() for p in experts.parameters())
+
+
+def test_router_logits_gathered_only_in_exact_training_forwards():
+    """Training forwards gather the router logits; eval forwards and calls with an attention_mask do not (the
+    latter with one warning)."""
+    from lightning_autopar.parallel.experts import RouterLogitsGather
+
+    model = _tiny_mixtral().model
+    gather = RouterLogitsGather(model.model, group=None)
+    seen: list[bool] = []
+    model.model.layers[0].mlp.gate.register_forward_hook(lambda *_: seen.append(gather.active))
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    model.train()
+    model(input_ids=ids)
+    with pytest.warns(UserWarning, match="attention_mask"):
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(input_ids=ids)
+    assert seen == [True, False, False] and not gather.active
