@@ -88,6 +88,21 @@ def test_analysis_finds_the_fused_layout_and_the_spec_counts_experts():
     assert spec.total_params() == pytest.approx(actual, rel=0.01)
 
 
+def test_meta_trace_counts_routed_expert_flops():
+    """The meta forward + backward runs on the fused experts (as batched_mm, restored after) and counts each
+    token's top-k experts: 3 x (attention projections + scores + router + k SwiGLU experts) per token."""
+    from lightning_autopar.profile.analyze import analyze, find_transformer
+
+    transformer = find_transformer(_tiny_mixtral())[1]
+    before = transformer.config._experts_implementation
+    analysis = analyze(transformer, seq_len=SEQ, trace=True)
+    assert transformer.config._experts_implementation == before
+    assert not any("meta forward failed" in u for u in analysis.unclassified)
+    h, kv, f, E, k = 32, 16, 64, 4, 2
+    per_token = 2 * (2 * h * h + 2 * h * kv) + 2 * 2 * SEQ * h + 2 * h * E + k * 2 * 3 * h * f
+    assert analysis.blocks[0].flops == 3 * SEQ * per_token
+
+
 def test_strategy_allows_ep_and_keeps_tp1_for_fused_experts():
     from lightning_autopar import AutoParallelStrategy
     from lightning_autopar.profile.analyze import analyze, find_transformer

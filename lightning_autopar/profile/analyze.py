@@ -17,9 +17,9 @@ What could not be classified is listed in ``ModelAnalysis.unclassified`` rather 
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -286,6 +286,23 @@ class _SDPARecorder(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextmanager
+def _meta_friendly_experts(model: nn.Module) -> Iterator[None]:
+    """Hugging Face fused experts run as ``batched_mm`` while traced: the same math and FLOPs (each routed token
+    through its experts), and, unlike ``grouped_mm`` (meta kernel: bf16 only) or ``eager`` (``nonzero``), it
+    runs on meta tensors of any dtype."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "_experts_implementation", None) not in (None, "batched_mm")}
+    saved = {key: c._experts_implementation for key, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._experts_implementation = "batched_mm"
+        yield
+    finally:
+        for key, c in configs.items():
+            c._experts_implementation = saved[key]
+
+
 def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns: list[str]) -> dict[str, Any]:
     """Forward + backward on meta tensors: per-block FLOPs, saved bytes, and the attention call sites."""
     from torch.func import functional_call
@@ -328,6 +345,7 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
             counter = es.enter_context(FlopCounterMode(display=False))
             es.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
             es.enter_context(recorder)
+            es.enter_context(_meta_friendly_experts(model))
             out = functional_call(model, {**params, **buffers}, (idx,), strict=False, tie_weights=True)
             logits = out if isinstance(out, torch.Tensor) else (out.logits if hasattr(out, "logits") else out[0])
             logits.float().sum().backward()
