@@ -4,7 +4,10 @@ single-process loop.
 Scenarios (tests/dist/pp_scenarios.py) run under torchrun, one process group per world size; per-step losses
 and final parameters are compared with the plain single-process loop on the same model (fp32) within
 LOSS_RTOL / PARAM_RTOL + PARAM_ATOL of tests/test_strategy.py (1e-5 relative; reached: ~2e-7 on losses,
-~1e-6 relative on parameters). pp2_dp2_zero3 and ep2 also clip gradients (norms across stages / expert ranks).
+~1e-6 relative on parameters). pp2_dp2_zero3, ep2 and pp2_ep2 also clip gradients (norms across stages / expert
+ranks). MoE under pipelines (pp2_moe_*, pp2_ep2, pp2_tp2_moe_recompute, resume_pp_ep, pp_moe_validation): every
+stage's balance losses reach the last stage's loss; their reference accumulates the same micro-batches (the
+balance loss is per micro-batch, see tests/dist/common.reference_run).
 Recompute's memory saving is measured in-process (CPU allocator via the profiler).
 """
 
@@ -32,7 +35,8 @@ except ImportError:  # scripts/setup.sh installs it (without its pins)
 if HAVE_LITGPT:
     WORLD2.append("litgpt_pp2")
 WORLD4 = ["pp4_gpipe", "pp4_1f1b", "pp4_interleaved", "pp2_dp2_zero0", "pp2_dp2_zero3", "pp2_tp2", "ep2",
-          "ep2_zero0", "ep4", "ep4_full", "ep2_tp2", "moe_dp4", "pp2_ep2", "resume_pp", "resume_ep"]
+          "ep2_zero0", "ep4", "ep4_full", "ep2_tp2", "moe_dp4", "pp2_ep2", "pp2_tp2_moe_recompute", "resume_pp",
+          "resume_ep", "resume_pp_ep"]
 WORLD8 = ["pp2_tp2_dp2"]
 MODEL = {name: spec[1] for name, spec in {**SCENARIOS, **RESUME}.items()}
 CLIPPED = {name for name, spec in SCENARIOS.items() if len(spec) > 2 and "gradient_clip_val" in spec[2]}
@@ -98,7 +102,7 @@ def test_pp2_tp2_dp2_on_8_processes(world8):
     assert_equivalent(result, *reference("pp2_tp2_dp2"))
 
 
-@pytest.mark.parametrize("name", ["resume_pp", "resume_ep"])
+@pytest.mark.parametrize("name", ["resume_pp", "resume_ep", "resume_pp_ep"])
 def test_resume_with_pp_or_ep_continues_exactly(world4, name):
     """Saved at step 4 (DCP, each stage / expert rank its own keys), resumed from another init: steps 5-8 equal."""
     assert_equivalent(load(world4, name), *reference(name), first_step=STEPS // 2)

@@ -567,6 +567,16 @@ def _stage_class() -> type:
             finally:
                 Stage.inferring = False
 
+        def _to_tensor(self, arg: Any) -> torch.Tensor:
+            # the shape-inference pass runs a real forward on tensors made from metadata, uninitialised by
+            # default: ranks of a TP group could then route MoE tokens differently and their collectives
+            # (which depend on the routing) would no longer match. Zeros are the same everywhere.
+            out = super()._to_tensor(arg)
+            if not isinstance(arg, torch.Tensor):
+                with torch.no_grad():
+                    out.zero_()
+            return out
+
         def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
             Stage.inferring = True
             try:

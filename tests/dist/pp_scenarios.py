@@ -48,10 +48,12 @@ SCENARIOS = {
     "pp2_moe_1f1b": ("pp=2,dp=1,grad_accum=4,schedule=1f1b", {**MOE, **PP4}),
     "pp2_moe_interleaved": ("pp=2,dp=1,grad_accum=4,schedule=interleaved,vpp=2", {**MOE, **PP4}),
     "pp2_ep2": ("pp=2,dp=2,ep=2,zero=3,grad_accum=2,schedule=1f1b", {**MOE, **PP4}, CLIP),
+    "pp2_tp2_moe_recompute": ("pp=2,tp=2,dp=1,grad_accum=4,schedule=1f1b,recompute=full", {**MOE, **PP4}),
 }
 RESUME = {
     "resume_pp": ("pp=2,dp=2,zero=3,grad_accum=2,schedule=1f1b", PP4),
     "resume_ep": ("dp=4,ep=2,zero=3,grad_accum=1", MOE),
+    "resume_pp_ep": ("pp=2,dp=2,ep=2,zero=3,grad_accum=2,schedule=1f1b", {**MOE, **PP4}),
 }
 
 
