@@ -75,6 +75,27 @@ class _GlobalBatchSlices:
             yield next(self.strategy._micro_batches(batch, 1))[0]
 
 
+class _NoBackwardSync:
+    """``fabric.no_backward_sync(model)``: Fabric's own only reaches FSDP2 modules; plain data parallelism runs
+    on ``replicate`` (DDP) modules (``parallel.fsdp.apply_replicate``), which take the same switch."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> Any:
+        from contextlib import contextmanager
+
+        from lightning_autopar.parallel.fsdp import set_gradient_sync, synced_modules
+
+        @contextmanager
+        def blocked() -> Iterator[None]:
+            modules = synced_modules(module)
+            set_gradient_sync(modules, not enabled)
+            try:
+                yield
+            finally:
+                set_gradient_sync(modules, True)
+
+        return blocked()
+
+
 class FabricAutoParallelMixin(AutoParallelMixin):
     """Fabric's side of the strategy: setup_module plans and applies; the data is sliced per dp rank."""
 
@@ -82,6 +103,7 @@ class FabricAutoParallelMixin(AutoParallelMixin):
         super().__init__(*args, **kwargs)
         self._autopar_module: nn.Module | None = None
         self._loader: Any = None
+        self._backward_sync_control = _NoBackwardSync()
 
     @property
     def lightning_module(self) -> nn.Module | None:  # what the shared planning code analyses

@@ -161,6 +161,7 @@ class AutoParallelMixin:
         self._applied: Any = None
         self._pipeline: Any = None  # parallel.pipeline.Pipeline when pp > 1
         self._pipeline_grads: dict[Any, Any] | None = None  # the schedule's gradients, until backward()
+        self._held_grads: dict[Any, Any] = {}  # earlier micro-batches' gradients, until the last one's backward
 
     # ------------------------------------------------------------------ environment and setup
 
@@ -403,19 +404,21 @@ class AutoParallelMixin:
         local_loss = torch.zeros((), device=self.root_device)
         rows_local = sum(rows for _, _, rows in micro)
         output = None
-        for i, (mb, weight, rows) in enumerate(micro):
-            last = i == len(micro) - 1
-            if automatic:
-                set_gradient_sync(self._fsdp_roots, last and stepping)
-            recorder.weight = rows / total
-            with self._recording_logs(recorder), self.precision_plugin.train_step_context():
-                output = module.training_step(mb, *rest, **kwargs)
-            loss = output["loss"] if isinstance(output, Mapping) else output
-            if not automatic or loss is None:
-                break
-            local_loss = local_loss + loss.detach() * (rows / rows_local)
-            if not last:
-                self.backward(loss * weight / lightning_k, None)
+        with self._gradients_set_aside(automatic) as produced:
+            for i, (mb, weight, rows) in enumerate(micro):
+                last = i == len(micro) - 1
+                if automatic:
+                    set_gradient_sync(self._fsdp_roots, last and stepping)
+                recorder.weight = rows / total
+                with self._recording_logs(recorder), self.precision_plugin.train_step_context():
+                    output = module.training_step(mb, *rest, **kwargs)
+                loss = output["loss"] if isinstance(output, Mapping) else output
+                if not automatic or loss is None:
+                    break
+                local_loss = local_loss + loss.detach() * (rows / rows_local)
+                if not last:
+                    self.backward(loss * weight / lightning_k, None)
+        self._held_grads = produced  # DDP keeps them in .grad until the last backward reduces them all
         recorder.flush(module, self._reduce_over_dp, total)
         if not automatic or output is None:
             return output
@@ -514,17 +517,11 @@ class AutoParallelMixin:
             inputs = [capture_model_call(self._transformer, partial(module.training_step, mb, *rest, **kwargs))
                       for mb, _, _ in micro]
         self._pp_step = (micro, rest, kwargs, total, _LogRecorder(), [])
-        params = list(module.parameters())
-        previous = {p: p.grad for p in params}
-        for p in params:
-            p.grad = None
         try:
-            with self.precision_plugin.train_step_context():
+            with self._gradients_set_aside() as produced, self.precision_plugin.train_step_context():
                 pipe.train_step(inputs)
         finally:
-            self._pipeline_grads = {p: p.grad for p in params if p.grad is not None}
-            for p in params:
-                p.grad = previous[p]
+            self._pipeline_grads = produced
             _, _, _, _, recorder, losses = self._pp_step
             self._pp_step = None
         payload = None
@@ -582,9 +579,35 @@ class AutoParallelMixin:
         recorder.flush(module, self._reduce_over_dp, total)
         return out
 
+    @contextmanager
+    def _gradients_set_aside(self, enabled: bool = True) -> Iterator[dict[Any, Any]]:
+        """Run the block on fresh gradients and put the earlier ones back after it; yields a dict that then holds
+        what the block produced. Lightning's zero_grad runs after training_step and before the last backward, so
+        gradients made inside the step (earlier micro-batches; the pipeline schedule) wait outside ``.grad``
+        until ``backward()`` puts them back."""
+        produced: dict[Any, Any] = {}
+        params = list(self.lightning_module.parameters()) if enabled else []
+        previous = {p: p.grad for p in params}
+        for p in params:
+            p.grad = None
+        try:
+            yield produced
+        finally:
+            produced.update({p: p.grad for p in params if p.grad is not None})
+            for p in params:
+                p.grad = previous[p]
+
+    @staticmethod
+    def _restore_gradients(grads: dict[Any, Any]) -> None:
+        for p, grad in grads.items():
+            p.grad = grad if p.grad is None else p.grad + grad
+
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """With pipeline parallelism the schedule already ran backward in training_step: Lightning's hooks run,
-        autograd does not; the held gradients are put in place (added to any being accumulated)."""
+        """The earlier micro-batches' gradients go back into ``.grad`` before the last micro-batch's backward
+        (which DDP then reduces with them). With pipeline parallelism the schedule already ran backward in
+        training_step: Lightning's hooks run, autograd does not; its gradients are put in place."""
+        held, self._held_grads = self._held_grads, {}
+        self._restore_gradients(held)
         grads = self._pipeline_grads
         if grads is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -592,8 +615,7 @@ class AutoParallelMixin:
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        for p, grad in grads.items():
-            p.grad = grad if p.grad is None else p.grad + grad
+        self._restore_gradients(grads)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss

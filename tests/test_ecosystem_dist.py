@@ -21,7 +21,7 @@ try:
 except ImportError:
     HAVE_HF = False
 
-FABRIC = ["fabric_dp", "fabric_tp", "fabric_ddp"]
+FABRIC = ["fabric_dp", "fabric_tp", "fabric_ddp", "fabric_ddp_accum"]
 SCENARIOS = FABRIC + (["hf_llama", "hf_llama_tp"] if HAVE_HF else [])
 
 
@@ -47,6 +47,15 @@ def test_fabric_matches_single_process(world2, reference, name, layout):
     result = load(world2, name)
     plan = result["plan"]
     assert (plan["dp"], plan["tp"], plan["zero"]) == layout and plan["grad_accum"] == 1
+    assert_equivalent(result, *reference)
+
+
+def test_fabric_no_backward_sync_on_ddp(world2, reference):
+    """Plain data parallelism runs on DDP (replicate): fabric.no_backward_sync keeps the first half-batch's
+    gradients local (they differ across ranks), and the accumulated step equals the single-process one."""
+    result = load(world2, "fabric_ddp_accum")
+    assert (result["plan"]["dp"], result["plan"]["zero"]) == (2, 0)
+    assert result["local_grads_differ"] is True
     assert_equivalent(result, *reference)
 
 

@@ -116,3 +116,23 @@ def test_bad_fix_exits_2_with_one_line(fix, expected):
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("autopar")]
     assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr[-3000:]
+
+
+def test_plain_data_parallel_runs_on_ddp():
+    """zero=0 with data parallelism alone goes to DDP (replicate: bucketed all-reduce); composed with another
+    parallelism, or on an MoE model, zero=0 stays on FSDP2's replicate mesh."""
+    from common import model_config
+
+    from lightning_autopar.models.gpt import GPT
+    from lightning_autopar.parallel.apply import plain_ddp
+    from lightning_autopar.profile.analyze import analyze
+    from lightning_autopar.specs import Plan
+
+    dense = analyze(GPT(model_config()), trace=False)
+    moe = analyze(GPT(model_config(experts=4, top_k=2)), trace=False)
+    assert plain_ddp(Plan(dp=4, zero=0), dense)
+    assert not plain_ddp(Plan(dp=4, zero=0), moe)
+    assert not plain_ddp(Plan(dp=4, zero=3), dense)
+    assert not plain_ddp(Plan(dp=2, tp=2, zero=0), dense)
+    assert not plain_ddp(Plan(dp=2, pp=2, zero=0), dense)
+    assert not plain_ddp(Plan(dp=1, zero=0), dense)

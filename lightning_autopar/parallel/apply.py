@@ -8,7 +8,7 @@
    (ep=1) the MoE forward is replaced too, so the balance loss covers the global micro-batch.
 4. Recompute (``recompute``): composable checkpoint hooks per block (outside FSDP, as torchtitan does).
 5. FSDP/DP (``fsdp``): experts on the expert-data-parallel mesh first, then blocks, then the transformer (or,
-   with PP, each chunk) on the data-parallel mesh.
+   with PP, each chunk) on the data-parallel mesh; zero=0 with data parallelism alone: DDP (``replicate``).
 6. Precision: FSDP's mixed-precision policy (set in step 5) plus Lightning's precision plugin (the strategy).
 """
 
@@ -57,6 +57,12 @@ def has_moe(analysis: ModelAnalysis) -> bool:
     return any(b.moe is not None for b in analysis.blocks)
 
 
+def plain_ddp(plan: Plan, analysis: ModelAnalysis) -> bool:
+    """zero=0 data parallelism alone on a dense model: DDP (``parallel.fsdp.apply_replicate``) instead of FSDP2."""
+    return (plan.dp > 1 and plan.zero == 0 and plan.tp == plan.pp == plan.ep == plan.cp == 1
+            and not has_moe(analysis))
+
+
 def pipeline_split(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis) -> tuple[nn.Module, ModelAnalysis]:
     """(module to split, its analysis): the transformer, or the wrapper holding it and the LM head."""
     from lightning_autopar.parallel.pipeline import pipeline_root
@@ -84,7 +90,8 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
                layers_per_stage: Sequence[int] | None = None, capacity_factor: float | None = None) -> Applied:
     """Apply ``plan`` to ``transformer`` (inside ``root``, the LightningModule) in place; see the module doc."""
     from lightning_autopar.parallel.experts import apply_expert_parallel
-    from lightning_autopar.parallel.fsdp import apply_data_parallel, apply_data_parallel_chunks, shard_experts
+    from lightning_autopar.parallel.fsdp import (apply_data_parallel, apply_data_parallel_chunks, apply_replicate,
+                                                 shard_experts)
     from lightning_autopar.parallel.pipeline import Pipeline
     from lightning_autopar.parallel.recompute import apply_recompute
     from lightning_autopar.parallel.tensor import apply_tensor_parallel
@@ -118,6 +125,8 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
                       plan.precision)
     if pipeline is not None:
         roots = apply_data_parallel_chunks(pipeline.chunks, dp_mesh, plan.zero, plan.precision)
+    elif plain_ddp(plan, local):
+        roots = apply_replicate(root, transformer, layout["dp_flat"].get_group())
     else:
         roots = apply_data_parallel(root, transformer, [b.fqn for b in local.blocks], dp_mesh, plan.zero,
                                     plan.precision)

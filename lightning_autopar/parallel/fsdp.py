@@ -1,9 +1,14 @@
-"""Data parallelism for every zero stage through FSDP2 ``fully_shard``, one unit per block plus the root.
+"""Data parallelism: DDP's bucketed all-reduce for plain data parallelism, FSDP2 ``fully_shard`` (one unit per
+block plus the root) for every other case.
 
 Mapping (FSDP2 has no separate ZeRO-1/2 switches; these are the nearest semantics):
 
-* zero=0 (DDP): ``fully_shard`` on a (dp_replicate=dp, dp_shard=1) mesh: states replicated, gradients
-  all-reduced, no parameter gathers.
+* zero=0 (DDP), data parallelism alone (no tp, pp, ep, cp; no MoE layers): ``replicate`` (composable DDP, as
+  torchtitan's DDP): gradients all-reduced in flat buckets overlapping backward, parameters plain tensors
+  (names unchanged), compute precision from Lightning's autocast. Measured faster than FSDP2 on a replicate
+  mesh (benchmarks/overhead.py). MoE models stay on FSDP2: DDP requires every parameter to get a gradient.
+* zero=0 composed with tp / pp / ep: ``fully_shard`` on a (dp_replicate=dp, dp_shard=1) mesh: states
+  replicated, gradients all-reduced, no parameter gathers.
 * zero=1 and zero=2: parameters, gradients and optimizer states sharded over dp_shard, but parameters stay
   gathered from forward to backward (``reshard_after_forward=False``): one all-gather per step and a
   reduce-scatter of gradients, as in ZeRO-2. ZeRO-1 (replicated gradients) is served by the same, which
@@ -31,6 +36,7 @@ from lightning_autopar.errors import ConfigError
 from lightning_autopar.parallel.precision import mixed_precision_policy
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -81,7 +87,7 @@ def shard_experts(experts: Iterable[nn.Module], edp_mesh: DeviceMesh, zero: int,
 
 
 def keep_hf_output_recording(modules: Iterable[nn.Module]) -> None:
-    """``fully_shard`` swaps a module's class for a subclass (``FSDPMixtralModel``); Hugging Face looks up what a
+    """``fully_shard`` and ``replicate`` swap a module's class for a subclass (``FSDPMixtralModel``); Hugging Face looks up what a
     model records (router logits -- hence Mixtral's balance loss --, hidden states, attentions) by class name, so
     a wrapped model would silently record nothing: register the new classes too."""
     import sys
@@ -123,6 +129,22 @@ def apply_data_parallel(
     return units[len(block_fqns):]
 
 
+def apply_replicate(root: nn.Module, transformer: nn.Module, dp_group: ProcessGroup,
+                    bucket_mb: float = 25.0) -> list[nn.Module]:
+    """zero=0 for data parallelism alone: composable ``replicate`` (DDP) on the transformer and any other child
+    of ``root`` holding parameters (the modules the user's step calls); returns them (their gradient sync is
+    what the strategy toggles for accumulation). Buffers are not re-broadcast every forward: every rank starts
+    from rank 0's state and a decoder's buffers (RoPE tables, masks) never change."""
+    from torch.distributed._composable.replicate import replicate
+
+    units = data_parallel_units(root, [], transformer)
+    for unit in units:
+        replicate(unit, process_group=dp_group, bucket_cap_mb=bucket_mb, broadcast_buffers=False,
+                  gradient_as_bucket_view=False)
+    keep_hf_output_recording(units)
+    return units
+
+
 def apply_data_parallel_chunks(chunks: Iterable[nn.Module], dp_mesh: DeviceMesh, zero: int,
                                precision: str = "fp32") -> list[nn.Module]:
     """Pipeline parallelism: ``fully_shard`` each chunk's blocks, then the chunk (``parallel.pipeline``);
@@ -135,6 +157,21 @@ def apply_data_parallel_chunks(chunks: Iterable[nn.Module], dp_mesh: DeviceMesh,
 
 
 def set_gradient_sync(roots: list[nn.Module], enabled: bool) -> None:
-    """Skip (or restore) the gradient reduction: FSDP2 then accumulates unsharded gradients locally."""
+    """Skip (or restore) the gradient reduction: FSDP2 then accumulates unsharded gradients locally, DDP in
+    ``.grad``."""
     for module in roots:
         module.set_requires_gradient_sync(enabled)
+
+
+def synced_modules(module: nn.Module) -> list[nn.Module]:
+    """The outermost FSDP2 / ``replicate`` modules under ``module`` (``set_requires_gradient_sync`` recurses)."""
+    from torch.distributed._composable.replicate import DDP
+    from torch.distributed.fsdp import FSDPModule
+
+    found: list[nn.Module] = []
+    inner: set[int] = set()
+    for m in module.modules():
+        if id(m) not in inner and isinstance(m, (FSDPModule, DDP)):
+            found.append(m)
+            inner.update(id(sub) for sub in m.modules())
+    return found

@@ -23,8 +23,10 @@ from scenarios import LossCollector, full_state, main, record  # noqa: E402
 FABRIC_FIXES = {"fabric_dp": "dp={w},zero=3", "fabric_tp": "tp={w},dp=1", "fabric_ddp": "dp={w},zero=0"}
 
 
-def fabric_run(fix: str, steps: int = STEPS):
-    """The reference loop of common.reference_run, written for Fabric with strategy autopar."""
+def fabric_run(fix: str, steps: int = STEPS, accumulate: int = 1):
+    """The reference loop of common.reference_run, written for Fabric with strategy autopar. ``accumulate``:
+    each rank's rows in that many backward passes, all but the last under ``fabric.no_backward_sync`` (the
+    first step checks that they really stayed local: ranks' gradients differ before the last backward)."""
     from lightning.fabric import Fabric
 
     from lightning_autopar.fabric import AutoParallelFabricStrategy
@@ -39,18 +41,27 @@ def fabric_run(fix: str, steps: int = STEPS):
     optimizer = module.configure_optimizers()
     loader = fabric.setup_dataloaders(DataLoader(make_data(), batch_size=GLOBAL_BATCH, shuffle=False))
     model, optimizer = fabric.setup(module, optimizer)
-    losses = []
+    losses, local_grads_differ = [], None
     while len(losses) < steps:
         for x, y in loader:
             assert x.shape[0] == GLOBAL_BATCH // strategy.plan.dp, x.shape  # this rank's slice
-            loss = lm_loss(model(x), y)
-            fabric.backward(loss)
+            parts = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
+            loss = 0.0
+            for i, (xs, ys) in enumerate(parts):
+                last = i == len(parts) - 1
+                if last and accumulate > 1 and local_grads_differ is None:
+                    norm = next(p for p in module.parameters() if p.grad is not None).grad.norm().reshape(1)
+                    local_grads_differ = len(set(fabric.all_gather(norm).flatten().tolist())) > 1
+                with fabric.no_backward_sync(model, enabled=not last):
+                    part = lm_loss(model(xs), ys) / accumulate
+                    fabric.backward(part)
+                loss = loss + part.detach()
             optimizer.step()
             optimizer.zero_grad()
             losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
             if len(losses) == steps:
                 break
-    return module, losses, strategy.plan.to_dict()
+    return module, losses, strategy.plan.to_dict(), local_grads_differ
 
 
 def hf_fit(fix: str, steps: int = STEPS):
@@ -72,7 +83,11 @@ def hf_fit(fix: str, steps: int = STEPS):
 def run(out: Path, name: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     if name in FABRIC_FIXES:
-        module, losses, plan = fabric_run(FABRIC_FIXES[name].format(w=world))
+        module, losses, plan, _ = fabric_run(FABRIC_FIXES[name].format(w=world))
+    elif name == "fabric_ddp_accum":  # fabric.no_backward_sync on the DDP (replicate) path
+        module, losses, plan, local_grads_differ = fabric_run(f"dp={world},zero=0", accumulate=2)
+        record(out, name, losses=losses, state=full_state(module), plan=plan, local_grads_differ=local_grads_differ)
+        return
     elif name == "hf_llama":
         module, losses, plan = hf_fit(f"dp={world},zero=3")
     elif name == "hf_llama_tp":  # Hugging Face attention split by heads, the model unchanged
