@@ -112,7 +112,7 @@ class FabricAutoParallelMixin(AutoParallelMixin):
     def _automatic_optimization(self) -> bool:
         return False  # the user's loop runs backward: one micro-batch per step, no pipeline schedule
 
-    def _train_loader(self, trainer: Any) -> Any:
+    def _plan_loader(self, trainer: Any) -> Any:
         return self._loader
 
     def setup_environment(self) -> None:
@@ -141,7 +141,7 @@ class FabricAutoParallelMixin(AutoParallelMixin):
         self._autopar_module = module
         _materialize_distributed_module(module, self.root_device)
         # the shared planning code takes the Trainer; of it, only .precision is read here (the loader comes
-        # from _train_loader, the optimization mode from _automatic_optimization)
+        # from _plan_loader, the optimization mode from _automatic_optimization)
         self._plan_and_apply(types.SimpleNamespace(precision=self.precision.precision))
         module.to(self.root_device)
         scaler = getattr(self.precision, "scaler", None)

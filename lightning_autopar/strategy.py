@@ -159,6 +159,7 @@ class AutoParallelMixin:
         self._global_batch = 0
         self._capacity_factor = moe_capacity_factor  # None: no token dropped (parallel.experts)
         self._applied: Any = None
+        self._applied_to: Any = None  # the LightningModule the plan was applied to
         self._pipeline: Any = None  # parallel.pipeline.Pipeline when pp > 1
         self._pipeline_grads: dict[Any, Any] | None = None  # the schedule's gradients, until backward()
         self._held_grads: dict[Any, Any] = {}  # earlier micro-batches' gradients, until the last one's backward
@@ -197,8 +198,12 @@ class AutoParallelMixin:
         self.accelerator.setup(trainer)
         # Lightning would shard (and always shuffle) the training data per rank; we slice global batches instead.
         trainer._accelerator_connector.use_distributed_sampler = False
-        _materialize_distributed_module(self.model, self.root_device)
-        self._plan_and_apply(trainer)
+        if self._applied is None or self._applied_to is not self.lightning_module:
+            # once per module: trainer.validate / test / predict after fit (or a second fit) keep the plan
+            # already applied to it, so a model is never parallelised twice
+            _materialize_distributed_module(self.model, self.root_device)
+            self._plan_and_apply(trainer)
+            self._applied_to = self.lightning_module
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -219,9 +224,16 @@ class AutoParallelMixin:
 
         return discover.discover_cluster()
 
-    def _train_loader(self, trainer: Any) -> Any:
-        """The training DataLoader (None when not fitting); the Fabric strategy returns the one it was given."""
-        return trainer.fit_loop._data_source.dataloader() if trainer.state.fn == "fit" else None
+    def _plan_loader(self, trainer: Any) -> Any:
+        """The DataLoader whose batches the plan is for: the training one when fitting, else the one of the stage
+        being run (validate / test / predict without fit: its batch is the global batch); the Fabric strategy
+        returns the one it was given."""
+        loop = {"fit": trainer.fit_loop, "validate": trainer.validate_loop, "test": trainer.test_loop,
+                "predict": trainer.predict_loop}.get(str(getattr(trainer.state.fn, "value", trainer.state.fn)))
+        if loop is None:
+            return None
+        loader = loop._data_source.dataloader()
+        return loader[0] if isinstance(loader, (list, tuple)) and loader else loader
 
     def _automatic_optimization(self) -> bool:
         """Whether the strategy runs the micro-batches' backward itself (Fabric: no, the user's loop does)."""
@@ -230,7 +242,7 @@ class AutoParallelMixin:
     def _batch_geometry(self, trainer: Any, transformer_seq: int | None) -> tuple[int, int]:
         """(global batch, sequence length) from the training DataLoader, as on one device."""
         global_batch, seq_len = self._global_batch_arg, None
-        loader = self._train_loader(trainer)
+        loader = self._plan_loader(trainer)
         if loader is not None:
             if global_batch is None:
                 global_batch = getattr(loader, "batch_size", None)

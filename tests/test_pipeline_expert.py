@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 
+import lightning.pytorch as L
 import pytest
 import torch
 from conftest import run_scenarios
@@ -122,7 +123,7 @@ def test_plans_are_the_requested_ones(world2, world4):
 @pytest.mark.parametrize("name, trained", [("pp_validation", "pp2_1f1b"), ("pp_moe_validation", "pp2_moe_1f1b")])
 def test_validation_runs_forward_only_through_the_pipeline(world2, name, trained):
     """val_loss after 2 steps equals the single-device model's mean loss on the 2 validation batches, on all ranks
-    (for the MoE model: cross-entropy plus every stage's balance losses)."""
+    (for the MoE model: cross-entropy plus every stage's balance losses); predict returns the model's logits."""
     result = load(world2, name)
     _, state = reference(trained, steps=2)
     module = make_module(**MODEL[trained])
@@ -132,6 +133,17 @@ def test_validation_runs_forward_only_through_the_pipeline(world2, name, trained
         expected = sum(module.loss(data[i * 8:(i + 1) * 8]).item() for i in range(2)) / 2
     assert len(set(result["val_losses"])) == 1
     assert result["val_losses"][0] == pytest.approx(expected, rel=1e-5)
+    # predict: the logits of the first batch, on the last stage's rank only (pp=2: rank 1)
+    first, last = result["predictions"]
+    assert first is None
+    with torch.no_grad():
+        torch.testing.assert_close(last, module(data[0:8][0]), rtol=1e-5, atol=1e-6)
+    # trainer.validate alone (fresh Trainer, untrained module, planned from the validation loader)
+    L.seed_everything(0, verbose=False)
+    fresh = make_module(**MODEL[trained])
+    with torch.no_grad():
+        expected = sum(fresh.loss(data[i * 8:(i + 1) * 8]).item() for i in range(2)) / 2
+    assert result["validate_alone"] == pytest.approx(expected, rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------- in-process

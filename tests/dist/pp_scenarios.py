@@ -100,7 +100,7 @@ def run(out: Path, name: str) -> None:
     elif name in VALIDATION:
         # forward-only validation through the pipeline: the same val_loss reaches every rank
         import torch.distributed as dist
-        from torch.utils.data import DataLoader
+        from torch.utils.data import DataLoader, Subset
 
         from common import GLOBAL_BATCH, make_data, make_module
         from lightning_autopar import AutoParallelStrategy
@@ -116,7 +116,20 @@ def run(out: Path, name: str) -> None:
         trainer.fit(module, loader, DataLoader(make_data(), batch_size=GLOBAL_BATCH))
         values: list = [None] * dist.get_world_size()
         dist.all_gather_object(values, float(trainer.callback_metrics["val_loss"]))
-        record(out, name, val_losses=values, state=gathered_state(module))
+        # predict: forward-only too; the logits come out on the last stage's rank
+        module.predict_step = lambda batch, batch_idx: module(batch[0])
+        preds = trainer.predict(module, DataLoader(Subset(make_data(), range(GLOBAL_BATCH)), batch_size=GLOBAL_BATCH))
+        predictions: list = [None] * dist.get_world_size()
+        dist.all_gather_object(predictions, preds[0] if preds and preds[0] is not None else None)
+        # validate alone with a fresh Trainer and module: planned from the validation loader's batch
+        L.seed_everything(0, verbose=False)
+        fresh = make_module(**VALIDATION[name])
+        alone = L.Trainer(strategy=AutoParallelStrategy(fix="pp=2,dp=1", cluster="cpu", print_plan=False),
+                          accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), logger=False,
+                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2)
+        alone_loss = alone.validate(fresh, DataLoader(make_data(), batch_size=GLOBAL_BATCH), verbose=False)[0]["val_loss"]
+        record(out, name, val_losses=values, state=gathered_state(module), predictions=predictions,
+               validate_alone=alone_loss)
     else:
         raise SystemExit(f"unknown scenario {name}")
 
