@@ -40,8 +40,8 @@ through the block outputs) is not carried.
 Requirements (one ``ConfigError`` otherwise): a stack of at least ``pp * vpp`` blocks; every parameter outside
 the blocks belongs to the token embedding, the position embedding, the final norm or the LM head; a final norm
 or an LM head to stop at; untied embeddings; the user's step calls that module once per micro-batch. Our GPT
-(dense and MoE) and Llama / Mixtral-style models qualify (tested: ``models.gpt.GPT``, Hugging Face
-``LlamaForCausalLM`` and ``MixtralForCausalLM``).
+(dense and MoE), Llama / Mixtral-style models and litgpt's GPT qualify (tested: ``models.gpt.GPT``, Hugging Face
+``LlamaForCausalLM`` and ``MixtralForCausalLM``, ``litgpt.model.GPT``).
 """
 
 from __future__ import annotations
