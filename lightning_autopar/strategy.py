@@ -416,6 +416,7 @@ class AutoParallelMixin:
         local_loss = torch.zeros((), device=self.root_device)
         rows_local = sum(rows for _, _, rows in micro)
         output = None
+        self._held_grads = {}  # none left from a step whose backward Lightning skipped
         with self._gradients_set_aside(automatic) as produced:
             for i, (mb, weight, rows) in enumerate(micro):
                 last = i == len(micro) - 1
