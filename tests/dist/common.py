@@ -33,9 +33,9 @@ def make_data() -> TensorDataset:
 
 
 def reference_run(steps: int = STEPS, clip: float | None = None, seed: int = 0, micro_batches: int = 1, dp: int = 1,
-                  **overrides):
-    """The plain single-process loop: same model (``overrides`` of its config), data, seed and optimizer.
-    Returns (losses, state dict).
+                  make=None, **overrides):
+    """The plain single-process loop: same model (``make(**overrides)``, default our GPT with ``overrides`` of its
+    config), data, seed and optimizer. Returns (losses, state dict).
 
     ``micro_batches > 1``: each step accumulates that many micro-batches, micro-batch m being the m-th slice of
     every one of ``dp`` data-parallel slices (the strategy's split). Only an MoE model's balance loss, which is
@@ -43,7 +43,7 @@ def reference_run(steps: int = STEPS, clip: float | None = None, seed: int = 0, 
     import lightning.pytorch as L
 
     L.seed_everything(seed, verbose=False)
-    module = make_module(**overrides)
+    module = (make or make_module)(**overrides)
     opt = module.configure_optimizers()
     data = make_data()
     losses = []

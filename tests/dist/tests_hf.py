@@ -32,22 +32,6 @@ def make_hf_moe_module():
 
 def hf_reference_run(steps: int, make=None, clip: float | None = None):
     """The single-process loop for the tiny Llama (or ``make()``'s module): (losses, state dict)."""
-    import lightning.pytorch as L
-    import torch
-    from common import BATCHES_PER_EPOCH, GLOBAL_BATCH, make_data
+    from common import reference_run
 
-    L.seed_everything(0, verbose=False)
-    module = (make or make_hf_module)()
-    opt = module.configure_optimizers()
-    data = make_data()
-    losses = []
-    for step in range(steps):
-        i = step % BATCHES_PER_EPOCH
-        loss = module.loss(data[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH])
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return reference_run(steps, clip=clip, make=make or make_hf_module)
