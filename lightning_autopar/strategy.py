@@ -155,6 +155,7 @@ class AutoParallelMixin:
         self.report: Any = None
         self.mesh_layout: Any = None
         self.analysis: Any = None
+        self.excluded: dict[str, str] = {}  # plan field -> why the runtime cannot apply its other values here
         self._fsdp_roots: list[nn.Module] = []
         self._global_batch = 0
         self._capacity_factor = moe_capacity_factor  # None: no token dropped (parallel.experts)
@@ -167,8 +168,21 @@ class AutoParallelMixin:
     # ------------------------------------------------------------------ environment and setup
 
     def setup_environment(self) -> None:
-        # Process group only: the mesh depends on the plan, which needs the data (see setup()).
+        # Process group only: the mesh depends on the plan, which needs the data (see setup()). Before it, this
+        # process's CPU thread share and, under torchrun's shared store, keys of its own per restart attempt
+        # (topology/worker.py: Lightning's ModelParallelStrategy does neither).
+        self._worker_setup()
         self._setup_distributed()
+
+    def _worker_setup(self) -> None:
+        from lightning_autopar.topology import worker
+
+        assert self.accelerator is not None
+        worker.share_cpu_threads(self.num_processes)
+        if worker.uses_shared_agent_store():
+            self.accelerator.setup_device(self.root_device)
+            device_id = self.root_device if self.root_device.type != "cpu" else None
+            worker.init_process_group(self._get_process_group_backend(), self._timeout, device_id=device_id)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -258,17 +272,26 @@ class AutoParallelMixin:
             global_batch = self.world_size
         return int(global_batch), int(seq_len or transformer_seq or 1)
 
+    def _exclude(self, restrict: dict[str, list[Any]], name: str, values: list[Any], reason: str) -> None:
+        """Narrow plan field ``name`` to ``values`` because the runtime cannot apply the others to this model;
+        ``reason`` is shown in the plan report (``PlanReport.excluded``), so nothing is dropped silently."""
+        restrict[name] = list(values)
+        self.excluded[name] = reason
+
     def _restrictions(self, trainer: Any, analysis: Any, precision: str) -> dict[str, list[Any]]:
+        from lightning_autopar.parallel.tensor import check_tp
+
         restrict: dict[str, list[Any]] = {k: list(v) for k, v in RUNTIME_SUPPORT.items()}
-        first = analysis.blocks[0] if analysis.blocks else None
-        if first is None or first.attention is None or first.attention.fused or first.attention.o is None or (
-                first.mlp is None and first.moe is None):
-            restrict["tp"] = [1]  # the analysis could not find splittable attention and MLP
-        if any(b.moe is not None and b.moe.fused for b in analysis.blocks):
-            restrict["tp"] = [1]  # fused 3-D experts (HF Mixtral) are not split by TP (parallel.tensor.check_tp)
+        self.excluded = {}
+        try:  # tp=2 is the smallest split: what refuses it refuses every tp > 1 for this model's structure
+            check_tp(analysis, 2, structure_only=True)
+        except ConfigError as err:
+            self._exclude(restrict, "tp", [1], str(err))
         if not self._automatic_optimization():
-            restrict["grad_accum"] = [1]  # the user's own loop does backward: one micro-batch per step
-        restrict.update(self._pipeline_expert_restrictions(analysis))
+            # the user's own loop does backward: one micro-batch per step
+            self._exclude(restrict, "grad_accum", [1], "the user's loop runs backward (manual optimization)")
+        for name, (values, reason) in self._pipeline_expert_restrictions(analysis).items():
+            self._exclude(restrict, name, values, reason)
         restrict.update(self._restrict)
         return restrict
 
@@ -296,6 +319,7 @@ class AutoParallelMixin:
             top=self._top, restrict=self._restrictions(trainer, analysis, precision), precision=precision,
             memory_fraction=self._memory_fraction,
         )
+        self.report.excluded = dict(self.excluded)
         plan = self.plan = self.report.best.plan
         if self.global_rank == 0 and self._print_plan:
             self.report.print_table()
@@ -471,10 +495,10 @@ class AutoParallelMixin:
 
     # ------------------------------------------------------------------ pipeline and expert parallelism
 
-    def _pipeline_expert_restrictions(self, analysis: Any) -> dict[str, list[Any]]:
+    def _pipeline_expert_restrictions(self, analysis: Any) -> dict[str, tuple[list[Any], str]]:
         """pp and ep values the runtime can apply to this model: pp needs a splittable stack of blocks and
         automatic optimization; ep needs MoE layers with a route() method or the fused layout of HF Mixtral
-        (parallel.experts)."""
+        (parallel.experts). Field -> (allowed values, why the others are not)."""
         from lightning_autopar.parallel.apply import has_moe, pipeline_split
         from lightning_autopar.parallel.experts import moe_modules, supports_ep
         from lightning_autopar.parallel.pipeline import check_pipeline
@@ -482,18 +506,23 @@ class AutoParallelMixin:
 
         module = self.lightning_module
         _, transformer = find_transformer(module)
-        out: dict[str, list[Any]] = {}
+        out: dict[str, tuple[list[Any], str]] = {}
+        pipeline_refusal = ""
         try:
             split, split_analysis = pipeline_split(module, transformer, analysis)
             check_pipeline(split_analysis, split, module, 2)
             splittable = True
-        except ConfigError:
-            splittable = False
+        except ConfigError as err:
+            splittable, pipeline_refusal = False, str(err)
         moe = has_moe(analysis)
-        if not splittable or not self._automatic_optimization():
-            out["pp"] = [1]
-        if not moe or not all(supports_ep(m, info) for _, m, info in moe_modules(transformer, analysis)):
-            out["ep"] = [1]
+        if not splittable:
+            out["pp"] = ([1], pipeline_refusal)
+        elif not self._automatic_optimization():
+            out["pp"] = ([1], "pipeline parallelism runs backward itself; manual optimization cannot")
+        if not moe:
+            out["ep"] = ([1], "no MoE layers found")
+        elif not all(supports_ep(m, info) for _, m, info in moe_modules(transformer, analysis)):
+            out["ep"] = ([1], "MoE layout not supported by expert parallelism (parallel/experts.py)")
         return out
 
     def _norm_parts(self) -> list[Any] | None:

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def check_tp(analysis: ModelAnalysis, tp: int) -> None:
-    """Raise one clear ConfigError when ``tp`` cannot shard this model."""
+def check_tp(analysis: ModelAnalysis, tp: int, structure_only: bool = False) -> None:
+    """Raise one clear ConfigError when ``tp`` cannot shard this model. ``structure_only``: check only what the
+    model's structure allows (the planner's divisibility rules handle head and FFN counts)."""
     if tp == 1:
         return
     spec = analysis.spec
@@ -41,6 +42,8 @@ def check_tp(analysis: ModelAnalysis, tp: int) -> None:
             raise ConfigError("plan.tp", f"{block.fqn}.{block.moe.fqn}: experts stored as fused 3-D weights "
                               f"({', '.join(block.moe.fused_params)}) are not split by TP",
                               "use tp=1 (ep and dp shard these experts)")
+    if structure_only:
+        return
     if spec.heads % tp or spec.kv_heads % tp:
         raise ConfigError("plan.tp", f"tp={tp} does not divide heads={spec.heads} and kv_heads={spec.kv_heads}",
                           f"choose tp among the common divisors of {spec.heads} and {spec.kv_heads}")

@@ -31,6 +31,8 @@ class PlanReport:
     explanation: list[str] = field(default_factory=list)
     memory_fraction: float = 0.9
     runner_up: PricedPlan | None = None  # best plan with another layout (dp/tp/pp/cp/ep), for the explanation
+    # plan field -> why the runtime does not offer its other values for this model (set by the live strategy)
+    excluded: dict[str, str] = field(default_factory=dict)
 
     def to_json_dict(self) -> dict[str, Any]:
         """The contract JSON: best, candidates, evaluated, feasible, search_seconds."""
@@ -68,6 +70,8 @@ class PlanReport:
                       f"{self.search_seconds:.3f} s" + (f"; rejected: {rejected}" if rejected else ""))
         for line in self.explanation:
             console.print(f"- {line}", highlight=False)
+        for name, reason in self.excluded.items():
+            console.print(f"- not offered for this model: other {name} values ({reason})", highlight=False)
 
     def save_png(self, path: str | os.PathLike) -> Path:
         """Stacked time terms per candidate and memory per device against capacity; written atomically."""
