@@ -1,5 +1,13 @@
-"""Shared by the benchmark scripts: machine load, the torchrun self-launch, the barrier-synchronised step timer,
-synthetic data, timed Trainer runs and small statistics. Benchmarks are scripts, never timed tests."""
+"""Shared by the benchmark scripts: machine load, the self-launch, the barrier-synchronised step timer,
+synthetic data, timed Trainer runs and small statistics. Benchmarks are scripts, never timed tests.
+
+Threads: no benchmark sets a thread count or a thread variable. Every process trains with what a user's process
+gets. ``--launcher lightning`` (the default) starts the ranks as Lightning's own launcher does for
+``python train.py`` with ``devices=N``: no thread variable, every rank a process the Trainer did not start
+(``LOCAL_RANK`` set). That is how Lightning's launcher leaves ranks 1..N-1. ``--launcher torchrun`` uses torchrun,
+which sets ``OMP_NUM_THREADS=1`` itself when it is unset. Before each timed run every process is put back to its
+thread state at start (``fresh_threads``): Lightning's ``DDPStrategy`` sets the threads of the process it runs
+in, and that must not carry over into the next strategy's run."""
 
 from __future__ import annotations
 
@@ -71,22 +79,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def under_torchrun() -> bool:
+def is_worker() -> bool:
+    """Whether this process is one of the benchmark's ranks (started by torchrun or by ``relaunch``)."""
     return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def relaunch(script: str, nproc: int, argv: Sequence[str], timeout_s: float | None = None) -> int:
-    """Run ``script argv`` once under torchrun with ``nproc`` CPU processes (one thread each); its return code."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{free_port()}", script, *argv]
-    print("+", " ".join(cmd[2:]), flush=True)
-    return subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout_s).returncode
+def global_rank() -> int:
+    """This rank: torchrun's RANK, else (one node, Lightning's launcher sets no RANK) LOCAL_RANK."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+
+def relaunch(script: str, nproc: int, argv: Sequence[str], timeout_s: float | None = None,
+             launcher: str = "lightning") -> int:
+    """Run ``script argv`` once on ``nproc`` CPU processes; the first non-zero return code, else 0. No thread
+    variable is set. ``lightning``: ``nproc`` processes with the variables Lightning's launcher gives the
+    ranks it starts (MASTER_ADDR, MASTER_PORT, NODE_RANK, LOCAL_RANK, WORLD_SIZE). ``torchrun``: torchrun, which
+    sets ``OMP_NUM_THREADS=1`` when it is unset."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", script, *argv]
+        print("+", " ".join(cmd[2:]), flush=True)
+        return subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout_s).returncode
+    cmd = [sys.executable, script, *argv]
+    print(f"+ {nproc} x", " ".join(cmd[1:]), "(started as Lightning's launcher starts ranks)", flush=True)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NODE_RANK="0", WORLD_SIZE=str(nproc))
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env={**env, "LOCAL_RANK": str(rank)}) for rank in range(nproc)]
+    return _wait_all(procs, timeout_s)
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float | None) -> int:
+    """Wait for every rank; when one fails (or the time is up) stop the others, which would wait for it forever."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        if failed or (deadline is not None and time.monotonic() > deadline):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+            return failed[0] if failed else 124
+        time.sleep(0.5)
+    return next((p.returncode for p in procs if p.returncode), 0)
 
 
 def common_args(parser: Any) -> Any:
     """The options every torchrun benchmark takes: processes, output folder, the quiet-machine waits."""
-    parser.add_argument("--nproc", type=int, default=4, help="CPU processes (gloo, one thread each)")
+    parser.add_argument("--nproc", type=int, default=4, help="CPU processes (gloo)")
+    parser.add_argument("--launcher", default="lightning", choices=("lightning", "torchrun"),
+                        help="how the ranks start: as Lightning's launcher starts them (python train.py, "
+                             "devices=N), or torchrun; no thread variable is set either way")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "benchmarks"), help="results folder")
     parser.add_argument("--max-load", type=float, default=2.5,
                         help="start when the 1-minute load average is below this")
@@ -103,6 +146,7 @@ def common_args(parser: Any) -> Any:
 _PAUSED = [0.0]
 RUN_LOADS: list[float] = []  # the 1-minute load average at the start of every run
 RUN_OTHERS: list[float] = []  # the share of the machine's CPU time other processes took during every run
+RUN_THREADS: list[int] = []  # torch's intra-op threads in this process during every timed run's steps
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -205,7 +249,7 @@ def load_summary() -> dict[str, float]:
 
 def bench_main(script: str, args: Any, worker: Any, result_file: str) -> int:
     """A benchmark's entry point: the worker under torchrun, else the launcher (launch_and_record)."""
-    if under_torchrun():
+    if is_worker():
         worker(args)
         return 0
     return launch_and_record(script, args, result_file)
@@ -238,7 +282,7 @@ def launch_and_record(script: str, args: Any, result_file: str) -> int:
     print(f"machine: {machine()}; load average before {fmt_load(wait['load_before'])}, at start "
           f"{fmt_load(wait['load_start'])} with the CPU {100 * wait['busy_start']:.0f}% busy (waited "
           f"{wait['waited_s']:.0f} s)", flush=True)
-    rc = relaunch(script, args.nproc, sys.argv[1:])
+    rc = relaunch(script, args.nproc, sys.argv[1:], launcher=args.launcher)
     print(f"load average at the end {fmt_load(load_average())}", flush=True)
     path = Path(args.out) / result_file
     if rc == 0 and path.exists():
@@ -249,19 +293,37 @@ def launch_and_record(script: str, args: Any, result_file: str) -> int:
     return rc
 
 
+_FRESH: list[tuple[int, str | None]] = []  # this process's (torch threads, OMP_NUM_THREADS) before any Trainer
+
+
 def init_workers() -> tuple[int, int]:
-    """Inside torchrun: one thread per process, the gloo process group (reused by every Trainer); (rank, world)."""
+    """In a rank: the gloo process group (reused by every Trainer); (rank, world). Threads stay as the process
+    started (none set here); that state is kept for fresh_threads."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    if not _FRESH:
+        _FRESH.append((torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")))
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", rank=global_rank(), world_size=int(os.environ["WORLD_SIZE"]))
     return dist.get_rank(), dist.get_world_size()
 
 
+def fresh_threads() -> None:
+    """Put this process's thread state back to how it started (init_workers): a strategy that sets threads
+    (Lightning's DDPStrategy does, through its launcher) must not leave them to the next run."""
+    import torch
+
+    threads, omp = _FRESH[0]
+    torch.set_num_threads(threads)
+    if omp is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp
+
+
 def is_rank0() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
+    return global_rank() == 0
 
 
 # ============================================================================================ timing
@@ -285,9 +347,11 @@ def step_timer(warmup: int) -> Any:
         def __init__(self) -> None:
             self.all: list[float] = []
             self.losses: list[float] = []
+            self.threads = 0  # torch's intra-op threads while training
             self._start = 0.0
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.threads = torch.get_num_threads()
             sync()
             self._start = time.perf_counter()
 
@@ -318,16 +382,24 @@ def token_loader(rows: int, seq_len: int, batch_size: int, vocab: int = 256, see
 
 def timed_fit(module: Any, strategy: Any, loader: Any, steps: int, warmup: int, precision: str = "32-true",
               devices: int | None = None) -> tuple[list[float], Any]:
-    """Fit ``steps + warmup`` optimizer steps on CPU with a fresh Trainer; (timed step seconds, trainer)."""
+    """Fit ``steps + warmup`` optimizer steps on CPU with a fresh Trainer; (timed step seconds, trainer). The
+    process starts it with its thread state at start (fresh_threads); the threads it trained with go to
+    RUN_THREADS."""
     import lightning.pytorch as L
 
+    if _FRESH:
+        fresh_threads()
     timer = step_timer(warmup)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices or int(os.environ["WORLD_SIZE"]),
+    import torch.distributed as dist
+
+    # the world from the process group: Lightning's environment removes WORLD_SIZE when a Trainer tears down
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices or dist.get_world_size(),
                         max_steps=warmup + steps, precision=precision, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=[timer])
     with others_share():
         trainer.fit(module, loader)
+    RUN_THREADS.append(timer.threads)
     return timer.times, trainer
 
 

@@ -5,8 +5,8 @@ The same planner and apply layer as the Trainer strategy (it *is* ``AutoParallel
 
     fabric = Fabric(strategy="autopar", accelerator="cpu", devices=4)   # or AutoParallelFabricStrategy(fix="tp=2")
     fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)                   # plans the layout and applies it
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=16))  # 16 = the global batch of one step
-    model, optimizer = fabric.setup(model, optimizer)                   # plans and applies
     for x, y in loader:                                                 # this rank's rows of each global batch
         loss = loss_fn(model(x), y)
         fabric.backward(loss)
@@ -15,12 +15,20 @@ The same planner and apply layer as the Trainer strategy (it *is* ``AutoParallel
 Where the plan's inputs come from:
 
 * **global batch**: the ``global_batch=`` argument of the strategy, else the batch size of the training
-  DataLoader passed to ``fabric.setup_dataloaders`` (the first one) *before* ``fabric.setup``. Without either,
-  ``fabric.setup`` stops with one line saying so. Its sequence length is read from the loader's first batch.
+  DataLoader passed to ``fabric.setup_dataloaders`` (the first one), in either order. Fabric's docs set up the
+  model first (``model, optimizer = fabric.setup(model, optimizer)``, then ``setup_dataloaders``). Then
+  ``fabric.setup`` plans the layout (dp, tp, zero, recompute, precision) for an assumed global batch of one
+  sequence per device, at the model's own sequence length, and the first loader settles the fields that depend
+  on the batch (``mbs``; ``grad_accum`` stays 1) within that layout: it re-prices the plan with the real batch
+  and sequence length (``strategy.report.best``). A batch that does not split evenly over the layout's ``dp``
+  ranks, or that the layout cannot hold in memory, stops with one line naming the largest batch that fits.
+  Loader first, or ``global_batch=``, plans the layout for the real batch. The sequence length is read from
+  the loader's first batch.
 * **the batch**: as with the Trainer, a DataLoader batch is the global batch of one optimizer step (as on one
   device). The loader returned by ``setup_dataloaders`` yields this rank's contiguous slice of it (ranks of one
-  tensor-parallel group get the same slice); with equal slices (``drop_last=True``, a global batch divisible by
-  ``dp``) the averaged gradient is the single-device one.
+  tensor-parallel group get the same slice). Slices are equal (a batch that does not split evenly over ``dp``,
+  such as a short last batch without ``drop_last=True``, is refused in one line), so the averaged gradient is
+  the single-device one.
 * **accumulation**: the user's loop calls backward, so the plan has one micro-batch per step
   (``grad_accum=1``) and no pipeline (``pp=1``); accumulate across steps with ``fabric.no_backward_sync``.
 * **the optimizer**: pass it to ``fabric.setup(model, optimizer)`` as usual; sharding replaces the parameters
@@ -33,6 +41,7 @@ out and name the strategy in the code: ``fabric run examples/fabric_gpt.py --acc
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections import defaultdict
 from typing import Any, Iterator
@@ -41,6 +50,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.specs import Plan, PricedPlan
 from lightning_autopar.strategy import AutoParallelMixin, register_flavours
 
 
@@ -68,10 +78,18 @@ class _GlobalBatchSlices:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
+        from lightning_autopar.strategy import _leading_size
+
         for batch in self.loader:
             if self.strategy.plan is None:
                 raise ConfigError("fabric.setup", "the data was iterated before the model was set up, so there is "
                                   "no plan to slice the batch with", "call fabric.setup(model, ...) first")
+            rows, dp = _leading_size(batch), self.strategy.plan.dp
+            if rows is not None and rows % dp:
+                # unequal slices would weight the ranks' mean losses unequally: not the single-device gradient
+                raise ConfigError("DataLoader.drop_last", f"a batch of {rows} rows does not split evenly over "
+                                  f"the {dp} data-parallel ranks", "use drop_last=True and a batch size divisible "
+                                  f"by {dp}")
             yield next(self.strategy._micro_batches(batch, 1))[0]
 
 
@@ -103,6 +121,7 @@ class FabricAutoParallelMixin(AutoParallelMixin):
         super().__init__(*args, **kwargs)
         self._autopar_module: nn.Module | None = None
         self._loader: Any = None
+        self._batch_assumed = False  # planned at fabric.setup before any DataLoader: mbs not yet settled
         self._backward_sync_control = _NoBackwardSync()
 
     @property
@@ -116,15 +135,32 @@ class FabricAutoParallelMixin(AutoParallelMixin):
         return self._loader
 
     def setup_environment(self) -> None:
-        # Fabric's base: set the device, then the process group; the mesh waits for the plan (setup_module)
+        # Fabric's base: set the device, then the process group; the mesh waits for the plan (setup_module).
+        # _worker_setup: this process's CPU thread share, and per-attempt keys under torchrun's shared store
         assert self.accelerator is not None
         self.accelerator.setup_device(self.root_device)
+        self._worker_setup()
         self._setup_distributed()
 
     def process_dataloader(self, dataloader: Any) -> Any:
         if self._loader is None:
             self._loader = dataloader
+            if self.plan is not None and self._batch_assumed:  # fabric.setup came first: settle the batch now
+                self._settle_batch()
         return _GlobalBatchSlices(dataloader, self)
+
+    def _settle_batch(self) -> None:
+        """The first DataLoader after ``fabric.setup``: re-price the applied layout for its global batch and
+        sequence length (``settle_global_batch``); the plan and ``report.best`` become that priced plan."""
+        global_batch, seq_len = self._batch_geometry(None, self.report.seq_len)
+        priced = settle_global_batch(self.report, self.plan, global_batch, seq_len)
+        self.plan, self.report.best, self._global_batch = priced.plan, priced, global_batch
+        self.report.global_batch, self.report.seq_len = global_batch, seq_len
+        self._batch_assumed = False
+        if self.global_rank == 0 and self._print_plan:
+            print(f"autopar: global batch {global_batch}, seq {seq_len} from the DataLoader: {priced.plan.short()} "
+                  f"(layout planned at fabric.setup), predicted {priced.step_time_s:.4g} s/step, "
+                  f"{priced.memory_gib_per_device:.3g} GiB per device", flush=True)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         from lightning.fabric.utilities.init import _materialize_distributed_module
@@ -134,10 +170,9 @@ class FabricAutoParallelMixin(AutoParallelMixin):
         if self.plan is not None:
             raise ConfigError("fabric.setup", "the autopar strategy plans one model per Fabric",
                               "set up one model (wrap several in one nn.Module)")
-        if self._global_batch_arg is None and self._loader is None:
-            raise ConfigError("global_batch", "fabric.setup ran before any fabric.setup_dataloaders, so the global "
-                              "batch is unknown", "call fabric.setup_dataloaders(train_loader) before fabric.setup, "
-                              "or pass AutoParallelFabricStrategy(global_batch=N)")
+        # Fabric's documented order sets the model up first: plan the layout for an assumed batch (_batch_geometry:
+        # one sequence per device) and settle the batch-dependent fields when the loader comes (_settle_batch)
+        self._batch_assumed = self._global_batch_arg is None and self._loader is None
         self._autopar_module = module
         _materialize_distributed_module(module, self.root_device)
         # the shared planning code takes the Trainer; of it, only .precision is read here (the loader comes
@@ -164,6 +199,39 @@ class FabricAutoParallelMixin(AutoParallelMixin):
         self.precision.unscale_gradients(optimizer)
         params = list(self.precision.main_params(optimizer))
         return clip_grad_norm_(params, max_norm, norm_type, parts=self._norm_parts())
+
+
+def settle_global_batch(report: Any, plan: Plan, global_batch: int, seq_len: int) -> PricedPlan:
+    """``plan`` (a layout applied for an assumed batch) re-priced for the real ``global_batch`` and ``seq_len``:
+    ``mbs = global_batch / dp``, ``grad_accum = 1`` (the user's loop runs backward once per step). Raises one
+    ConfigError when the batch does not split evenly over ``dp`` or the layout cannot hold it in memory; the
+    message names the largest batch that fits."""
+    dp = plan.dp
+    hint = "or call fabric.setup_dataloaders before fabric.setup (or pass global_batch=N) to plan for this batch"
+    if global_batch < dp or global_batch % dp:
+        raise ConfigError("DataLoader.batch_size", f"a global batch of {global_batch} rows does not split evenly "
+                          f"over the dp={dp} data-parallel ranks of the layout planned at fabric.setup",
+                          f"use a multiple of {dp}, {hint}")
+    priced = _price_rows(report, plan, global_batch // dp, seq_len)
+    if priced.feasible:
+        return priced
+    fits = next((m for m in range(global_batch // dp - 1, 0, -1) if _price_rows(report, plan, m, seq_len).feasible),
+                0)
+    limit = report.cluster.device.memory_gib * report.memory_fraction
+    largest = f"at most {fits * dp}" if fits else "none"
+    raise ConfigError("DataLoader.batch_size", f"a global batch of {global_batch} (seq {seq_len}) needs "
+                      f"{priced.memory_gib_per_device:.3g} GiB per device with the layout planned at fabric.setup "
+                      f"({plan.short()}); {limit:.3g} GiB allow {largest}",
+                      f"use a smaller batch and accumulate with fabric.no_backward_sync, {hint}")
+
+
+def _price_rows(report: Any, plan: Plan, mbs: int, seq_len: int) -> PricedPlan:
+    """``plan`` with ``mbs`` rows per data-parallel rank and one micro-batch per step, priced as the report's."""
+    from lightning_autopar.planner.search import estimate
+
+    wanted = dataclasses.replace(plan, mbs=mbs, grad_accum=1)
+    return estimate(report.model, report.cluster, wanted, global_batch=wanted.global_batch, seq_len=seq_len,
+                    memory_fraction=report.memory_fraction)
 
 
 def rebind_optimizer(optimizer: Optimizer, names: dict[int, str], params: dict[str, nn.Parameter]) -> None:

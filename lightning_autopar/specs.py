@@ -48,6 +48,9 @@ class ModelSpec:
     top_k: int = 2
     moe_every: int = 1  # every k-th block is MoE when experts > 0
     tied_embeddings: bool = False
+    # the MoE layers are written as a plain loop over their experts (no route()): under ep > 1 their forward runs
+    # twice, capture and replay (parallel.experts.PlainExpertForward; priced by planner.cost.moe_replay_time)
+    moe_replay: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:

@@ -305,7 +305,7 @@ class AutoParallelMixin:
 
         module = self.lightning_module
         prefix, transformer = find_transformer(module)
-        analysis = analyze(transformer, trace=False)
+        analysis = analyze(transformer, trace=True, runner=module)  # what the code does (views, fused layouts)
         self.analysis = analysis
         global_batch, seq_len = self._batch_geometry(trainer, analysis.spec.seq_len)
         self._global_batch = global_batch
@@ -497,10 +497,10 @@ class AutoParallelMixin:
 
     def _pipeline_expert_restrictions(self, analysis: Any) -> dict[str, tuple[list[Any], str]]:
         """pp and ep values the runtime can apply to this model: pp needs a splittable stack of blocks and
-        automatic optimization; ep needs MoE layers with a route() method or the fused layout of HF Mixtral
-        (parallel.experts). Field -> (allowed values, why the others are not)."""
+        automatic optimization; ep needs MoE layers with a route() method, the fused layout of HF Mixtral or the
+        plain layout (parallel.experts). Field -> (allowed values, why the others are not)."""
         from lightning_autopar.parallel.apply import has_moe, pipeline_split
-        from lightning_autopar.parallel.experts import moe_modules, supports_ep
+        from lightning_autopar.parallel.experts import moe_modules, replays_forward, supports_ep
         from lightning_autopar.parallel.pipeline import check_pipeline
         from lightning_autopar.profile.analyze import find_transformer
 
@@ -523,6 +523,8 @@ class AutoParallelMixin:
             out["ep"] = ([1], "no MoE layers found")
         elif not all(supports_ep(m, info) for _, m, info in moe_modules(transformer, analysis)):
             out["ep"] = ([1], "MoE layout not supported by expert parallelism (parallel/experts.py)")
+        else:  # a plain-loop MoE runs its forward twice under ep > 1: the planner prices it
+            analysis.spec.moe_replay = replays_forward(transformer, analysis)
         return out
 
     def _norm_parts(self) -> list[Any] | None:
@@ -672,9 +674,19 @@ class AutoParallelMixin:
             return super().optimizer_state(optimizer)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+        from lightning_autopar.parallel.tensor import plain_shards
+
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, optimizer, options=options)
+        return plain_shards(get_optimizer_state_dict(self.model, optimizer, options=options))
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state as Lightning saves it; TP-fused projections (strided shards, which DCP cannot write)
+        as plain shards of the same global tensors (``parallel.tensor.plain_shards``)."""
+        from lightning_autopar.parallel.tensor import plain_shards
+
+        state = super().lightning_module_state_dict()
+        return plain_shards(state) if self._save_distributed_checkpoint else state
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint (model, flattened optimizer states, metadata) into this rank's parameters."""
@@ -686,6 +698,8 @@ class AutoParallelMixin:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict, set_optimizer_state_dict)
 
+        from lightning_autopar.parallel.tensor import plain_shards, restore_layout
+
         path = Path(self.broadcast(checkpoint_path))
         if not _is_sharded_checkpoint(path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -693,7 +707,9 @@ class AutoParallelMixin:
         state = {"state_dict": get_model_state_dict(self.model)}
         for i, optimizer in enumerate(self.optimizers):
             state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer, options=options)
-        dcp.load(state, checkpoint_id=path)
+        plain = plain_shards(state)  # DCP reads plain shards; then back to the model's own (strided) layout
+        dcp.load(plain, checkpoint_id=path)
+        state = restore_layout(plain, like=state)
         self.model.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
         for i, optimizer in enumerate(self.optimizers):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=options)

@@ -162,6 +162,59 @@ def test_fabric_rebind_optimizer_by_name():
     assert opt.param_groups[0]["params"] == [new["weight"]]
 
 
+def test_fabric_settles_the_batch_within_the_planned_layout():
+    """Fabric's documented order plans the layout for an assumed batch (one row per device); the loader's batch
+    then sets mbs within that layout, or is refused in one line naming the largest batch the layout holds."""
+    import dataclasses
+
+    from lightning_autopar import plan
+    from lightning_autopar.fabric import settle_global_batch
+
+    cluster = load_cluster_spec("cpu", nodes=1, devices_per_node=2)
+    report = plan(load_model_spec("gpt_small"), cluster, global_batch=2, seq_len=64, fix="dp=2,zero=3")
+    assumed = report.best
+    settled = settle_global_batch(report, assumed.plan, 16, 128)
+    assert (settled.plan.dp, settled.plan.zero, settled.plan.mbs, settled.plan.grad_accum) == (2, 3, 8, 1)
+    assert settled.plan.precision == assumed.plan.precision and settled.feasible
+    assert settled.memory_gib_per_device > assumed.memory_gib_per_device  # priced for the real batch
+    with pytest.raises(ConfigError) as info:
+        settle_global_batch(report, assumed.plan, 15, 128)
+    assert info.value.field == "DataLoader.batch_size" and "multiple of 2" in str(info.value)
+    # a device that holds the assumed batch and half the real one, but not all of it
+    between = (assumed.memory_gib_per_device + settled.memory_gib_per_device) / 2 / report.memory_fraction
+    small = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_gib=between))
+    with pytest.raises(ConfigError) as info:
+        settle_global_batch(dataclasses.replace(report, cluster=small), assumed.plan, 16, 128)
+    message = str(info.value)
+    assert info.value.field == "DataLoader.batch_size" and "allow at most 8" in message and "\n" not in message
+
+
+# --------------------------------------------------------------------------------------------------- launching
+
+
+def test_cpu_thread_share_keeps_the_users_choice(monkeypatch):
+    """Each process gets cores // local processes threads, unless OMP_NUM_THREADS says otherwise or the current
+    count already fits (a torch.set_num_threads of the user's that is lower stays)."""
+    import torch
+
+    from lightning_autopar.topology import worker
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(worker, "cpu_count", lambda: 8)
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(8)
+        assert worker.share_cpu_threads(4) == 2 and torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        assert worker.share_cpu_threads(4) == 1  # already within the share
+        assert worker.share_cpu_threads(16) == 1  # more processes than cores: one thread each
+        monkeypatch.setenv("OMP_NUM_THREADS", "8")
+        torch.set_num_threads(8)
+        assert worker.share_cpu_threads(4) == 8  # the user's explicit choice
+    finally:
+        torch.set_num_threads(before)
+
+
 # --------------------------------------------------------------------------------------------------- Accelerate
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from common import STEPS, reference_run
-from conftest import ROOT, run_scenarios
+from conftest import DIST, ROOT, run_scenarios
 from test_strategy import assert_equivalent
 
 try:
@@ -21,7 +21,8 @@ try:
 except ImportError:
     HAVE_HF = False
 
-FABRIC = ["fabric_dp", "fabric_tp", "fabric_ddp", "fabric_ddp_accum"]
+FABRIC = ["fabric_dp", "fabric_tp", "fabric_ddp", "fabric_ddp_accum", "fabric_model_first",
+          "fabric_model_first_refused"]
 SCENARIOS = FABRIC + (["hf_llama", "hf_llama_tp"] if HAVE_HF else [])
 
 
@@ -33,6 +34,11 @@ def reference():
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     return run_scenarios(tmp_path_factory, 2, SCENARIOS, script="ecosystem_scenarios.py")
+
+
+def without_thread_env() -> dict[str, str]:
+    """The environment a user's shell gives: no thread variable (the strategies pick each process's share)."""
+    return {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
 
 
 def load(out: Path, name: str) -> dict:
@@ -48,6 +54,21 @@ def test_fabric_matches_single_process(world2, reference, name, layout):
     plan = result["plan"]
     assert (plan["dp"], plan["tp"], plan["zero"]) == layout and plan["grad_accum"] == 1
     assert_equivalent(result, *reference)
+
+
+def test_fabric_in_documented_order(world2, reference):
+    """``fabric.setup(model, optimizer)`` before ``fabric.setup_dataloaders`` (Fabric's docs): the layout is planned
+    at setup, the loader settles mbs for its global batch, and training equals the single-process loop."""
+    result = load(world2, "fabric_model_first")
+    plan = result["plan"]
+    assert plan["dp"] * plan["mbs"] == 8 and plan["grad_accum"] == 1 and plan["dp"] * plan["tp"] == 2
+    assert_equivalent(result, *reference)
+
+
+def test_fabric_documented_order_refuses_an_indivisible_batch(world2):
+    result = load(world2, "fabric_model_first_refused")
+    assert result["field"] == "DataLoader.batch_size"
+    assert "7 rows does not split evenly over the dp=2" in result["error"] and "\n" not in result["error"]
 
 
 def test_fabric_no_backward_sync_on_ddp(world2, reference):
@@ -73,7 +94,7 @@ def test_hydra_app_with_lightning_launcher(tmp_path):
     """`python examples/train_gpt.py ...` on 2 CPU processes: Lightning re-runs the script for rank 1 with
     Hydra's run dir, so both ranks compose the same config; rank 0 prints the plan and the final loss."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = without_thread_env()
     env.pop("HYDRA_FULL_ERROR", None)
     proc = subprocess.run(
         [sys.executable, "examples/train_gpt.py", "model=gpt-tiny", "cluster=cpu", "trainer=debug",
@@ -86,3 +107,18 @@ def test_hydra_app_with_lightning_launcher(tmp_path):
     assert "final train_loss" in proc.stdout
     assert (run_dir / "train_ddp_process_1.log").exists()  # rank 1 ran through Lightning's Hydra command
     assert (run_dir / ".hydra" / "overrides.yaml").exists()
+
+
+@pytest.mark.parametrize("mode", ["trainer", "fabric"])
+def test_own_launcher_shares_the_cores(tmp_path, mode):
+    """`python script.py` with devices=2 and no OMP_NUM_THREADS: Lightning's launcher starts rank 1 and sets the
+    threads of DDPStrategy processes only; with the autopar strategies every rank still trains with at most its
+    share of the cores (processes x threads <= cores), as under torchrun or DDPStrategy."""
+    from lightning_autopar.topology.worker import cpu_count
+
+    proc = subprocess.run([sys.executable, str(DIST / "launcher_threads.py"), str(tmp_path), mode], cwd=ROOT,
+                          env=without_thread_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    share = max(1, cpu_count() // 2)
+    threads = [int((tmp_path / f"{mode}_rank{rank}.txt").read_text()) for rank in (0, 1)]
+    assert all(1 <= t <= share for t in threads), (threads, share)

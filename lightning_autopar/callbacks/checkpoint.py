@@ -21,9 +21,9 @@ continues on 2. A checkpoint that fails verification (no marker, a missing or tr
 load is skipped with a warning and the previous one is used.
 
 Fault recovery: run under ``torchrun --max-restarts N`` (a killed rank makes torchrun restart every worker, and
-the new ``fit()`` resumes here). With the c10d rendezvous, set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with
-the store shared across attempts, restarted gloo workers can read the dead attempt's addresses from it and fail
-to connect (seen with torch 2.13), costing a restart.
+the new ``fit()`` resumes here). Nothing else is needed: the workers share the elastic agent's store across
+attempts, and the strategy gives each attempt's process group keys of its own (``topology/worker.py``), so a
+restarted worker never reads the dead attempt's addresses.
 
 What is saved besides model, optimizers and LR schedulers (Lightning's checkpoint): every rank's RNG
 states (torch, CUDA, numpy, python) and the position in the epoch. Lightning resumes a plain DataLoader

@@ -7,9 +7,15 @@
 3. EP (``experts``): remote experts removed, MoE forwards routed through all-to-all; with data parallelism alone
    (ep=1) the MoE forward is replaced too, so the balance loss covers the global micro-batch.
 4. Recompute (``recompute``): composable checkpoint hooks per block (outside FSDP, as torchtitan does).
-5. FSDP/DP (``fsdp``): experts on the expert-data-parallel mesh first, then blocks, then the transformer (or,
-   with PP, each chunk) on the data-parallel mesh; zero=0 with data parallelism alone: DDP (``replicate``).
+5. FSDP/DP (``fsdp``): experts on the expert-data-parallel mesh first, then blocks, then the modules owning
+   the rest (or, with PP, each chunk) on the data-parallel mesh; zero=0 with data parallelism alone: DDP
+   (``replicate``). The units are chosen (``units.choose_units``) before step 1, from one meta forward of the
+   untouched model: modules whose forward runs, tied parameters owned by one unit.
 6. Precision: FSDP's mixed-precision policy (set in step 5) plus Lightning's precision plugin (the strategy).
+
+Then the guard (``units.check_applied``): every tie found before step 1 is still one tensor owned by one unit,
+and no parameter is outside every data-parallel unit -- a plan that would train apart from one device stops
+here with one line instead of diverging silently.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ def pipeline_split(root: nn.Module, transformer: nn.Module, analysis: ModelAnaly
     from lightning_autopar.profile.analyze import analyze
 
     split = pipeline_root(root, transformer)
-    return split, (analysis if split is transformer else analyze(split, trace=False))
+    return split, (analysis if split is transformer else analyze(split, trace=True))
 
 
 def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer: nn.Module) -> None:
@@ -95,9 +101,15 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     from lightning_autopar.parallel.pipeline import Pipeline
     from lightning_autopar.parallel.recompute import apply_recompute
     from lightning_autopar.parallel.tensor import apply_tensor_parallel
+    from lightning_autopar.parallel.units import check_applied, choose_units, tie_groups
     from lightning_autopar.topology.mesh import expert_meshes
 
     check_plan(plan, analysis, root, transformer)
+    ties = tie_groups(root)
+    units = None
+    if plan.pp == 1:  # chosen on the untouched model: TP and EP below change its parameters
+        units = choose_units(root, transformer, [b.fqn for b in analysis.blocks], analysis.spec.seq_len,
+                             wrap_blocks=not plain_ddp(plan, analysis))
     pipeline = split = None
     if plan.pp > 1:  # 1. PP split
         if loss_fn is None:
@@ -126,8 +138,8 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     if pipeline is not None:
         roots = apply_data_parallel_chunks(pipeline.chunks, dp_mesh, plan.zero, plan.precision)
     elif plain_ddp(plan, local):
-        roots = apply_replicate(root, transformer, layout["dp_flat"].get_group())
+        roots = apply_replicate(root, units, layout["dp_flat"].get_group())
     else:
-        roots = apply_data_parallel(root, transformer, [b.fqn for b in local.blocks], dp_mesh, plan.zero,
-                                    plan.precision)
+        roots = apply_data_parallel(root, units, dp_mesh, plan.zero, plan.precision)
+    check_applied(root, ties, every_param=pipeline is None)
     return Applied(fsdp_roots=roots, pipeline=pipeline, pipeline_root=split, experts=experts, expert_meshes=meshes)

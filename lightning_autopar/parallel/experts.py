@@ -21,6 +21,11 @@ Supported MoE layouts:
   plans. FSDP then shards dim 1 over the expert-data-parallel mesh (``parallel.fsdp.shard_experts``). TP does
   not split these experts (the strategy keeps tp=1 for such models, ``parallel.tensor.check_tp``).
 
+* a plain MoE written the usual way: a router ``nn.Linear(hidden, E)``, an ``nn.ModuleList`` of E expert MLPs
+  (hidden -> ffn -> hidden, as the analysis classifies them) and the top-k loop over the experts inside the
+  layer's ``forward`` (litgpt's ``LLaMAMoE``, Mixtral's reference code). The user's ``forward`` runs unchanged,
+  twice per call (``PlainExpertForward``, below).
+
 The forward then does:
 
 1. routing on this rank's tokens: the same routing math as on one device;
@@ -33,6 +38,22 @@ The forward then does:
 No token is dropped, so the layer computes exactly what the single-device layer computes. An optional
 ``capacity_factor`` caps each expert at ``ceil(capacity_factor * tokens * top_k / E)`` assignments per source
 rank (in token order); assignments beyond it are dropped (contribute zero), which then differs from one device.
+
+Plain MoE layers (no ``route``): the expert ``ModuleList`` is replaced by ``ExpertSlots``, a ModuleList holding
+only the local experts under their original indices (names unchanged) whose iteration, ``len`` and indexing give
+E call slots instead, so the user's loop still sees every expert. Each call of the layer runs the user's forward
+twice with the same random state: in the capture pass each expert call records its input rows (autograd-connected)
+and returns zeros of the input's shape (the expert is an MLP from hidden to hidden); then ONE exchange per layer
+(steps 2-4 above without the weighting: the rows of each expert, in call order, go to the rank holding it, every
+local expert runs on what it received, the outputs come back); in the replay pass each expert call returns its
+computed rows, and the routing weights, the combine and anything else the forward computes (a balance loss stored
+on the module) come from the user's own code with their gradients. The replay checks that the calls (expert,
+input shape) are those of the capture, else raises. Priced by ``planner.cost.moe_replay_time`` (ModelSpec
+``moe_replay``). What must hold: the forward is a function of its inputs and the random state (no expert call's
+input computed from another expert call's output; buffers the forward updates in place are restored after the
+capture pass). A balance loss computed inside the forward covers this rank's tokens: exact under data parallelism
+when it is a mean over tokens (a router z-loss); a loss non-linear in the tokens (the Switch loss) is this rank's,
+averaged over ranks like the LM loss. With ep=1 the layer keeps its forward.
 
 Load-balancing loss over the right tokens. The Switch loss ``E * sum_e f_e * P_e`` (f: fraction of assignments
 to expert e, P: mean router probability) is not linear in the tokens, so a data-parallel rank computing it on
@@ -106,9 +127,25 @@ def moe_modules(transformer: nn.Module, analysis: ModelAnalysis) -> list[tuple[s
     return out
 
 
+def plain_layout(module: nn.Module, info: Any) -> bool:
+    """A plain MoE (no ``route``): a router ``nn.Linear`` and an ``nn.ModuleList`` of experts the analysis found to
+    be MLPs from hidden to hidden, so an expert call's output has its input's shape (``PlainExpertForward``)."""
+    if info.fused or callable(getattr(module, "route", None)) or info.expert_mlp is None:
+        return False
+    return isinstance(module.get_submodule(info.experts), nn.ModuleList) and isinstance(
+        module.get_submodule(info.router), nn.Linear)
+
+
 def supports_ep(module: nn.Module, info: Any) -> bool:
-    """Whether EP can shard this MoE module: the fused layout, or a ``route`` method holding the routing math."""
-    return info.fused or callable(getattr(module, "route", None))
+    """Whether EP can shard this MoE module: the fused layout, a ``route`` method holding the routing math, or
+    the plain layout (router Linear + ModuleList of expert MLPs, the loop in ``forward``)."""
+    return info.fused or callable(getattr(module, "route", None)) or plain_layout(module, info)
+
+
+def replays_forward(transformer: nn.Module, analysis: ModelAnalysis) -> bool:
+    """Whether some MoE layer has the plain layout, whose forward runs twice under ep > 1: the planner's
+    ``ModelSpec.moe_replay``, so that cost is priced."""
+    return any(plain_layout(module, info) for _, module, info in moe_modules(transformer, analysis))
 
 
 def _takes_reduce_counts(module: nn.Module) -> bool:
@@ -131,8 +168,9 @@ def check_ep(analysis: ModelAnalysis, transformer: nn.Module, ep: int) -> None:
                               "choose ep dividing the number of experts")
         if not supports_ep(module, info):
             raise ConfigError("plan.ep", f"{fqn} ({type(module).__name__}) has no route(x) -> (weights, expert ids, "
-                              "aux loss) method holding its routing math, nor the fused layout (router + 3-D expert "
-                              "weights)", "use ep=1, or add route() (see lightning_autopar.models.gpt.MoE)")
+                              "aux loss) method, nor the fused layout (router + 3-D expert weights), nor a router "
+                              "nn.Linear next to an nn.ModuleList of expert MLPs (hidden -> ffn -> hidden)",
+                              "use ep=1, or add route() (see lightning_autopar.models.gpt.MoE)")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -203,10 +241,7 @@ class ExpertParallelForward:
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Sum over each token's experts of weight * expert(token), the experts living on the EP group."""
-        import torch.distributed as dist
-
-        E, G = self.num_experts, self.ep
-        local = E // G
+        E = self.num_experts
         k = ids.shape[-1]
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
@@ -219,14 +254,24 @@ class ExpertParallelForward:
             order = order[keep]
             counts = torch.bincount(flat_ids[order], minlength=E)
         token = order // k
-        sent = x[token]
+        y = self.exchange(x[token], counts)
+        w = weights.reshape(-1)[order].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y * w[:, None])
+
+    def exchange(self, sent: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The expert outputs of ``sent`` (rows grouped by global expert id, ``counts[e]`` rows for expert e), in
+        the same order: rows to the ranks holding their experts, the local experts on them, outputs back."""
+        import torch.distributed as dist
+
+        E, G = self.num_experts, self.ep
+        local = E // G
         if G > 1:
             recv_counts = torch.empty_like(counts)
             dist.all_to_all_single(recv_counts, counts, group=self.ep_group)
             send_splits = counts.view(G, local).sum(1).tolist()
             recv_splits = recv_counts.view(G, local).sum(1).tolist()
             received = _AllToAll.apply(sent, recv_splits, send_splits, self.ep_group)
-            expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(G), recv_counts)
+            expert_of_row = torch.repeat_interleave(torch.arange(local, device=sent.device).repeat(G), recv_counts)
             perm = torch.argsort(expert_of_row, stable=True)
             grouped = received[perm]
             per_expert = recv_counts.view(G, local).sum(0).tolist()
@@ -237,8 +282,7 @@ class ExpertParallelForward:
             inverse = torch.empty_like(perm)
             inverse[perm] = torch.arange(perm.numel(), device=perm.device)
             y = _AllToAll.apply(y[inverse], send_splits, recv_splits, self.ep_group)
-        w = weights.reshape(-1)[order].to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token, y * w[:, None])
+        return y
 
     def run_experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         """The local experts on ``rows`` (grouped by local expert, ``per_expert`` rows each)."""
@@ -276,6 +320,186 @@ class FusedExpertsForward(ExpertParallelForward):
             module._parameters.update(weights)
             if count is not None:
                 module.num_experts = count
+
+
+class _RandomState:
+    """The CPU and (if any) accelerator random state, so the replay pass draws what the capture pass drew."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu = torch.get_rng_state()
+        self.device = device if device.type not in ("cpu", "meta") else None
+        self.accelerator = None
+        if self.device is not None:
+            self.accelerator = torch.get_device_module(self.device.type).get_rng_state(self.device)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.device is not None:
+            torch.get_device_module(self.device.type).set_rng_state(self.accelerator, self.device)
+
+
+class _LayerBuffers:
+    """The MoE layer's own buffers (not its experts'), to undo in-place updates or rebinding by the capture pass,
+    which would otherwise happen twice per call."""
+
+    def __init__(self, module: nn.Module, experts: list[nn.Module]) -> None:
+        skip = {id(b) for e in experts for b in e.buffers()}
+        self.saved = []
+        for name, buf in module.named_buffers():
+            if id(buf) not in skip:
+                prefix, _, leaf = name.rpartition(".")
+                self.saved.append((module.get_submodule(prefix), leaf, buf, buf.detach().clone()))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for owner, leaf, buf, value in self.saved:
+                if owner._buffers.get(leaf) is not buf:
+                    owner._buffers[leaf] = buf
+                if not torch.equal(buf, value):  # an unchanged buffer keeps its version (saved for backward)
+                    buf.copy_(value)
+
+
+class _ExpertCall:
+    """Expert ``index`` as the user's forward sees it (an ``ExpertSlots`` entry): captured or replayed by the
+    layer's ``PlainExpertForward``. Not a module, so it holds no parameters."""
+
+    def __init__(self, owner: PlainExpertForward, index: int) -> None:
+        self.owner, self.index = owner, index
+
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.owner.expert_call(self.index, x, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"ExpertCall({self.owner.layer.fqn}, expert {self.index})"
+
+
+class ExpertSlots(nn.ModuleList):
+    """A plain MoE's experts ModuleList under EP: it holds the local experts under their original indices, so
+    parameter names and state dicts are the user's; iterating, ``len`` and indexing (what the user's forward
+    does) give one call slot per expert of the whole layer, each routed by ``PlainExpertForward``."""
+
+    def __init__(self, items: list[tuple[str, nn.Module]], calls: list[_ExpertCall]) -> None:
+        super().__init__()
+        for key, module in items:
+            self.add_module(key, module)
+        self.calls = calls  # plain objects: not in _modules, so not in names, state dicts or FSDP units
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __iter__(self) -> Any:
+        return iter(self.calls)
+
+    def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
+        return self.calls[idx]
+
+    __repr__ = nn.Module.__repr__  # the local experts, under their names
+
+
+class PlainExpertForward(ExpertParallelForward):
+    """Replaces a plain MoE layer's ``forward`` (no ``route``; see the module doc): the user's forward runs
+    twice with the same random state, the expert calls of the first recorded, exchanged once and their outputs
+    returned in the second."""
+
+    def __init__(self, layer: ExpertLayer, num_experts: int, ep_group: ProcessGroup | None,
+                 forward: Any) -> None:
+        super().__init__(layer, num_experts, ep_group, None)
+        self.user_forward = forward
+        self.phase = "idle"  # capture | replay while the user's forward runs
+        self.calls: list[tuple[int, torch.Tensor]] = []  # (expert, input rows) in call order
+        self.outputs: list[torch.Tensor] = []
+        self.cursor = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        probe = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        if probe is None:
+            raise ConfigError("plan.ep", f"{self.layer.fqn} was called without a tensor input", "use ep=1")
+        before = _RandomState(probe.device)
+        buffers = _LayerBuffers(self.layer.module, self.layer.experts)
+        self.calls = []
+        self._run("capture", args, kwargs)
+        buffers.restore()
+        self.outputs = self.run_calls(probe)
+        after = _RandomState(probe.device)
+        before.restore()
+        self.cursor = 0
+        try:
+            out = self._run("replay", args, kwargs)
+            if self.cursor != len(self.calls):
+                raise self._mismatch(f"{len(self.calls)} expert calls captured, {self.cursor} replayed")
+        finally:
+            self.calls, self.outputs = [], []
+        after.restore()
+        return out
+
+    def _run(self, phase: str, args: tuple, kwargs: dict) -> Any:
+        self.phase = phase
+        try:
+            return self.user_forward(*args, **kwargs)
+        finally:
+            self.phase = "idle"
+
+    def _mismatch(self, what: str) -> ConfigError:
+        return ConfigError("plan.ep", f"{self.layer.fqn}: the replayed forward called its experts differently "
+                           f"from the captured one ({what}); expert parallelism of a plain MoE needs a forward "
+                           "that is a function of its inputs and the random state", "use ep=1")
+
+    def expert_call(self, index: int, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """What expert ``index`` returns for ``x`` in the current pass."""
+        if args or kwargs or not isinstance(x, torch.Tensor):
+            raise ConfigError("plan.ep", f"{self.layer.fqn}: expert {index} is called with more than its input "
+                              "rows, which expert parallelism cannot send to the rank holding it", "use ep=1")
+        if self.phase == "capture":
+            self.calls.append((index, x))
+            return x.new_zeros(x.shape)  # an MLP from hidden to hidden: the output has the input's shape
+        if self.phase == "replay":
+            if self.cursor >= len(self.calls):
+                raise self._mismatch(f"more than the {len(self.calls)} calls captured")
+            captured, rows = self.calls[self.cursor]
+            if captured != index or rows.shape != x.shape:
+                raise self._mismatch(f"call {self.cursor}: expert {index} on {tuple(x.shape)}, captured expert "
+                                     f"{captured} on {tuple(rows.shape)}")
+            self.cursor += 1
+            return self.outputs[self.cursor - 1]
+        raise ConfigError("plan.ep", f"{self.layer.fqn}: expert {index} was called outside the layer's forward; "
+                          "under expert parallelism it may live on another rank",
+                          "call the experts only inside the MoE layer's forward, or use ep=1")
+
+    def run_calls(self, probe: torch.Tensor) -> list[torch.Tensor]:
+        """The outputs of the captured calls (in call order): their rows grouped by expert (call order within
+        an expert), one exchange, split back per call."""
+        width = probe.shape[-1]
+        if any(rows.shape[-1] != width for _, rows in self.calls):
+            raise ConfigError("plan.ep", f"{self.layer.fqn}: an expert is called on rows {width} wide not matching "
+                              "the layer's input width", "use ep=1")
+        order = sorted(range(len(self.calls)), key=lambda i: self.calls[i][0])
+        flat = [self.calls[i][1].reshape(-1, width) for i in order]
+        sent = torch.cat(flat) if flat else probe.new_zeros((0, width))
+        counts = [0] * self.num_experts
+        for part, i in zip(flat, order):
+            counts[self.calls[i][0]] += part.shape[0]
+        y = self.exchange(sent, torch.tensor(counts, device=probe.device))
+        outputs: list[torch.Tensor] = [y] * len(self.calls)
+        for part, i in zip(y.split([t.shape[0] for t in flat]), order):
+            outputs[i] = part.reshape(*self.calls[i][1].shape[:-1], y.shape[-1])
+        return outputs
+
+
+def apply_plain_expert_parallel(fqn: str, module: nn.Module, info: Any, ep_group: ProcessGroup | None) -> ExpertLayer:
+    """Shard a plain MoE layer's experts over ``ep_group`` (None: one rank holding all, the same capture /
+    exchange / replay path): the experts ModuleList becomes ``ExpertSlots``, the forward ``PlainExpertForward``."""
+    ep = 1 if ep_group is None else ep_group.size()
+    rank = 0 if ep_group is None else ep_group.rank()
+    items = list(module.get_submodule(info.experts)._modules.items())
+    per_rank = len(items) // ep
+    mine = items[rank * per_rank:(rank + 1) * per_rank]
+    layer = ExpertLayer(fqn=fqn, module=module, experts=[m for _, m in mine], first_expert=rank * per_rank)
+    forward = PlainExpertForward(layer, len(items), ep_group, module.forward)
+    parent, _, leaf = info.experts.rpartition(".")
+    setattr(module.get_submodule(parent) if parent else module, leaf,
+            ExpertSlots(mine, [_ExpertCall(forward, e) for e in range(len(items))]))
+    module.forward = forward
+    return layer
 
 
 class RouterLogitsGather:
@@ -345,7 +569,8 @@ def apply_expert_parallel(transformer: nn.Module, analysis: ModelAnalysis, ep_gr
 
     Returns the layers with their local experts (for FSDP over the expert-data-parallel mesh). With ``ep == 1``
     layers whose module has no ``route`` method keep their forward (fused layout: only the router logits are
-    gathered for the balance loss, see ``RouterLogitsGather``).
+    gathered for the balance loss, see ``RouterLogitsGather``; plain layout: nothing changes). ``capacity_factor``
+    applies to the ``route`` and fused layouts; a plain layer's own loop decides what each expert gets.
     """
     ep = 1 if ep_group is None else ep_group.size()
     check_ep(analysis, transformer, ep)
@@ -369,6 +594,10 @@ def apply_expert_parallel(transformer: nn.Module, analysis: ModelAnalysis, ep_gr
                                 fused_params=list(info.fused_params))
             experts.forward = FusedExpertsForward(layer, info.num_experts, ep_group, None, capacity_factor)
             layers.append(layer)
+            continue
+        if plain_layout(module, info):
+            if ep > 1:  # with ep=1 the user's forward stays (its balance loss covers this rank's tokens)
+                layers.append(apply_plain_expert_parallel(fqn, module, info, ep_group))
             continue
         if not callable(getattr(module, "route", None)):
             continue

@@ -1,5 +1,10 @@
 """Data parallelism: DDP's bucketed all-reduce for plain data parallelism, FSDP2 ``fully_shard`` (one unit per
-block plus the root) for every other case.
+block plus the modules owning the rest) for every other case.
+
+The units come from ``parallel.units.choose_units``: modules the model's forward actually runs (never a
+ModuleDict / ModuleList), each tied parameter owned by one unit enclosing all its uses (GPT-2's tied
+``lm_head`` / ``wte``: the ``GPT2LMHeadModel``), as few units as correct for what the blocks leave. Parameter
+names are unchanged.
 
 Mapping (FSDP2 has no separate ZeRO-1/2 switches; these are the nearest semantics):
 
@@ -32,26 +37,13 @@ from typing import TYPE_CHECKING, Iterable
 
 from torch import nn
 
-from lightning_autopar.errors import ConfigError
 from lightning_autopar.parallel.precision import mixed_precision_policy
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-
-def data_parallel_units(root: nn.Module, block_fqns: Iterable[str], covered: nn.Module) -> list[nn.Module]:
-    """Modules to wrap, innermost first: the blocks, then ``covered`` (the transformer) and any other child of
-    ``root`` holding parameters outside it. Parameters directly on ``root`` cannot be wrapped."""
-    units = [covered.get_submodule(f) for f in block_fqns]
-    direct = [n for n, _ in root.named_parameters(recurse=False)]
-    if direct:
-        raise ConfigError(f"{type(root).__name__}.{direct[0]}", "a parameter registered directly on the "
-                          "LightningModule cannot be sharded", "hold it in a submodule (e.g. an nn.Linear)")
-    covered_ids = {id(p) for p in covered.parameters()}
-    extra = [m for _, m in root.named_children()
-             if m is not covered and any(id(p) not in covered_ids for p in m.parameters())]
-    return units + [covered] + extra
+    from lightning_autopar.parallel.units import UnitChoice
 
 
 def _expert_placement(shard_size: int):
@@ -105,44 +97,43 @@ def keep_hf_output_recording(modules: Iterable[nn.Module]) -> None:
 def _shard_units(units: list[nn.Module], n_blocks: int, dp_mesh: DeviceMesh, zero: int, precision: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
+    from lightning_autopar.parallel.tensor import fsdp_placement
+
     policy = mixed_precision_policy(precision)
+    place = fsdp_placement(dp_mesh.mesh.shape[-1])  # TP-fused projections: shard the other dim (parallel.tensor)
     for i, unit in enumerate(units):
         # the last block is gathered again right away by backward: keeping it saves one all-gather
         reshard = zero == 3 and i < n_blocks - 1
-        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=place)
     keep_hf_output_recording(units)
 
 
-def apply_data_parallel(
-    root: nn.Module,
-    transformer: nn.Module,
-    block_fqns: list[str],
-    dp_mesh: DeviceMesh,
-    zero: int,
-    precision: str = "fp32",
-) -> list[nn.Module]:
-    """``fully_shard`` the blocks, the transformer and leftover children of ``root``; returns the FSDP roots
-    (the modules whose gradient sync the strategy toggles for accumulation). Experts sharded by
-    ``shard_experts`` before this call keep their own units."""
-    units = data_parallel_units(root, block_fqns, transformer)
-    _shard_units(units, len(block_fqns), dp_mesh, zero, precision)
-    return units[len(block_fqns):]
+def apply_data_parallel(root: nn.Module, units: UnitChoice, dp_mesh: DeviceMesh, zero: int,
+                        precision: str = "fp32") -> list[nn.Module]:
+    """``fully_shard`` the chosen units of ``root``, blocks first; returns the units owning what the blocks leave
+    plus any FSDP module outside them (the roots: what the strategy toggles gradient sync on, recursively, for
+    accumulation). Experts sharded by ``shard_experts`` before this call keep their own units."""
+    modules = units.modules(root)
+    _shard_units(modules, len(units.blocks), dp_mesh, zero, precision)
+    rest = modules[len(units.blocks):]
+    inside = {id(m) for unit in rest for m in unit.modules()}
+    return rest + [m for m in synced_modules(root) if id(m) not in inside]
 
 
-def apply_replicate(root: nn.Module, transformer: nn.Module, dp_group: ProcessGroup,
+def apply_replicate(root: nn.Module, units: UnitChoice, dp_group: ProcessGroup,
                     bucket_mb: float = 25.0) -> list[nn.Module]:
-    """zero=0 for data parallelism alone: composable ``replicate`` (DDP) on the transformer and any other child
-    of ``root`` holding parameters (the modules the user's step calls); returns them (their gradient sync is
-    what the strategy toggles for accumulation). Buffers are not re-broadcast every forward: every rank starts
-    from rank 0's state and a decoder's buffers (RoPE tables, masks) never change."""
+    """zero=0 for data parallelism alone: composable ``replicate`` (DDP) on the chosen units (chosen without
+    blocks: the modules the user's step calls); returns them (their gradient sync is what the strategy toggles
+    for accumulation). Buffers are not re-broadcast every forward: every rank starts from rank 0's state and a
+    decoder's buffers (RoPE tables, masks) never change."""
     from torch.distributed._composable.replicate import replicate
 
-    units = data_parallel_units(root, [], transformer)
-    for unit in units:
+    modules = units.modules(root)
+    for unit in modules:
         replicate(unit, process_group=dp_group, bucket_cap_mb=bucket_mb, broadcast_buffers=False,
                   gradient_as_bucket_view=False)
-    keep_hf_output_recording(units)
-    return units
+    keep_hf_output_recording(modules)
+    return modules
 
 
 def apply_data_parallel_chunks(chunks: Iterable[nn.Module], dp_mesh: DeviceMesh, zero: int,

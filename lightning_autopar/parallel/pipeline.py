@@ -77,6 +77,8 @@ def chunk_sizes(num_blocks: int, pp: int, vpp: int = 1, layers_per_stage: Sequen
 
 def check_pipeline(analysis: ModelAnalysis, transformer: nn.Module, root: nn.Module, pp: int, vpp: int = 1) -> None:
     """Raise one ConfigError when ``transformer`` cannot be split into ``pp * vpp`` pipeline chunks."""
+    from lightning_autopar.parallel.units import tie_groups
+
     if pp == 1:
         return
     need = "a stack of blocks (nn.ModuleList/Sequential), with embeddings, final norm and LM head outside it"
@@ -84,9 +86,10 @@ def check_pipeline(analysis: ModelAnalysis, transformer: nn.Module, root: nn.Mod
     if len(analysis.blocks) < chunks:
         raise ConfigError("plan.pp", f"pp*vpp={chunks} exceeds the {len(analysis.blocks)} blocks of the model",
                           "use pp*vpp <= number of blocks")
-    if analysis.tied_embeddings:
-        raise ConfigError("plan.pp", "the LM head is tied to the token embedding, which pipeline stages cannot "
-                          "share", "use pp=1, or untie the embeddings")
+    ties = "; ".join(t.describe() for t in tie_groups(root))
+    if analysis.tied_embeddings or ties:
+        raise ConfigError("plan.pp", f"tied parameters {ties or 'LM head = token embedding'} are one tensor, which "
+                          "pipeline stages cannot share", "use pp=1, or untie them (e.g. tie_word_embeddings=False)")
     if analysis.final_norm is None and analysis.lm_head is None:
         raise ConfigError("plan.pp", f"{type(transformer).__name__}: no final norm or LM head after the blocks, "
                           f"so a stage cannot end there; pipeline parallelism needs {need}", "use pp=1")

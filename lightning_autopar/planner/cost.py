@@ -25,6 +25,7 @@ FLASH_CTAS_PER_SM = 2  # FA2 head_dim 128: 4 warps, ~64 KB shared memory per CTA
 SOFTMAX_EQUIV_FLOPS = 32.0  # exp on the special-function unit costs ~32 matmul FLOPs per score element
                             # (tensor-core FLOP/clk over 4x SFU op/clk, A100: 2048/(4*16)); FlashAttention-3 s.3
 KERNELS_PER_MOE_FWD = 12  # router, softmax, top-k, permute, unpermute, index ops (per MoE block, plus experts)
+KERNELS_PER_LOOP_EXPERT = 4  # a plain MoE loop, per expert: where(ids == e), gather rows, weight multiply, index_add
 TILE_FILL_S = 1.0e-6  # per wave of GEMM tiles: K-pipeline fill (~one HBM round trip, 0.6-0.8 us) + epilogue store
 ATTN_REF_HEAD_DIM = 128  # head_dim at which the presets' attention efficiencies are quoted (FA2/FA3 benchmarks)
 GRAD_REDUCE_BYTES = np.array([4.0, 4.0, 4.0])  # gradients are reduced in fp32 (FSDP2 reduce_dtype; Megatron default)
@@ -336,8 +337,22 @@ def moe_block_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: 
                        KERNELS_PER_MOE_FWD + 3 * local)
     ew_mlp_f, ew_mlp_b = block_mlp_act(hw, m, T, tp, elem)
     fwd = dense.fwd - mlp_f - ew_mlp_f + rf + local * ef + act + perm
+    if m.moe_replay:
+        fwd = fwd + np.where(np.asarray(ep) > 1, moe_replay_time(hw, m, T_rank, peak, elem), 0.0)
     bwd = dense.bwd - mlp_b - ew_mlp_b + rb + local * eb + act_b + 2 * perm
     return BlockTimes(fwd, bwd, dense.attn_fwd)
+
+
+def moe_replay_time(hw: Hardware, m: ModelSpec, tokens: Any, peak: Any, elem: Any) -> Any:
+    """Forward time a plain-loop MoE layer adds under ep > 1: its forward runs twice (capture, then replay around
+    one exchange: parallel.experts.PlainExpertForward), so once more the router GEMM (T,E,h), the gathers of the
+    routed rows and the scatter-add back (read+write T*k*h each, as ``perm`` in moe_block_time), the fp32
+    softmax/top-k over T*E, and the loop's KERNELS_PER_LOOP_EXPERT launches for each of the E experts. No backward
+    term: the capture pass's output is discarded; only its row gathers are differentiated, as one pass would."""
+    router = gemm_time(hw, tokens, m.experts, m.hidden, peak, elem)
+    loop = stream_time(hw, 4 * tokens * m.top_k * m.hidden * elem + 12 * tokens * m.experts,
+                       KERNELS_PER_MOE_FWD + KERNELS_PER_LOOP_EXPERT * m.experts)
+    return router + loop
 
 
 def block_mlp_act(hw: Hardware, m: ModelSpec, tokens: Any, tp: Any, elem: Any) -> tuple[Any, Any]:

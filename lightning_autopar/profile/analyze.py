@@ -10,7 +10,12 @@ Parameters are swapped for meta tensors (``torch.func.functional_call``), so a m
   list of E identical MLPs, or -- the fused layout of Hugging Face Mixtral -- a router module with a weight
   [E, hidden] next to an experts module holding 3-D parameters [E, ...]);
 * embeddings (token, position), the final norm and the LM head (tied or not);
-* per block: parameters, forward+backward FLOPs (``FlopCounterMode``) and saved-activation bytes.
+* per block: parameters, forward+backward FLOPs (``FlopCounterMode``) and saved-activation bytes;
+* for tensor parallelism, from what the traced code does: projections that multiply ``x @ W`` (GPT-2's Conv1D,
+  weight [in, out]), how a fused qkv / gate_up output is cut (split, chunk, slices, a view into pieces or kv
+  groups), norms applied to a projection's full output (OLMoE's q/k norms), and a dry run of block 0's attention
+  and MLP on one TP rank's local shapes, which finds the attributes the model's code needs divided (a head count,
+  GPT-2's ``split_size``, litgpt's ``config.n_head``) or the reason its code cannot run that way.
 
 What could not be classified is listed in ``ModelAnalysis.unclassified`` rather than guessed.
 """
@@ -27,6 +32,7 @@ from torch import nn
 from lightning_autopar.specs import ModelSpec
 
 HEAD_ATTR_HINTS = ("head", "heads")
+SHORT_TRACE_SEQ = 8  # the sequence length of the fallback trace
 
 
 @dataclass
@@ -42,6 +48,16 @@ class AttentionInfo:
     head_dim: int = 0
     heads_attrs: list[str] = field(default_factory=list)  # int attributes holding the head count
     kv_heads_attrs: list[str] = field(default_factory=list)
+    transposed: list[str] = field(default_factory=list)  # projections storing their weight as [in, out] (Conv1D)
+    # fused qkv: how the model splits the projection's output. "sequential": [q | k | v] (``qkv_pieces`` the
+    # widths); "grouped": one [q.. k v] group per kv head, viewed as (groups, q_per_kv + 2, head_dim)
+    qkv_layout: str = ""
+    qkv_pieces: list[int] = field(default_factory=list)
+    # what TP must divide so the module's own code sees its local heads: attribute paths ("split_size",
+    # "config.n_head"), found by running the sharded module on meta tensors (``tp_refusal`` when none works)
+    tp_attrs: list[str] = field(default_factory=list)
+    tp_refusal: str | None = None  # "<path relative to the block>: why TP cannot split it", None when it can
+    tp_validated: bool = False  # tp_attrs come from a dry run (else: the head-count attributes, unvalidated)
 
     @property
     def fused(self) -> bool:
@@ -55,6 +71,9 @@ class MLPInfo:
     down: str
     gate: str | None = None
     ffn_hidden: int = 0
+    gate_up: str | None = None  # one projection holding [gate | up] (Phi-3's ``gate_up_proj``); then up == gate_up
+    transposed: list[str] = field(default_factory=list)  # projections storing their weight as [in, out]
+    tp_refusal: str | None = None  # "<path relative to the block>: why TP cannot split this MLP", None when it can
 
 
 @dataclass
@@ -100,7 +119,7 @@ class ModelAnalysis:
     tied_embeddings: bool
     total_params: int
     batch: int = 0
-    seq_len: int = 0
+    seq_len: int = 0  # the traced sequence length (FLOPs and activation bytes are for (batch, seq_len))
     flops_total: float = 0.0  # whole model forward + backward for (batch, seq_len)
     unclassified: list[str] = field(default_factory=list)
 
@@ -140,13 +159,36 @@ def find_block_list(module: nn.Module) -> tuple[str, nn.Module] | None:
     return (best[1], best[2]) if best else None
 
 
-def _linears(module: nn.Module) -> dict[str, nn.Linear]:
-    return {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
+@dataclass(frozen=True)
+class Projection:
+    """A child computing ``x @ W^T`` (nn.Linear, weight [out, in]) or ``x @ W`` (GPT-2's Conv1D, weight [in, out];
+    ``transposed``). Which one a non-Linear module is comes from the op its forward applies to the weight in the
+    meta trace (``linear`` vs ``addmm``/``mm``/``matmul``), since a square weight's shape cannot tell."""
+
+    in_features: int
+    out_features: int
+    transposed: bool = False
 
 
-def _classify_mlp(fqn: str, module: nn.Module, hidden: int) -> MLPInfo | None:
-    """hidden -> ffn linears (up, and gate for swiglu) and one ffn -> hidden linear (down)."""
-    lin = _linears(module)
+Orientation = dict[int, bool]  # id(module) -> weight stored [in, out], for traced non-Linear projections
+
+
+def _linears(module: nn.Module, orient: Orientation | None = None) -> dict[str, Projection]:
+    found: dict[str, Projection] = {}
+    for n, m in module.named_children():
+        if isinstance(m, nn.Linear):
+            found[n] = Projection(m.in_features, m.out_features)
+        elif orient and id(m) in orient and isinstance(getattr(m, "weight", None), torch.Tensor):
+            rows, cols = m.weight.shape
+            found[n] = Projection(rows, cols, True) if orient[id(m)] else Projection(cols, rows)
+    return found
+
+
+def _classify_mlp(fqn: str, module: nn.Module, hidden: int, orient: Orientation | None = None) -> MLPInfo | None:
+    """hidden -> ffn linears (up, and gate for swiglu) and one ffn -> hidden linear (down); or one hidden -> 2*ffn
+    linear (fused gate and up) and the down projection."""
+    lin = _linears(module, orient)
+    flipped = [n for n, m in lin.items() if m.transposed]
     names = list(lin)
     ins = [n for n in names if lin[n].in_features == hidden and lin[n].out_features != hidden]
     outs = [n for n in names if lin[n].out_features == hidden and lin[n].in_features != hidden]
@@ -156,20 +198,23 @@ def _classify_mlp(fqn: str, module: nn.Module, hidden: int) -> MLPInfo | None:
         return None
     down = outs[0]
     ffn = lin[down].in_features
+    if len(ins) == 1 and lin[ins[0]].out_features == 2 * ffn:
+        return MLPInfo(fqn=fqn, up=ins[0], down=down, ffn_hidden=ffn, gate_up=ins[0], transposed=flipped)
     if any(lin[n].out_features != ffn for n in ins):
         return None
     if len(ins) == 1:
-        return MLPInfo(fqn=fqn, up=ins[0], down=down, ffn_hidden=ffn)
+        return MLPInfo(fqn=fqn, up=ins[0], down=down, ffn_hidden=ffn, transposed=flipped)
     # swiglu: the gate goes through the activation; prefer its usual names, else the first defined
     gate = next((n for n in ins if "gate" in n or n in ("w1", "fc_1")), ins[0])
     up = next(n for n in ins if n != gate)
-    return MLPInfo(fqn=fqn, up=up, down=down, gate=gate, ffn_hidden=ffn)
+    return MLPInfo(fqn=fqn, up=up, down=down, gate=gate, ffn_hidden=ffn, transposed=flipped)
 
 
 def _classify_attention(fqn: str, module: nn.Module, hidden: int, heads: int, head_dim: int,
-                        kv_heads: int) -> AttentionInfo:
+                        kv_heads: int, orient: Orientation | None = None) -> AttentionInfo:
     info = AttentionInfo(fqn=fqn, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
-    lin = _linears(module)
+    lin = _linears(module, orient)
+    info.transposed = [n for n, m in lin.items() if m.transposed]
     ins = [n for n, m in lin.items() if m.in_features == hidden]
     outs = [n for n, m in lin.items() if m.out_features == hidden and m.in_features == heads * head_dim]
     q_width, kv_width = heads * head_dim, kv_heads * head_dim
@@ -243,19 +288,21 @@ def _classify_fused_moe(fqn: str, module: nn.Module, hidden: int) -> MoEInfo | N
     return None
 
 
-def _classify_moe(fqn: str, module: nn.Module, hidden: int) -> MoEInfo | None:
+def _classify_moe(fqn: str, module: nn.Module, hidden: int, orient: Orientation | None = None) -> MoEInfo | None:
     lists = [(n, m) for n, m in module.named_children() if isinstance(m, nn.ModuleList) and len(m) >= 2]
     for name, experts in lists:
         if len({type(e) for e in experts}) != 1:
             continue
-        routers = [n for n, m in _linears(module).items() if m.in_features == hidden and m.out_features == len(experts)]
+        routers = [n for n, m in _linears(module, orient).items()
+                   if m.in_features == hidden and m.out_features == len(experts)]
         if not routers:
             # routers are sometimes wrapped (a "gate" module holding the linear)
             routers = [f"{n}.{ln}" for n, m in module.named_children() if not isinstance(m, nn.ModuleList)
-                       for ln, l in _linears(m).items() if l.in_features == hidden and l.out_features == len(experts)]
+                       for ln, l in _linears(m, orient).items()
+                       if l.in_features == hidden and l.out_features == len(experts)]
         if not routers:
             continue
-        expert_mlp = _classify_mlp("", experts[0], hidden)
+        expert_mlp = _classify_mlp("", experts[0], hidden, orient)
         return MoEInfo(fqn=fqn, router=routers[0], experts=name, num_experts=len(experts), top_k=_top_k(module),
                        expert_mlp=expert_mlp, ffn_hidden=expert_mlp.ffn_hidden if expert_mlp else 0,
                        gated=bool(expert_mlp and expert_mlp.gate))
@@ -265,13 +312,57 @@ def _classify_moe(fqn: str, module: nn.Module, hidden: int) -> MoEInfo | None:
 # ------------------------------------------------------------------------------------------- tracing
 
 
-class _SDPARecorder(torch.overrides.TorchFunctionMode):
-    """Records the innermost module calling attention and the (heads, kv_heads, head_dim) it uses."""
+_VIEW_OPS = frozenset({"split", "split_with_sizes", "chunk", "tensor_split", "unbind", "__getitem__", "view", "reshape",
+                       "transpose", "permute", "contiguous", "narrow", "unflatten"})
+_RIGHT_OPERAND = {"addmm": 2, "mm": 1, "matmul": 1, "__matmul__": 1}  # x @ W: the weight is stored [in, out]
 
-    def __init__(self, stack: list[str]) -> None:
+
+def _summary(value: Any) -> Any:
+    """Call arguments with tensors replaced by their shapes (kept for the layout rules, without the tensors)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_summary(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _summary(v) for k, v in value.items()}
+    return value
+
+
+class _TraceRecorder(torch.overrides.TorchFunctionMode):
+    """What the forward does, seen op by op:
+
+    * ``calls``: the innermost module calling attention and the (heads, kv_heads, head_dim) it uses;
+    * ``orientation``: for each traced weight, whether the code multiplies ``x @ W`` (stored [in, out]);
+    * ``consumers``: the ops applied to a projection's output (how a fused qkv is split into q, k and v);
+    * ``source(t)``: the projection a tensor is (a view of) the output of.
+    """
+
+    def __init__(self, stack: list[str], weights: dict[int, str] | None = None) -> None:
         super().__init__()
         self.stack = stack
         self.calls: list[tuple[str, int, int, int]] = []
+        self.weights = weights or {}
+        self.orientation: dict[str, bool] = {}
+        self.sources: dict[int, tuple[torch.Tensor, str, bool]] = {}  # id -> (tensor, projection, direct output)
+        self.consumers: dict[str, list[tuple[str, tuple[int, ...], Any, Any]]] = {}
+
+    def tag(self, tensor: Any, name: str, direct: bool = True) -> None:
+        if isinstance(tensor, torch.Tensor):
+            self.sources[id(tensor)] = (tensor, name, direct)
+        elif isinstance(tensor, (list, tuple)):
+            for t in tensor:
+                self.tag(t, name, direct)
+
+    def source(self, tensor: Any) -> tuple[str, bool] | None:
+        entry = self.sources.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+        return (entry[1], entry[2]) if entry is not None and entry[0] is tensor else None
+
+    def _weight_use(self, name: str, args: tuple) -> None:
+        if name == "linear" and len(args) > 1 and id(args[1]) in self.weights:
+            self.orientation.setdefault(self.weights[id(args[1])], False)
+        pos = _RIGHT_OPERAND.get(name)
+        if pos is not None and len(args) > pos and id(args[pos]) in self.weights:
+            self.orientation.setdefault(self.weights[id(args[pos])], True)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -283,7 +374,18 @@ class _SDPARecorder(torch.overrides.TorchFunctionMode):
             x = args[0]
             if isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[-1] == x.shape[-2]:
                 self.calls.append((self.stack[-1] if self.stack else "", x.shape[1], x.shape[1], 0))
-        return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if self.weights:
+            self._weight_use(name, args)
+        result = func(*args, **kwargs)
+        origin = self.source(args[0]) if args and self.sources else None
+        if origin is not None:
+            if origin[1]:
+                self.consumers.setdefault(origin[0], []).append(
+                    (name, tuple(args[0].shape), _summary(args[1:]), _summary(kwargs)))
+            if name in _VIEW_OPS:
+                self.tag(result, origin[0], direct=False)
+        return result
 
 
 @contextmanager
@@ -303,14 +405,75 @@ def _meta_friendly_experts(model: nn.Module) -> Iterator[None]:
             c._experts_implementation = saved[key]
 
 
+@dataclass
+class _Probe:
+    """What the trace saw of block 0's modules, for the TP dry run: each module's first call (meta tensors) and
+    its output shape, and the norms applied to (views of) a projection's output."""
+
+    calls: dict[str, tuple[tuple, dict]] = field(default_factory=dict)  # module -> (args, kwargs)
+    out_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    norm_inputs: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # norm -> (projection, width, weight)
+
+
+def _stateless(value: Any) -> Any:
+    """A recorded call argument without stateful objects (a KV cache the full run already appended to): those
+    become None, which is what a training forward passes."""
+    if value is None or isinstance(value, (torch.Tensor, int, float, bool, str, torch.dtype, torch.device)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_stateless(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _stateless(v) for k, v in value.items()}
+    return None
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        return next((t for v in value if (t := _first_tensor(v)) is not None), None)
+    return None
+
+
+def _probe_hooks(model: nn.Module, block0: str, recorder: _TraceRecorder, probe: _Probe) -> list[Any]:
+    """Hooks on block 0's modules: record each first call, tag projection outputs, note norms of them."""
+    handles = []
+    for name, mod in model.named_modules():
+        if not name.startswith(block0 + "."):
+            continue
+        weight = getattr(mod, "weight", None)
+        is_proj = isinstance(weight, torch.Tensor) and weight.dim() == 2 and not list(mod.children())
+        is_norm = isinstance(weight, torch.Tensor) and weight.dim() == 1 and not list(mod.children())
+
+        def pre(mod, args, kwargs, name=name, is_norm=is_norm):
+            if name not in probe.calls:
+                probe.calls[name] = (_stateless(args), _stateless(kwargs))
+            origin = recorder.source(args[0]) if is_norm and args else None
+            if origin is not None:
+                probe.norm_inputs.setdefault(name, (origin[0], args[0].shape[-1], mod.weight.numel()))
+
+        def post(mod, args, out, name=name, is_proj=is_proj):
+            first = _first_tensor(out)
+            if first is not None:
+                probe.out_shapes.setdefault(name, tuple(first.shape))
+            if is_proj and isinstance(out, torch.Tensor):
+                recorder.tag(out, name)
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post))
+    return handles
+
+
 def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns: list[str]) -> dict[str, Any]:
-    """Forward + backward on meta tensors: per-block FLOPs, saved bytes, and the attention call sites."""
+    """Forward + backward on meta tensors: per-block FLOPs, saved bytes, the attention call sites, how each
+    projection uses its weight, and block 0's calls (``_Probe``)."""
     from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
 
     params = {n: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
               for n, p in model.named_parameters()}
     buffers = {n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()}
+    weights = {id(t): n[: -len(".weight")] for n, t in params.items() if n.endswith(".weight") and t.dim() == 2}
     stack: list[str] = []
     saved: dict[str, float] = {f: 0.0 for f in block_fqns}
     current_block: list[str] = []
@@ -338,7 +501,10 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
     for name, mod in model.named_modules():
         handles.append(mod.register_forward_pre_hook(pre(name)))
         handles.append(mod.register_forward_hook(post(name)))
-    recorder = _SDPARecorder(stack)
+    recorder = _TraceRecorder(stack, weights)
+    probe = _Probe()
+    if block_fqns:
+        handles += _probe_hooks(model, block_fqns[0], recorder, probe)
     idx = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     try:
         with ExitStack() as es:
@@ -355,7 +521,8 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
     counts = counter.get_flop_counts()
     root = type(model).__name__
     block_flops = {f: float(sum(counts.get(f"{root}.{f}", {}).values())) for f in block_fqns}
-    return {"flops": block_flops, "total": float(counter.get_total_flops()), "saved": saved, "attn": recorder.calls}
+    return {"flops": block_flops, "total": float(counter.get_total_flops()), "saved": saved, "attn": recorder.calls,
+            "orientation": recorder.orientation, "consumers": recorder.consumers, "probe": probe}
 
 
 def _int_attrs(mod: nn.Module) -> dict[str, int]:
@@ -390,11 +557,388 @@ def _attention_from_attributes(block: nn.Module, hidden: int) -> tuple[str | Non
     return None, 0, 0, 0
 
 
+# ------------------------------------------------------------------------------------------- TP feasibility
+#
+# Tensor parallelism runs the model's own attention / MLP code on each rank's shards: column projections
+# produce out/tp features, row projections read in/tp. Whether that code still works, and which of its
+# attributes must shrink (a head count, GPT-2's ``split_size``, litgpt's ``config.n_head``), is found by running
+# block 0's modules once on meta tensors with those local shapes (a dry run), not by guessing from names.
+
+
+def _last_dim(dim: Any, ndim: int) -> bool:
+    return isinstance(dim, int) and dim in (-1, ndim - 1)
+
+
+def _pieces_of(name: str, shape: tuple[int, ...], args: Any, kwargs: Any, width: int) -> list[int] | None:
+    """The widths one op cuts the last dim of a projection output into (split / chunk / view into pieces)."""
+    ndim = len(shape)
+    if name in ("split", "split_with_sizes"):
+        size = args[0] if args else kwargs.get("split_size_or_sections", kwargs.get("split_size"))
+        if not _last_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim):
+            return None
+        if isinstance(size, int):
+            return [size] * (width // size) if size and width % size == 0 else None
+        return list(size) if isinstance(size, (list, tuple)) and sum(size) == width else None
+    if name == "chunk":
+        n = args[0] if args else kwargs.get("chunks")
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        return [width // n] * n if isinstance(n, int) and _last_dim(dim, ndim) and width % n == 0 else None
+    return None
+
+
+def _view_tail(name: str, shape: tuple[int, ...], args: Any, width: int) -> list[int] | None:
+    """For a view/reshape/unflatten of the last dim: the sizes it becomes (-1 resolved)."""
+    ndim = len(shape)
+    if name == "unflatten":
+        if len(args) < 2 or not _last_dim(args[0], ndim):
+            return None
+        tail = list(args[1])
+    elif name in ("view", "reshape"):
+        sizes = list(args[0]) if len(args) == 1 and isinstance(args[0], (list, tuple)) else list(args)
+        if not all(isinstance(v, int) for v in sizes) or len(sizes) <= ndim:
+            return None
+        tail = sizes[ndim - 1 :]
+    else:
+        return None
+    known = 1
+    for v in tail:
+        known *= v if v != -1 else 1
+    tail = [width // known if v == -1 else v for v in tail]
+    product = 1
+    for v in tail:
+        product *= v
+    return tail if product == width else None
+
+
+def _slice_pieces(consumers: list, width: int) -> list[int] | None:
+    """Slices of the last dim (Phi-3: ``qkv[..., :q]``, ``qkv[..., q:q+kv]``, ``qkv[..., q+kv:]``) tiling it."""
+    bounds = []
+    for name, shape, args, _ in consumers:
+        if name != "__getitem__" or not args:
+            continue
+        index = args[0] if isinstance(args[0], tuple) else (args[0],)
+        if not index or not isinstance(index[-1], slice) or not (index[0] is Ellipsis or len(index) == len(shape)):
+            continue
+        piece = index[-1]
+        if piece.step not in (None, 1):
+            return None
+        start, stop = piece.start or 0, width if piece.stop is None else piece.stop
+        start, stop = (start + width if start < 0 else start), (stop + width if stop < 0 else stop)
+        bounds.append((start, min(stop, width)))
+    bounds.sort()
+    if not bounds or bounds[0][0] != 0 or bounds[-1][1] != width:
+        return None
+    if any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+        return None
+    return [b - a for a, b in bounds]
+
+
+def fused_layout(consumers: list, width: int, pieces: int, groups: int = 0, per_group: int = 0
+                 ) -> tuple[str, list[int]] | None:
+    """How the model's code splits a fused projection's output of ``width`` features, from the ops the trace saw:
+    ("sequential", piece widths) for [a | b | c] (split, chunk, slices, or a view into (pieces, ...)); ("grouped",
+    [groups, per_group, ...]) for a view into one group per kv head (q heads of the group, then its k and v).
+    None when not recognised (or ambiguous: ``groups == pieces``)."""
+    for name, shape, args, kwargs in consumers:
+        found = _pieces_of(name, shape, args, kwargs, width)
+        if found:
+            return "sequential", found
+        tail = _view_tail(name, shape, args, width)
+        if tail and len(tail) >= 2:
+            if tail[0] == pieces and groups != pieces:
+                return "sequential", [width // pieces] * pieces
+            if len(tail) >= 3 and groups and tail[0] == groups and tail[1] == per_group and groups != pieces:
+                return "grouped", tail
+    sliced = _slice_pieces(consumers, width)
+    return ("sequential", sliced) if sliced else None
+
+
+Shards = dict[str, tuple[str, bool]]  # projection (relative to the unit) -> ("col" | "row", weight stored [in, out])
+
+
+def _local_params(unit: nn.Module, shards: Shards, tp: int) -> dict[str, torch.Tensor]:
+    """Meta tensors with one TP rank's shapes: a column projection holds out/tp outputs (bias too), a row
+    projection in/tp inputs (its bias whole: added once, after the sum)."""
+    local: dict[str, torch.Tensor] = {}
+    for name, p in unit.named_parameters():
+        proj, _, leaf = name.rpartition(".")
+        shape = list(p.shape)
+        if proj in shards:
+            kind, transposed = shards[proj]
+            if leaf == "weight":
+                dim = (1 if transposed else 0) if kind == "col" else (0 if transposed else 1)
+                shape[dim] //= tp
+            elif leaf == "bias" and kind == "col":
+                shape[0] //= tp
+        local[name] = torch.empty(shape, dtype=p.dtype, device="meta")
+    for name, b in unit.named_buffers():
+        local[name] = torch.empty_like(b, device="meta")
+    return local
+
+
+def leaf_width_attributes(mod: nn.Module, out_features: int) -> list[str]:
+    """Integer attributes of a column projection that is not an nn.Linear and equal its full output width: GPT-2's
+    Conv1D keeps it in ``nf`` and reshapes its output with it, so on a TP rank they must hold the local width."""
+    if isinstance(mod, nn.Linear):
+        return []
+    return [a for a, v in vars(mod).items() if isinstance(v, int) and not isinstance(v, bool) and v == out_features]
+
+
+def local_width_attributes(unit: nn.Module, shards: Shards, tp: int) -> list[tuple[nn.Module, str, int]]:
+    """(module, attribute, local value) for every column projection of ``unit`` (``leaf_width_attributes``)."""
+    found = []
+    for name, (kind, transposed) in shards.items():
+        mod = unit.get_submodule(name)
+        if kind != "col":
+            continue
+        out = mod.weight.shape[1] if transposed else mod.weight.shape[0]
+        found += [(mod, attr, out // tp) for attr in leaf_width_attributes(mod, out)]
+    return found
+
+
+def divide_attributes(module: nn.Module, paths: list[str], tp: int) -> Any:
+    """Divide the integer attributes at ``paths`` ("n_heads", "config.n_head") by ``tp``; a ``config.`` path goes
+    to the module's own shallow copy of its config (never the config other modules share). Returns a callable
+    that undoes it."""
+    import copy
+
+    saved: dict[str, Any] = {}
+    if any(p.startswith("config.") for p in paths):
+        saved["config"] = module.config
+        module.config = copy.copy(module.config)
+    for path in paths:
+        owner, attr = (module.config, path[len("config."):]) if path.startswith("config.") else (module, path)
+        if owner is module:
+            saved[attr] = getattr(module, attr)
+        setattr(owner, attr, getattr(owner, attr) // tp)
+
+    def restore() -> None:
+        for attr, value in saved.items():
+            setattr(module, attr, value)
+
+    return restore
+
+
+def _dry_run(unit: nn.Module, call: tuple[tuple, dict], out_shape: tuple[int, ...], shards: Shards,
+             attrs: list[str], tp: int, expected: list[tuple[int, int, int]] | None) -> str | None:
+    """Run ``unit`` once on meta tensors with one rank's shards and ``attrs`` divided: None when its own code
+    runs, produces the full run's output shape and (attention) attends over its local heads; else why not."""
+    from torch.func import functional_call
+
+    restore = divide_attributes(unit, attrs, tp)
+    widths = local_width_attributes(unit, shards, tp)
+    previous = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in widths]
+    recorder = _TraceRecorder([])
+    try:
+        for mod, attr, value in widths:
+            setattr(mod, attr, value)
+        args, kwargs = call
+        with torch.no_grad(), recorder:
+            out = functional_call(unit, _local_params(unit, shards, tp), args, kwargs, strict=False)
+    except Exception as err:  # the model's own code refusing local shapes is the answer, not a failure
+        message = str(err).splitlines()[0][:160] if str(err) else ""
+        return f"{type(err).__name__}: {message}"
+    finally:
+        for mod, attr, value in previous:
+            setattr(mod, attr, value)
+        restore()
+    first = _first_tensor(out)
+    if first is None or tuple(first.shape) != out_shape:
+        return f"output shape {None if first is None else tuple(first.shape)} instead of {out_shape}"
+    seen = [(h, kvh, hd) for _, h, kvh, hd in recorder.calls]
+    if expected is not None and seen != expected:
+        return f"attention over (heads, kv_heads, head_dim) {seen} instead of {expected}"
+    return None
+
+
+MAX_DRY_RUNS = 64
+
+
+def _width_attributes(unit: nn.Module, values: set[int], exclude: set[int]) -> list[str]:
+    """Integer attributes of ``unit`` and of its ``config`` whose value is a head count or projection width."""
+    paths = [a for a, v in vars(unit).items() if isinstance(v, int) and not isinstance(v, bool)
+             and v in values and v not in exclude]
+    config = getattr(unit, "config", None)
+    if config is not None and hasattr(config, "__dict__"):
+        paths += [f"config.{a}" for a, v in vars(config).items() if isinstance(v, int) and not isinstance(v, bool)
+                  and v in values and v not in exclude]
+    return paths
+
+
+def _search_attributes(unit: nn.Module, call: tuple[tuple, dict], out_shape: tuple[int, ...], shards: Shards,
+                       candidates: list[str], tp: int, expected: list[tuple[int, int, int]] | None
+                       ) -> tuple[list[str] | None, str]:
+    """The smallest set of ``candidates`` whose division lets the dry run pass, or (None, the first error)."""
+    from itertools import combinations
+
+    first_error, runs = "", 0
+    for size in range(len(candidates) + 1):
+        for subset in combinations(candidates, size):
+            runs += 1
+            if runs > MAX_DRY_RUNS:
+                return None, first_error
+            error = _dry_run(unit, call, out_shape, shards, list(subset), tp, expected)
+            if error is None:
+                return list(subset), ""
+            first_error = first_error or error
+    return None, first_error
+
+
+def _attention_tp(block0: str, attn_mod: nn.Module, info: AttentionInfo, traced: dict[str, Any], tp: int) -> None:
+    """Fill ``info``'s TP fields: the fused layout, a structural refusal (q/k norm over the full width), and the
+    attributes the dry run needs divided."""
+    site = f"{block0}.{info.fqn}"
+    q_width, kv_width = info.heads * info.head_dim, info.kv_heads * info.head_dim
+    probe: _Probe = traced["probe"]
+    projections = [p for p in (info.q, info.k, info.v, info.qkv) if p]
+    for norm, (source, width, numel) in probe.norm_inputs.items():
+        if norm.startswith(site + ".") and source in {f"{site}.{p}" for p in projections} \
+                and numel == width and width > info.head_dim:
+            info.tp_refusal = (f"{info.fqn}.{norm[len(site) + 1:]} is a q/k norm over the full projection width "
+                               f"({width}): on a TP rank's local heads its statistics would differ")
+            return
+    if info.qkv:
+        found = fused_layout(traced["consumers"].get(f"{site}.{info.qkv}", []), q_width + 2 * kv_width, 3,
+                             info.kv_heads, info.heads // max(info.kv_heads, 1) + 2)
+        if found is None:
+            info.tp_refusal = f"{info.fqn}.{info.qkv}: how the model splits this fused qkv output was not recognised"
+            return
+        info.qkv_layout, info.qkv_pieces = found
+        if info.qkv_layout == "sequential" and info.qkv_pieces != [q_width, kv_width, kv_width]:
+            info.tp_refusal = f"{info.fqn}.{info.qkv}: fused pieces {info.qkv_pieces} are not q, k, v"
+            return
+        if info.qkv_layout == "sequential" and q_width != kv_width:
+            info.tp_refusal = (f"{info.fqn}.{info.qkv} is a fused [q|k|v] with GQA (q {q_width}, k/v {kv_width} "
+                               "wide): no DTensor placement gives each rank its own heads' q, k and v")
+            return
+    if site not in probe.calls or site not in probe.out_shapes:
+        return
+    transposed = set(info.transposed)
+    shards: Shards = {p: ("col", p in transposed) for p in projections}
+    shards[info.o] = ("row", info.o in transposed)
+    expected = [(h // tp, kvh // tp, hd) for s, h, kvh, hd in traced["attn"] if s == site]
+    values = {info.heads, info.kv_heads, q_width, kv_width}
+    candidates = _width_attributes(attn_mod, values, {info.head_dim})
+    attrs, error = _search_attributes(attn_mod, probe.calls[site], probe.out_shapes[site], shards, candidates, tp,
+                                      expected)
+    info.tp_validated = True
+    if attrs is None:
+        info.tp_refusal = f"{info.fqn}: its code does not run on a TP rank's local heads ({error})"
+    else:
+        info.tp_attrs = attrs
+
+
+def _mlp_tp(block0: str, mlp_mod: nn.Module, info: MLPInfo, traced: dict[str, Any], tp: int) -> None:
+    """Fill the MLP's TP refusal: a fused gate_up must be cut in [gate | up]; its code must run on local widths."""
+    site = f"{block0}.{info.fqn}" if info.fqn else block0
+    probe: _Probe = traced["probe"]
+    if info.gate_up:
+        found = fused_layout(traced["consumers"].get(f"{site}.{info.gate_up}", []), 2 * info.ffn_hidden, 2)
+        if found is None or found[0] != "sequential" or found[1] != [info.ffn_hidden] * 2:
+            info.tp_refusal = (f"{_join(info.fqn, info.gate_up)}: how the model splits this fused gate/up output "
+                               "was not recognised")
+            return
+    if site not in probe.calls or site not in probe.out_shapes:
+        return
+    transposed = set(info.transposed)
+    shards: Shards = {p: ("col", p in transposed) for p in (info.up, info.gate) if p}
+    shards[info.down] = ("row", info.down in transposed)
+    error = _dry_run(mlp_mod, probe.calls[site], probe.out_shapes[site], shards, [], tp, None)
+    if error is not None:
+        info.tp_refusal = f"{info.fqn}: its code does not run on a TP rank's local width ({error})"
+
+
+def _join(*names: str) -> str:
+    return ".".join(n for n in names if n)
+
+
+def _smallest_split(*sizes: int) -> int:
+    """The smallest tp > 1 dividing all ``sizes`` (what the dry run checks), or 0 when none does."""
+    return next((t for t in range(2, min(sizes) + 1) if all(s % t == 0 for s in sizes)), 0) if sizes else 0
+
+
+def _tp_feasibility(blocks: nn.Module, infos: list[BlockInfo], traced: dict[str, Any]) -> None:
+    """Block 0's TP layout checks (fused layouts, q/k norms, the dry run) apply to every block (same class).
+    Without a trace, fused projections are refused (their layout is unknown) and the head-count attributes found
+    by name are used unvalidated, as before."""
+    if not infos:
+        return
+    first, block0 = infos[0], blocks[0]
+    attn, mlp = first.attention, first.mlp
+    if not traced:
+        if attn is not None and attn.qkv:
+            attn.tp_refusal = f"{attn.fqn}.{attn.qkv}: the layout of a fused qkv needs the meta trace, which failed"
+        if mlp is not None and mlp.gate_up:
+            mlp.tp_refusal = f"{_join(mlp.fqn, mlp.gate_up)}: the layout of a fused gate/up needs the meta trace, " \
+                             "which failed"
+    else:
+        if attn is not None and attn.o and (attn.q or attn.qkv):
+            tp = _smallest_split(attn.heads, attn.kv_heads)
+            if tp:
+                _attention_tp(first.fqn, block0.get_submodule(attn.fqn), attn, traced, tp)
+        if mlp is not None:
+            tp = _smallest_split(mlp.ffn_hidden)
+            if tp:
+                _mlp_tp(first.fqn, block0.get_submodule(mlp.fqn) if mlp.fqn else block0, mlp, traced, tp)
+    for info in infos:
+        if attn is not None and info.attention is not None and info is not first:
+            for name in ("qkv_layout", "qkv_pieces", "tp_attrs", "tp_refusal", "tp_validated"):
+                setattr(info.attention, name, getattr(attn, name))
+        if attn is not None and info.attention is not None and not attn.tp_validated:
+            info.attention.tp_attrs = info.attention.heads_attrs + info.attention.kv_heads_attrs
+        if mlp is not None and info.mlp is not None and info is not first:
+            info.mlp.tp_refusal = mlp.tp_refusal
+
+
 # ------------------------------------------------------------------------------------------- entry points
 
 
-def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace: bool = True) -> ModelAnalysis:
-    """Analyse a decoder-style model. ``trace=False`` skips the meta forward (structure from shapes only)."""
+def _has_forward(module: nn.Module) -> bool:
+    return type(module).forward is not nn.Module.forward
+
+
+def _traced_module(model: nn.Module, runner: nn.Module | None) -> tuple[str, nn.Module]:
+    """(prefix of ``model`` in it, module to run): ``model`` itself, or -- when it has no forward (litgpt's
+    ``transformer`` ModuleDict) -- its innermost ancestor in ``runner`` that has one (litgpt's GPT)."""
+    if _has_forward(model) or runner is None:
+        return "", model
+    full = next((n for n, m in runner.named_modules() if m is model), None)
+    if full is None:
+        return "", model
+    parts = full.split(".") if full else []
+    for cut in range(len(parts) - 1, -1, -1):
+        ancestor = runner.get_submodule(".".join(parts[:cut]))
+        if _has_forward(ancestor):
+            return ".".join(parts[cut:]), ancestor
+    return "", model
+
+
+def _relative(traced: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The trace of an ancestor with module names made relative to the analysed model (``prefix`` dropped)."""
+    if not prefix:
+        return traced
+    cut = len(prefix) + 1
+
+    def rel(name: str) -> str:
+        return name[cut:] if name.startswith(prefix + ".") else name
+
+    probe: _Probe = traced["probe"]
+    return {**traced,
+            "flops": {rel(k): v for k, v in traced["flops"].items()},
+            "saved": {rel(k): v for k, v in traced["saved"].items()},
+            "attn": [(rel(site), *rest) for site, *rest in traced["attn"]],
+            "orientation": {rel(k): v for k, v in traced["orientation"].items() if k.startswith(prefix + ".")},
+            "consumers": {rel(k): v for k, v in traced["consumers"].items() if k.startswith(prefix + ".")},
+            "probe": _Probe(calls={rel(k): v for k, v in probe.calls.items()},
+                            out_shapes={rel(k): v for k, v in probe.out_shapes.items()},
+                            norm_inputs={rel(k): (rel(src), w, n) for k, (src, w, n) in probe.norm_inputs.items()})}
+
+
+def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace: bool = True,
+            runner: nn.Module | None = None) -> ModelAnalysis:
+    """Analyse a decoder-style model. ``trace=False`` skips the meta forward (structure from shapes only).
+    ``runner``: a module containing ``model``, whose innermost part with a forward is run for the trace when
+    ``model`` has none of its own (a container of the blocks and embeddings, as litgpt's)."""
     found = find_block_list(model)
     if found is None:
         raise ValueError(f"{type(model).__name__}: no repeated blocks found (need an nn.ModuleList or nn.Sequential "
@@ -417,11 +961,30 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
 
     traced: dict[str, Any] = {}
     block_fqns = [f"{blocks_fqn}.{i}" for i in range(len(blocks))]
+    traced_seq = seq_len
     if trace:
-        try:
-            traced = _meta_run(model, batch, seq_len, vocab, block_fqns)
-        except Exception as err:  # structure alone still serves the planner and TP
-            unclassified.append(f"meta forward failed ({type(err).__name__}: {str(err).splitlines()[0][:80]})")
+        # a model bounded below the default length (litgpt's block_size, no position embedding to read it from)
+        # is traced again on a short sequence: the structure is the same, only the FLOPs are for that length
+        failure: Exception | None = None
+        for traced_seq in dict.fromkeys((seq_len, min(seq_len, SHORT_TRACE_SEQ))):
+            try:
+                prefix, module = _traced_module(model, runner)
+                names = [f"{prefix}.{f}" if prefix else f for f in block_fqns]
+                traced = _relative(_meta_run(module, batch, traced_seq, vocab, names), prefix)
+                break
+            except Exception as err:  # structure alone still serves the planner and TP
+                failure = failure or err
+        if not traced and failure is not None:
+            message = str(failure).splitlines()[0][:80] if str(failure) else ""
+            unclassified.append(f"meta forward failed ({type(failure).__name__}: {message})")
+            traced_seq = seq_len
+
+    # projections that are not nn.Linear (GPT-2's Conv1D): orientation from the op the trace saw on the weight
+    orient: Orientation = {}
+    for name, flipped in traced.get("orientation", {}).items():
+        mod = model.get_submodule(name)
+        if not isinstance(mod, nn.Linear):
+            orient[id(mod)] = flipped
 
     # attention geometry: from the traced SDPA call, else from attributes
     attn_site, heads, kv_heads, head_dim = None, 0, 0, 0
@@ -436,9 +999,12 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
     if heads and kv_heads == heads and attn_site is not None:
         # repeat_interleave before SDPA hides GQA: read the k projection width instead
         mod = blocks[0].get_submodule(attn_site)
-        widths = sorted({m.out_features for m in _linears(mod).values() if m.in_features == hidden})
+        widths = sorted({m.out_features for m in _linears(mod, orient).values() if m.in_features == hidden})
         if widths and widths[0] < heads * head_dim and widths[0] % head_dim == 0:
             kv_heads = widths[0] // head_dim
+        elif len(fused := [w for w in widths if w > heads * head_dim]) == 1 and fused[0] % head_dim == 0 \
+                and 0 < fused[0] // head_dim - heads < 2 * heads and (fused[0] // head_dim - heads) % 2 == 0:
+            kv_heads = (fused[0] // head_dim - heads) // 2  # one fused qkv of (heads + 2 * kv_heads) heads
 
     infos: list[BlockInfo] = []
     ffn_hidden, ffn_kind, experts, top_k, moe_every_hits = 0, "gelu", 0, 0, []
@@ -448,26 +1014,27 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
                          activation_bytes=traced.get("saved", {}).get(block_fqns[i], 0.0))
         if attn_site is not None and heads:
             info.attention = _classify_attention(attn_site, block.get_submodule(attn_site), hidden, heads,
-                                                 head_dim, kv_heads)
+                                                 head_dim, kv_heads, orient)
         for name, mod in block.named_modules():
             if attn_site is not None and (name == attn_site or name.startswith(attn_site + ".")):
                 continue
-            if info.moe is None and (moe := _classify_moe(name, mod, hidden)) is not None:
+            if info.moe is None and (moe := _classify_moe(name, mod, hidden, orient)) is not None:
                 info.moe = moe
                 moe_every_hits.append(i)
                 experts, top_k = moe.num_experts, moe.top_k or top_k
                 if moe.ffn_hidden:
                     ffn_hidden = ffn_hidden or moe.ffn_hidden
                     ffn_kind = "swiglu" if moe.gated else ffn_kind
-            if info.mlp is None and info.moe is None and (mlp := _classify_mlp(name, mod, hidden)) is not None:
+            if info.mlp is None and info.moe is None and (mlp := _classify_mlp(name, mod, hidden, orient)) is not None:
                 info.mlp = mlp
-                ffn_hidden, ffn_kind = mlp.ffn_hidden, ("swiglu" if mlp.gate else "gelu")
+                ffn_hidden, ffn_kind = mlp.ffn_hidden, ("swiglu" if mlp.gate or mlp.gate_up else "gelu")
         if i == 0:
             if info.attention is None or (info.attention.o is None) or not (info.attention.q or info.attention.qkv):
                 unclassified.append(f"{info.fqn}: attention projections")
             if info.mlp is None and info.moe is None:
                 unclassified.append(f"{info.fqn}: MLP")
         infos.append(info)
+    _tp_feasibility(blocks, infos, traced)
 
     moe_every = 1
     if moe_every_hits:
@@ -499,7 +1066,7 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
         tied_embeddings=tied,
         total_params=sum(p.numel() for p in model.parameters()),
         batch=batch,
-        seq_len=seq_len,
+        seq_len=traced_seq,
         flops_total=traced.get("total", 0.0),
         unclassified=unclassified,
     )
@@ -522,5 +1089,9 @@ def find_transformer(module: nn.Module) -> tuple[str, nn.Module]:
 
 def model_spec_from_module(module: nn.Module, seq_len: int | None = None) -> ModelSpec:
     """The planner's ModelSpec for a module (a LightningModule is searched for its transformer)."""
+    from lightning_autopar.parallel.experts import replays_forward
+
     _, transformer = find_transformer(module)
-    return analyze(transformer, seq_len=seq_len, trace=False).spec
+    analysis = analyze(transformer, seq_len=seq_len, trace=False)
+    analysis.spec.moe_replay = replays_forward(transformer, analysis)  # plain-loop MoE: priced twice under ep
+    return analysis.spec

@@ -243,9 +243,14 @@ def measure_blocks(model: nn.Module, mbs: int = 1, seq_len: int | None = None, p
 
 
 def cpu_cluster_yaml(processes: int = 2, links: bool = True) -> str:
-    """A ``cpu`` ClusterSpec YAML for this machine: one device per process, rates measured with one thread."""
+    """A ``cpu`` ClusterSpec YAML for this machine: one device per process, rates measured with one thread (the
+    caller's thread count is restored afterwards)."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    cal = measure_device("cpu", precisions=("fp32", "bf16-mixed", "fp16-mixed"), sizes=(256, 512, 1024))
+    try:
+        cal = measure_device("cpu", precisions=("fp32", "bf16-mixed", "fp16-mixed"), sizes=(256, 512, 1024))
+    finally:
+        torch.set_num_threads(threads)
     link = measure_links(min(processes, 2)) if links else {"bandwidth_gbs": 1.0, "latency_us": 60.0}
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / processes
     tf = cal.matmul_tflops

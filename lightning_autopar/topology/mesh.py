@@ -289,6 +289,10 @@ def init_process_group_with_timeout(backend: str | None = None, timeout: float |
     _CHECKINS[0] += 1
     tag = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_CHECKINS[0]}/"
     rendezvous_check(store, rank, world, limit, tag)
+    if agent_store:  # the agent's store outlives a restart: this attempt's process group gets keys of its own
+        from lightning_autopar.topology import worker
+
+        store = worker.attempt_store(store)
     if backend == "nccl" and "device_id" not in kwargs:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit, **kwargs)

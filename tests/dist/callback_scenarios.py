@@ -74,7 +74,9 @@ def run(out: Path, name: str) -> None:
         # rank 1 is SIGKILLed after step 5; torchrun restarts the job, which resumes from step 4
         trainer, module, losses, plan, ckpt = checkpointed(out, name, overlap(), KillRank(out / "killed.flag"))
         record(out, name, losses=losses, state=full_state(module), plan=plan,
-               resumed_from=str(ckpt.resumed_from), restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+               resumed_from=str(ckpt.resumed_from), restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+               agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE"),
+               opt_out=os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"))
     elif name == "truncated":
         checkpointed(out, name, steps=4)
         dist.barrier()

@@ -23,10 +23,13 @@ from scenarios import LossCollector, full_state, main, record  # noqa: E402
 FABRIC_FIXES = {"fabric_dp": "dp={w},zero=3", "fabric_tp": "tp={w},dp=1", "fabric_ddp": "dp={w},zero=0"}
 
 
-def fabric_run(fix: str, steps: int = STEPS, accumulate: int = 1):
+def fabric_run(fix: str | None, steps: int = STEPS, accumulate: int = 1, model_first: bool = False,
+               batch_size: int = GLOBAL_BATCH):
     """The reference loop of common.reference_run, written for Fabric with strategy autopar. ``accumulate``:
     each rank's rows in that many backward passes, all but the last under ``fabric.no_backward_sync`` (the
-    first step checks that they really stayed local: ranks' gradients differ before the last backward)."""
+    first step checks that they really stayed local: ranks' gradients differ before the last backward).
+    ``model_first``: Fabric's documented order, ``fabric.setup(model, optimizer)`` before
+    ``fabric.setup_dataloaders`` (the plan's batch fields are settled by the loader)."""
     from lightning.fabric import Fabric
 
     from lightning_autopar.fabric import AutoParallelFabricStrategy
@@ -39,8 +42,13 @@ def fabric_run(fix: str, steps: int = STEPS, accumulate: int = 1):
     L.seed_everything(0, verbose=False)
     module = make_module()
     optimizer = module.configure_optimizers()
-    loader = fabric.setup_dataloaders(DataLoader(make_data(), batch_size=GLOBAL_BATCH, shuffle=False))
-    model, optimizer = fabric.setup(module, optimizer)
+    data = DataLoader(make_data(), batch_size=batch_size, shuffle=False)
+    if model_first:
+        model, optimizer = fabric.setup(module, optimizer)
+        loader = fabric.setup_dataloaders(data)
+    else:
+        loader = fabric.setup_dataloaders(data)
+        model, optimizer = fabric.setup(module, optimizer)
     losses, local_grads_differ = [], None
     while len(losses) < steps:
         for x, y in loader:
@@ -61,6 +69,8 @@ def fabric_run(fix: str, steps: int = STEPS, accumulate: int = 1):
             losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
             if len(losses) == steps:
                 break
+    report = strategy.report
+    assert report.best.plan == strategy.plan and report.global_batch == batch_size, (report.best, strategy.plan)
     return module, losses, strategy.plan.to_dict(), local_grads_differ
 
 
@@ -88,6 +98,17 @@ def run(out: Path, name: str) -> None:
         module, losses, plan, local_grads_differ = fabric_run(f"dp={world},zero=0", accumulate=2)
         record(out, name, losses=losses, state=full_state(module), plan=plan, local_grads_differ=local_grads_differ)
         return
+    elif name == "fabric_model_first":  # Fabric's documented order, the layout left to the planner
+        module, losses, plan, _ = fabric_run(None, model_first=True)
+    elif name == "fabric_model_first_refused":  # a batch the layout planned at fabric.setup cannot split evenly
+        from lightning_autopar.errors import ConfigError
+
+        try:
+            fabric_run(f"dp={world}", steps=1, model_first=True, batch_size=GLOBAL_BATCH - 1)
+        except ConfigError as err:
+            record(out, name, error=str(err), field=err.field)
+            return
+        raise AssertionError("an indivisible global batch was accepted")
     elif name == "hf_llama":
         module, losses, plan = hf_fit(f"dp={world},zero=3")
     elif name == "hf_llama_tp":  # Hugging Face attention split by heads, the model unchanged

@@ -1,0 +1,210 @@
+"""Tensor parallelism on the layouts the analysis finds from what the code does: attention whose head count is
+only in a ``view(b, s, -1, head_dim)``, GPT-2 (Conv1D, fused ``c_attn``), litgpt (fused ``qkv``) and Phi-3 (fused
+``qkv_proj`` and ``gate_up_proj``). Each trains at tp=2 under strategy="autopar"; results are compared with the
+single-process loop (tests/test_tp_layouts.py).
+
+Usage: torchrun --nproc-per-node N tests/dist/tp_layout_scenarios.py OUT_DIR name[,name...]
+(name: a model of ``MODELS``, trained at tp=2, dp=1; or a scenario of ``PLANS``)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SEQ, VOCAB  # noqa: E402
+
+HIDDEN, HEAD_DIM, LAYERS = 32, 8, 2
+
+
+class ViewAttention(nn.Module):
+    """Heads appear only in ``view(b, s, -1, HEAD_DIM)``: no head-count (or head size) attribute to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(HIDDEN, HIDDEN) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, HEAD_DIM).transpose(1, 2) for p in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class NanoAttention(nn.Module):
+    """nanoGPT's attention: one fused c_attn, and ``view(B, T, n_head, C // n_head)`` with C the full input width,
+    which no division of its attributes makes run on a TP rank's local heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_head, self.n_embd = HIDDEN // HEAD_DIM, HIDDEN
+        self.c_attn = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.c_proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, attention: type) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
+        self.attn = attention()
+        self.fc, self.proj = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, attention: type) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(SEQ, HIDDEN)
+        self.blocks = nn.ModuleList(Block(attention) for _ in range(LAYERS))
+        self.norm, self.head = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class LitLM(L.LightningModule):
+    """Any module mapping token ids to logits (or an HF causal LM), next-token loss, SGD with momentum."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def loss(self, batch) -> torch.Tensor:
+        from lightning_autopar.models.gpt import lm_loss
+
+        idx, targets = batch
+        out = self.model(idx)
+        return lm_loss(out if isinstance(out, torch.Tensor) else out.logits, targets)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def view_model() -> nn.Module:
+    return TinyLM(ViewAttention)
+
+
+def nano_model() -> nn.Module:
+    return TinyLM(NanoAttention)
+
+
+def gpt2_model() -> nn.Module:
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS,
+                                  n_head=HIDDEN // HEAD_DIM, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def phi3_model() -> nn.Module:
+    import transformers
+
+    cfg = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                  num_hidden_layers=LAYERS, num_attention_heads=HIDDEN // HEAD_DIM,
+                                  num_key_value_heads=HIDDEN // HEAD_DIM, max_position_embeddings=SEQ,
+                                  pad_token_id=0, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    return transformers.Phi3ForCausalLM(cfg)
+
+
+def litgpt_model(query_groups: int = HIDDEN // HEAD_DIM) -> nn.Module:
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    cfg = Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HIDDEN // HEAD_DIM, n_query_groups=query_groups,
+                 vocab_size=VOCAB, padded_vocab_size=VOCAB, block_size=SEQ, bias=True, mlp_class_name="LLaMAMLP",
+                 intermediate_size=2 * HIDDEN, norm_class_name="RMSNorm", rotary_percentage=1.0,
+                 parallel_residual=False)
+    return GPT(cfg)
+
+
+MODELS = {"view": view_model, "gpt2": gpt2_model, "litgpt": litgpt_model, "phi3": phi3_model}
+
+
+def make(name: str):
+    return lambda **_: LitLM(MODELS[name]())
+
+
+def placements(module: nn.Module) -> dict[str, str]:
+    """How each TP-sharded parameter is laid out (its DTensor placements), by name."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: str(p.placements) for n, p in module.named_parameters() if isinstance(p, DTensor)}
+
+
+def save_dcp(module: nn.Module, path: Path, plain: bool) -> None:
+    """The sharded model state as DCP writes it (``plain``: through ``parallel.tensor.plain_shards`` first)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from lightning_autopar.parallel.tensor import plain_shards
+
+    state = {"model": get_model_state_dict(module)}
+    dcp.save(plain_shards(state) if plain else state, checkpoint_id=str(path))
+
+
+def reload_dcp(module: nn.Module, path: Path) -> None:
+    """Zero the sharded parameters, then load them back from DCP the way a resume does: read into plain shards,
+    ``restore_layout`` to the parameters' placements, ``load_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from lightning_autopar.parallel.tensor import plain_shards, restore_layout
+
+    with torch.no_grad():
+        for p in module.parameters():
+            p.zero_()
+    state = {"model": get_model_state_dict(module)}
+    plain = plain_shards(state)
+    dcp.load(plain, checkpoint_id=str(path))
+    module.load_state_dict(restore_layout(plain, like=state)["model"])
+
+
+# scenario -> (model, plan fields); a bare model name trains at tp=2, dp=1
+PLANS = {"view_pp2_tp2_dp2": ("view", "pp=2,tp=2,dp=2,mbs=1,grad_accum=4")}
+
+
+def run(out: Path, name: str) -> None:
+    from pp_scenarios import gathered_state
+    from scenarios import fit, full_state, record
+
+    model, fix = PLANS.get(name, (name, "tp=2,dp=1"))
+    trainer, module, losses, plan = fit(fix, make=make(model))
+    if plan["pp"] > 1:  # each stage holds its own blocks: gathered from all ranks
+        record(out, name, losses=losses, state=gathered_state(module), plan=plan)
+        return
+    state = full_state(module)
+    save_dcp(module, out / f"{name}_dcp", plain=True)
+    reload_dcp(module, out / f"{name}_dcp")
+    record(out, name, losses=losses, state=state, plan=plan, placements=placements(module),
+           reloaded=full_state(module))
+
+
+if __name__ == "__main__":
+    from scenarios import main
+
+    main(run)
