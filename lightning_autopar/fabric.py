@@ -190,7 +190,9 @@ class FabricAutoParallelMixin(AutoParallelMixin):
         module = self.setup_module(module)
         for optimizer in optimizers:
             rebind_optimizer(optimizer, names, dict(module.named_parameters()))
-        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+        optimizers = [self.setup_optimizer(o) for o in optimizers]
+        self._keep_optimizer_layouts(optimizers, module)
+        return module, optimizers, scheduler
 
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> Any:

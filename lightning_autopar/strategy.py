@@ -228,6 +228,16 @@ class AutoParallelMixin:
         self._patch_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._keep_optimizer_layouts(self.optimizers, self.model)
+
+    @staticmethod
+    def _keep_optimizer_layouts(optimizers: list[Any], model: nn.Module) -> None:
+        """Optimizer states of TP weights stored in another row order show the single-device order in state dicts
+        (``parallel.tensor.keep_optimizer_row_order``), so optimizer checkpoints reshard across plans."""
+        from lightning_autopar.parallel.tensor import keep_optimizer_row_order
+
+        for optimizer in optimizers:
+            keep_optimizer_row_order(getattr(optimizer, "_optimizer", optimizer), model)
 
     def _cluster_spec(self) -> ClusterSpec:
         from lightning_autopar.specs import load_cluster_spec

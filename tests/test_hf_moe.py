@@ -1,12 +1,13 @@
-"""Hugging Face Mixtral (transformers 5: fused 3-D expert weights) under expert and data parallelism trains
-exactly like the single-process loop.
+"""Hugging Face Mixtral (transformers 5: fused 3-D expert weights) under expert, tensor and data parallelism
+trains exactly like the single-process loop.
 
 One torchrun launch of world 4 runs tests/dist/hf_moe_scenarios.py; per-step losses and final parameters are
 compared with the plain single-process loop within LOSS_RTOL / PARAM_RTOL + PARAM_ATOL of tests/test_strategy.py
 (reached: ~1e-7 relative on losses, ~1e-7 absolute on parameters). The balance-loss weight is raised to 0.5 so
 that a per-rank (inexact) balance loss would fail the comparison (it misses by ~1e-3 on losses). In-process:
-the analysis finds the fused layout, the planner's spec counts the experts, the strategy allows ep and keeps
-tp=1, HF's experts forward under the EP dispatch, and when the router logits are gathered.
+the analysis finds the fused layout, the planner's spec counts the experts, the strategy allows ep and tp, the
+TP split of the fused experts is checked on their forward (and refused for a gate/up cut otherwise than
+[gate | up]), HF's experts forward under the EP dispatch, and when the router logits are gathered.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ from test_strategy import assert_equivalent, load
 
 transformers = pytest.importorskip("transformers")
 
-from hf_moe_scenarios import CLIP, RESUME, SCENARIOS  # noqa: E402
+from hf_moe_scenarios import CLIP, RESUME, SCENARIOS, TP_RESUME  # noqa: E402
 from tests_hf import hf_reference_run, make_hf_moe_module  # noqa: E402
 
 from lightning_autopar.errors import ConfigError  # noqa: E402
 
-WORLD4 = [*SCENARIOS, RESUME]
-LAYOUT = {"mixtral_dp4": (4, 0, 1), "mixtral_ep2_zero3": (4, 3, 2), "mixtral_ep4": (4, 0, 4),
-          "mixtral_ep2_clip": (4, 2, 2), "mixtral_pp2_ep2": (2, 3, 2), RESUME: (4, 3, 2)}
+WORLD4 = [*SCENARIOS, RESUME, TP_RESUME]
+# name -> (dp, zero, ep, tp)
+LAYOUT = {"mixtral_dp4": (4, 0, 1, 1), "mixtral_ep2_zero3": (4, 3, 2, 1), "mixtral_ep4": (4, 0, 4, 1),
+          "mixtral_ep2_clip": (4, 2, 2, 1), "mixtral_pp2_ep2": (2, 3, 2, 1), RESUME: (4, 3, 2, 1),
+          "mixtral_tp2": (2, 3, 1, 2), "mixtral_tp2_ep2": (2, 2, 2, 2), TP_RESUME: (2, 3, 2, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +50,14 @@ def reference(clip: float | None = None):
 
 @pytest.mark.parametrize("name", WORLD4)
 def test_mixtral_matches_single_process(world4, name):
-    """dp=4 ep=1 (exact balance loss), ep=2 zero=3, ep=4 zero=0, ep=2 with clipping, pp=2 x dp=2 x ep=2, and a
-    resume at step 4."""
+    """dp=4 ep=1 (exact balance loss), ep=2 zero=3, ep=4 zero=0, ep=2 with clipping, pp=2 x dp=2 x ep=2, TP
+    inside the fused experts (tp=2 x dp=2, and tp=2 x ep=2 with clipping), and resumes at step 4 (ep=2; tp=2 x
+    ep=2, whose experts are 2-D strided DTensors in the checkpoint)."""
     result = load(world4, name)
     plan = result["plan"]
-    assert (plan["dp"], plan["zero"], plan["ep"], plan["tp"]) == (*LAYOUT[name], 1)
+    assert (plan["dp"], plan["zero"], plan["ep"], plan["tp"]) == LAYOUT[name]
     clip = CLIP if "gradient_clip_val" in SCENARIOS.get(name, ("", {}))[1] else None
-    assert_equivalent(result, *reference(clip), first_step=STEPS // 2 if name == RESUME else 0)
+    assert_equivalent(result, *reference(clip), first_step=STEPS // 2 if name in (RESUME, TP_RESUME) else 0)
 
 
 # ------------------------------------------------------------------------------------------- in-process
@@ -77,8 +81,9 @@ def test_analysis_finds_the_fused_layout_and_the_spec_counts_experts():
     assert (moe.fqn, moe.router, moe.experts) == ("mlp", "gate", "experts")
     assert (moe.num_experts, moe.top_k, moe.ffn_hidden, moe.gated) == (4, 2, 64, True)
     assert moe.fused_params == ["gate_up_proj", "down_proj"]
-    with pytest.raises(ConfigError, match=r"^plan.tp: .*fused 3-D"):
-        check_tp(analysis, 2)
+    check_tp(analysis, 2)  # split inside each expert
+    with pytest.raises(ConfigError, match=r"^plan.tp: tp=3 does not divide"):
+        check_tp(analysis, 3)
 
     preset = load_model_spec("mixtral_tiny")
     model = causal_lm(preset)
@@ -103,7 +108,7 @@ def test_meta_trace_counts_routed_expert_flops():
     assert analysis.blocks[0].flops == 3 * SEQ * per_token
 
 
-def test_strategy_allows_ep_and_keeps_tp1_for_fused_experts():
+def test_strategy_allows_ep_and_tp_for_fused_experts():
     from lightning_autopar import AutoParallelStrategy
     from lightning_autopar.profile.analyze import analyze, find_transformer
 
@@ -111,7 +116,7 @@ def test_strategy_allows_ep_and_keeps_tp1_for_fused_experts():
     strategy = AutoParallelStrategy(cluster="cpu", print_plan=False)
     strategy.connect(module)
     restrict = strategy._restrictions(None, analyze(find_transformer(module)[1], trace=False), "fp32")
-    assert restrict["tp"] == [1]
+    assert restrict.get("tp", [2]) != [1]
     assert restrict.get("ep", [2]) != [1]
 
 
@@ -157,3 +162,39 @@ def test_router_logits_gathered_only_in_exact_training_forwards():
         warnings.simplefilter("error")
         model(input_ids=ids)
     assert seen == [True, False, False] and not gather.active
+
+
+def test_fused_experts_tp_split_checked_on_their_forward():
+    """The TP split of the fused experts (gate_up_proj strided on dim 1 in [gate | up] pieces, down_proj on dim 2)
+    is checked on the module's own forward, for each experts implementation; a forward cutting gate/up
+    interleaved is refused with one line, and the module keeps its weights either way."""
+    from lightning_autopar.parallel.tensor import _fused_split_dims, _probe_fused_split
+    from lightning_autopar.profile.analyze import analyze, find_transformer
+
+    transformer = find_transformer(_tiny_mixtral())[1]
+    moe = analyze(transformer, trace=False).blocks[0].moe
+    experts = transformer.layers[0].mlp.experts
+    before = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    dims = _fused_split_dims(experts, moe, "layers.0.mlp.experts")
+    assert dims == {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
+    for implementation in ("eager", "grouped_mm", "batched_mm"):
+        experts.config._experts_implementation = implementation
+        _probe_fused_split(experts, moe, dims, 2, "layers.0.mlp.experts")
+
+    class InterleavedExperts(type(experts)):
+        """gate and up interleaved along dim 1 ([g0, u0, g1, u1, ...]): not a [gate | up] chunk."""
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden_states)
+            for k in range(top_k_index.shape[1]):
+                for e in range(self.gate_up_proj.shape[0]):
+                    rows = top_k_index[:, k] == e
+                    h = torch.nn.functional.linear(hidden_states[rows], self.gate_up_proj[e])
+                    h = torch.nn.functional.linear(self.act_fn(h[:, 0::2]) * h[:, 1::2], self.down_proj[e])
+                    out[rows] += h * top_k_weights[rows, k, None]
+            return out
+
+    experts.__class__ = InterleavedExperts
+    with pytest.raises(ConfigError, match=r"^plan.tp: layers.0.mlp.experts: .*not cut \[gate \| up\]"):
+        _probe_fused_split(experts, moe, dims, 2, "layers.0.mlp.experts")
+    assert all(torch.equal(p, before[n]) for n, p in experts.named_parameters())

@@ -1,8 +1,9 @@
 """Tensor parallelism from what the code does: the analysis traces the model on meta tensors (heads found in a
 ``view``, fused q/k/v and gate/up layouts, GPT-2's transposed Conv1D), dry-runs each block's attention and MLP
 on one TP rank's local shapes, and refuses tp > 1 with one line when the model's code cannot run that way.
-Distributed: tp=2 equals the single-process loop for each layout, and a DCP checkpoint written at tp=2 loads
-into the single-device model unchanged (names and values)."""
+Distributed: tp=2 equals the single-process loop for each layout (fused GQA [q | k | v] too, also under
+tp=2 x dp=4 zero=3), and a DCP checkpoint written at tp=2 loads into the single-device model unchanged (names and
+values); a row-permuted weight's optimizer states read in the single-device order."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from test_strategy import PARAM_ATOL, PARAM_RTOL, assert_equivalent, load
 import tp_layout_scenarios as S
 
 from lightning_autopar.errors import ConfigError
-from lightning_autopar.parallel.tensor import check_tp
+from lightning_autopar.parallel.tensor import LocalShardSpec, RowOrder, block_layout, check_tp
 from lightning_autopar.profile.analyze import analyze, find_transformer, fused_layout
 
 pytest.importorskip("transformers")
@@ -69,15 +70,33 @@ def test_phi3_fused_qkv_and_gate_up():
     assert attn_mod.config is config and config.num_attention_heads == 4 and attn_mod.num_key_value_heads == 4
 
 
-def test_fused_gqa_in_sequential_pieces_is_refused_with_the_reason():
-    import transformers
+@pytest.mark.parametrize("name, tp_attrs", [
+    ("phi3_gqa", ["config.num_attention_heads", "num_key_value_heads"]),
+    ("litgpt_gqa", ["config.n_head", "config.n_query_groups"]),
+])
+def test_fused_gqa_in_unequal_sequential_pieces_is_offered(name, tp_attrs):
+    """[q | k | v] of widths 32, 16, 16 (4 heads, 2 kv heads of 8): the dry run runs the model's own split on a
+    rank's local widths (16, 8, 8) with the head counts divided; the layer stores the weight row-permuted."""
+    model = S.MODELS[name]()
+    _, transformer = find_transformer(model)
+    a = analyze(transformer, runner=model)
+    attn = a.blocks[0].attention
+    assert (attn.qkv_layout, attn.qkv_pieces, attn.tp_refusal) == ("sequential", [32, 16, 16], None)
+    assert sorted(attn.tp_attrs) == tp_attrs and attn.tp_validated
+    check_tp(a, 2)
+    style = block_layout(a.blocks[0])[f"{attn.fqn}.{attn.qkv}"]
+    assert style.spec == LocalShardSpec("col", widths=(32, 16, 16))
 
-    cfg = transformers.Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                                  pad_token_id=0, bos_token_id=0, eos_token_id=0)
-    reason = refusal(transformers.Phi3ForCausalLM(cfg))
-    assert reason.startswith("plan.tp: model.layers.0.self_attn.qkv_proj is a fused [q|k|v] with GQA")
-    assert "is a fused [q|k|v] with GQA" in refusal(S.litgpt_model(query_groups=2))
+
+def test_row_order_gives_each_rank_its_own_heads_q_k_and_v():
+    """P(W) = [q_0; k_0; v_0; q_1; k_1; v_1]: a plain Shard(0) of it is rank r's [q_r; k_r; v_r]."""
+    order = RowOrder((4, 2, 2), tp=2, dim=0)
+    assert order.local_index(0).tolist() == [0, 1, 4, 6]
+    assert order.local_index(1).tolist() == [2, 3, 5, 7]
+    w = torch.arange(8.0).unsqueeze(1).expand(8, 3)
+    permuted = w.index_select(0, order.permutation())
+    assert permuted.chunk(2)[1][:, 0].tolist() == [2, 3, 5, 7]
+    assert torch.equal(permuted.index_select(0, order.inverse()), w)
 
 
 def test_litgpt_fused_qkv_divides_its_own_config_copy():
@@ -135,14 +154,15 @@ def test_fused_layout_rules(width, op, args, expected):
 
 # ------------------------------------------------------------------------------------------- distributed
 
-MODELS = ["view", "gpt2", "litgpt", "phi3"]
+MODELS = ["view", "gpt2", "litgpt", "phi3", "litgpt_gqa", "phi3_gqa"]
+ROW_ORDERED = {"litgpt_gqa": "transformer.h.0.attn.qkv.weight", "phi3_gqa": "model.layers.0.self_attn.qkv_proj.weight"}
 STRIDED = {"gpt2": "transformer.h.0.attn.c_attn.weight", "litgpt": "transformer.h.0.attn.qkv.weight",
            "phi3": "model.layers.0.self_attn.qkv_proj.weight"}
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return run_scenarios(tmp_path_factory, 2, MODELS, script="tp_layout_scenarios.py")
+    return run_scenarios(tmp_path_factory, 2, [*MODELS, *S.RESUMES], script="tp_layout_scenarios.py")
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -155,11 +175,14 @@ def test_tp2_matches_single_process(world2, name):
             result["placements"][f"model.{STRIDED[name]}"]
     if name == "phi3":
         assert "sf=2" in result["placements"]["model.model.layers.0.mlp.gate_up_proj.weight"]
+    if name in ROW_ORDERED:  # a plain Shard(0) of the row-permuted weight (FSDP's dim-1 cut beside it)
+        assert result["placements"][f"model.{ROW_ORDERED[name]}"].endswith("Shard(dim=0))")
 
 
 @pytest.fixture(scope="module")
 def world8(tmp_path_factory):
-    return run_scenarios(tmp_path_factory, 8, ["view_pp2_tp2_dp2"], script="tp_layout_scenarios.py")
+    return run_scenarios(tmp_path_factory, 8, ["view_pp2_tp2_dp2", "litgpt_gqa_tp2_dp4_zero3"],
+                         script="tp_layout_scenarios.py")
 
 
 def test_heads_only_in_a_view_under_pp2_tp2_dp2(world8):
@@ -169,23 +192,87 @@ def test_heads_only_in_a_view_under_pp2_tp2_dp2(world8):
     assert_equivalent(result, *reference_run(make=S.make("view")))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "litgpt", "phi3"])
-def test_dcp_checkpoint_at_tp2_loads_into_the_single_device_model(world2, name):
+def test_fused_gqa_under_tp2_dp4_zero3(world8):
+    """FSDP on top of the row-permuted weight: it shards the input dim, the rows stay each TP rank's own."""
+    result = load(world8, "litgpt_gqa_tp2_dp4_zero3")
+    assert (result["plan"]["tp"], result["plan"]["dp"], result["plan"]["zero"]) == (2, 4, 3)
+    assert "Shard(dim=1), Shard(dim=0))" in result["placements"][f"model.{ROW_ORDERED['litgpt_gqa']}"]
+    assert_equivalent(result, *reference_run(make=S.make("litgpt_gqa")))
+
+
+def _dcp_into_single_device(out, name: str, model: str) -> None:
     import torch.distributed.checkpoint as dcp
 
-    single = S.make(name)().model
+    single = S.make(model)().model
     state = {"model": {f"model.{k}": torch.zeros_like(v) for k, v in single.state_dict().items()}}
-    dcp.load(state, checkpoint_id=str(world2 / f"{name}_dcp"))
-    _, ref_state = reference_run(make=S.make(name))
+    dcp.load(state, checkpoint_id=str(out / f"{name}_dcp"))
+    _, ref_state = reference_run(make=S.make(model))
     assert set(state["model"]) == set(ref_state)
     for key, value in state["model"].items():
         torch.testing.assert_close(value, ref_state[key], rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=key)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "litgpt", "phi3"])
-def test_dcp_checkpoint_loads_back_into_the_tp2_model(world2, name):
-    """Zeroed, then read back through ``plain_shards`` / ``restore_layout``: the sharded model is as saved."""
-    result = load(world2, name)
+def _reloaded_as_saved(result: dict) -> None:
     assert set(result["reloaded"]) == set(result["state"])
     for key, value in result["state"].items():
         torch.testing.assert_close(result["reloaded"][key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "litgpt", "phi3", "litgpt_gqa", "phi3_gqa"])
+def test_dcp_checkpoint_at_tp2_loads_into_the_single_device_model(world2, name):
+    _dcp_into_single_device(world2, name, name)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "litgpt", "phi3", "litgpt_gqa", "phi3_gqa"])
+def test_dcp_checkpoint_loads_back_into_the_tp2_model(world2, name):
+    """Zeroed, then read back through ``plain_shards`` / ``restore_layout``: the sharded model is as saved."""
+    _reloaded_as_saved(load(world2, name))
+
+
+def test_dcp_checkpoint_at_tp2_dp4_zero3_of_fused_gqa_round_trips(world8):
+    """The row-permuted weight under FSDP reaches DCP as W: it loads into the single-device model, and back."""
+    _dcp_into_single_device(world8, "litgpt_gqa_tp2_dp4_zero3", "litgpt_gqa")
+    _reloaded_as_saved(load(world8, "litgpt_gqa_tp2_dp4_zero3"))
+
+
+def reference_momentum(name: str) -> dict[str, torch.Tensor]:
+    """The single-process loop's SGD momentum buffers by parameter name."""
+    made = {}
+
+    def make(**_):
+        module = S.make(name)()
+        configure = module.configure_optimizers
+        module.configure_optimizers = lambda: made.setdefault("opt", configure())
+        made["module"] = module
+        return module
+
+    reference_run(make=make)
+    names = {id(p): n for n, p in made["module"].named_parameters()}
+    return {names[id(p)]: state["momentum_buffer"] for p, state in made["opt"].state.items()}
+
+
+@pytest.mark.parametrize("world, scenario, name", [("world2", "litgpt_gqa", "litgpt_gqa"),
+                                                   ("world2", "phi3_gqa", "phi3_gqa"),
+                                                   ("world8", "litgpt_gqa_tp2_dp4_zero3", "litgpt_gqa")])
+def test_optimizer_states_of_a_row_permuted_weight_are_in_single_device_order(request, world, scenario, name):
+    """The momentum of the row-permuted weight reads as the single-device one (names and row order), so a
+    checkpoint's optimizer states reshard across plans; a DCP round trip (zeroed, loaded) restores them."""
+    result = load(request.getfixturevalue(world), scenario)
+    ref = reference_momentum(name)
+    assert set(result["optim"]) == set(ref)
+    for key, value in ref.items():
+        torch.testing.assert_close(result["optim"][key]["momentum_buffer"], value, rtol=PARAM_RTOL,
+                                   atol=PARAM_ATOL, msg=key)
+        torch.testing.assert_close(result["optim_reloaded"][key]["momentum_buffer"],
+                                   result["optim"][key]["momentum_buffer"], rtol=0, atol=0, msg=key)
+
+
+def test_checkpoint_of_fused_gqa_at_tp2_resumes_at_another_plan(world2):
+    """The strategy's sharded Lightning checkpoint saved at tp=2 (step 4) resumes at dp=2 zero=3 (tp=1) from
+    another init: steps 5-8 equal the single-process loop, so model and optimizer states were stored as W (a
+    momentum left in the row-permuted order would make them differ)."""
+    from common import STEPS
+
+    result = load(world2, "litgpt_gqa_resume_tp2_to_dp2")
+    assert (result["plan"]["tp"], result["plan"]["dp"], result["plan"]["zero"]) == (1, 2, 3)
+    assert_equivalent(result, *reference_run(make=S.make("litgpt_gqa")), first_step=STEPS // 2)

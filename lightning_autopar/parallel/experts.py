@@ -18,8 +18,10 @@ Supported MoE layouts:
   replaced, by steps 2-4 below with HF's own experts forward (whichever ``experts_implementation``) run on the
   received rows with the local weights. Each expert parameter becomes a DTensor ``Shard(0)`` on the "ep" mesh:
   parameter names and global shapes stay the user's, so DCP checkpoints hold whole tensors and reshard across
-  plans. FSDP then shards dim 1 over the expert-data-parallel mesh (``parallel.fsdp.shard_experts``). TP does
-  not split these experts (the strategy keeps tp=1 for such models, ``parallel.tensor.check_tp``).
+  plans. FSDP then shards dim 1 over the expert-data-parallel mesh (``parallel.fsdp.shard_experts``). TP (applied
+  before EP, ``parallel.tensor.shard_fused_experts``) splits each expert inside: the parameters are then 2-D
+  DTensors on the (ep, tp) mesh, and the TP hooks around the experts module wrap this dispatch (its input
+  replicated over TP, its output -- partial sums of each token's experts -- all-reduced).
 
 * a plain MoE written the usual way: a router ``nn.Linear(hidden, E)``, an ``nn.ModuleList`` of E expert MLPs
   (hidden -> ffn -> hidden, as the analysis classifies them) and the top-k loop over the experts inside the
@@ -549,14 +551,23 @@ class RouterLogitsGather:
 
 def _shard_fused(module: nn.Module, names: list[str], first: int, count: int, ep_mesh: Any) -> None:
     """Each parameter ``names`` of ``module`` becomes a DTensor ``Shard(0)`` on ``ep_mesh`` (this rank's rows
-    ``[first, first + count)``, the same on every rank since the strategy broadcast the model)."""
+    ``[first, first + count)``, the same on every rank since the strategy broadcast the model). A parameter TP
+    already split (a DTensor on the "tp" mesh, ``parallel.tensor.shard_fused_experts``) becomes a 2-D DTensor on
+    the (ep, tp) mesh: ``Shard(0)`` on ep, its TP placement on tp; the global tensor stays the single-device one."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
     with torch.no_grad():
         for name in names:
             full = module._parameters[name]
-            local = full.detach()[first:first + count].clone()
-            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            if isinstance(full, DTensor):
+                local = full.to_local()[first:first + count].clone()
+                mesh = DeviceMesh._concatenate([ep_mesh, full.device_mesh])
+                sharded = DTensor.from_local(local, mesh, [Shard(0), *full.placements], run_check=False,
+                                             shape=full.shape, stride=full.stride())
+            else:
+                local = full.detach()[first:first + count].clone()
+                sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=full.requires_grad))
 
 

@@ -48,14 +48,17 @@ if TYPE_CHECKING:
 
 def _expert_placement(shard_size: int):
     """FSDP's placement for a parameter of the fused expert layout (a DTensor with the experts along dim 0,
-    ``Shard(0)`` on the "ep" mesh): dim 1, so the two shardings compose without strided sharding (as
-    torchtitan does); FSDP's default (dim 0) when dim 1 does not divide evenly, or for plain parameters."""
+    ``Shard(0)`` on the "ep" mesh): dim 1 (the next free dim when TP splits dim 1), so the shardings compose
+    without strided sharding (as torchtitan does); FSDP's default (dim 0) when none divides evenly, or for plain
+    parameters."""
     from torch.distributed.tensor import DTensor, Shard
 
     def place(param: nn.Parameter):
-        if isinstance(param, DTensor) and param.dim() >= 2 and param.shape[1] % shard_size == 0:
-            return Shard(1)
-        return None
+        if not isinstance(param, DTensor):
+            return None
+        taken = {getattr(p, "dim", None) for p in param.placements}  # ep's dim 0, a TP split (fused experts)
+        return next((Shard(d) for d in range(1, param.dim()) if d not in taken and param.shape[d] % shard_size == 0),
+                    None)
 
     return place
 

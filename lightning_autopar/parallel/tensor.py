@@ -3,9 +3,13 @@
 Per block: q, k, v (or the MLP's up and gate) are split by columns (each rank owns whole heads / a slice of the
 FFN), o and down by rows (partial sums all-reduced), so each block costs two all-reduces forward and two
 backward. MoE experts are split the same way inside each expert; the router stays replicated. Experts stored as
-fused 3-D weights (HF Mixtral's ``gate_up_proj`` fuses gate and up along dim 1) are not split: ``check_tp``
-rejects tp > 1 for them and the strategy plans tp=1 (EP and FSDP shard them instead). Embeddings, norms and the
-LM head stay replicated across the TP group.
+fused 3-D weights (HF Mixtral: ``gate_up_proj`` [E, 2*ffn, hidden] fusing [gate | up] along dim 1, ``down_proj``
+[E, hidden, ffn]) too (``shard_fused_experts``): ``gate_up_proj`` is ``_StridedShard(1, split_factor=2)`` (the rank
+keeps its part of gate and of up), ``down_proj`` ``Shard(2)``; the module's own forward runs on the local weights
+between f (on its hidden states and routing weights) and g (on its output); a probe on tiny weights checks that
+the forward's split sums to the whole before anything is sharded. With EP on top the weights become 2-D DTensors
+(``Shard(0)`` on ep, the TP placement on tp). Embeddings, norms and the LM head stay replicated across the TP
+group.
 
 Separate nn.Linear projections use torch's ``ColwiseParallel`` / ``RowwiseParallel``. Two layouts need their own
 style (``LocalShard``), because torch's styles accept only nn.Linear and split a weight into contiguous blocks:
@@ -17,6 +21,13 @@ style (``LocalShard``), because torch's styles accept only nn.Linear and split a
   local shard is [q_r | k_r | v_r], so the model's own ``split`` works. Layouts interleaved per kv group (a view
   into (groups, q_per_kv + 2, head_dim)) are a plain ``Shard``. A fused bias stays replicated; each rank adds
   its slice and the slices' gradients are summed over the TP group in backward;
+* fused [q | k | v] with GQA (litgpt's ``qkv`` with n_query_groups < n_head, Phi-3's GQA ``qkv_proj``): the
+  pieces have unequal widths, which no DTensor placement cuts into [q_r | k_r | v_r]. The weight is stored as
+  ``Shard`` of a row-permuted global tensor P(W) = [q_0; k_0; v_0; q_1; k_1; v_1; ...] (``RowOrder``), so the
+  local rows are the rank's own heads. Everything elementwise or blind to row order (optimizer steps, norms for
+  clipping, FSDP's cut of the input dim on top) is unaffected; only the names -> values views show W instead:
+  the module's state-dict hooks (``state_dict``, ``get_model_state_dict``, DCP) and the optimizer's (its
+  states), which gather the TP dim, un-permute and return W replicated over TP (loading does the reverse);
 * transposed projections (GPT-2's Conv1D, weight [in, out]): column split is Shard(1) of the weight and Shard(0)
   of the bias, row split Shard(0) of the weight with the bias added once, after the sum.
 
@@ -27,8 +38,9 @@ shallow copy) was found by the analysis's meta dry run (``AttentionInfo.tp_attrs
 code run on local shapes (nanoGPT's ``view(B, T, n_head, C // n_head)`` with C the full width), ``check_tp``
 refuses tp > 1 with that reason.
 
-Checkpoints: ``_StridedShard`` DTensors give correct full tensors, but DCP writes a DTensor's local shard as one
-contiguous chunk, which a strided shard is not. ``plain_shards`` redistributes such tensors (parameters and
+Checkpoints: a row-permuted weight (and its optimizer states) reaches a checkpoint as W, replicated over TP,
+which DCP writes as is. ``_StridedShard`` DTensors give correct full tensors, but DCP writes a DTensor's local
+shard as one contiguous chunk, which a strided shard is not. ``plain_shards`` redistributes such tensors (parameters and
 optimizer states alike) to plain ``Shard`` placements before a DCP save or load, ``restore_layout`` back after a
 load. FSDP on top must shard these parameters on another dim than the strided one (``fsdp_placement``).
 """
@@ -42,8 +54,8 @@ import torch
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
-from lightning_autopar.profile.analyze import (AttentionInfo, BlockInfo, MLPInfo, ModelAnalysis, divide_attributes,
-                                               leaf_width_attributes)
+from lightning_autopar.profile.analyze import (AttentionInfo, BlockInfo, MLPInfo, ModelAnalysis, MoEInfo,
+                                               divide_attributes, leaf_width_attributes)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -71,9 +83,7 @@ def check_tp(analysis: ModelAnalysis, tp: int, structure_only: bool = False) -> 
             raise ConfigError("plan.tp", f"{block.fqn}.{block.moe.fqn}: experts with a fused gate/up projection "
                               f"({block.moe.expert_mlp.gate_up}) are not split by TP", "use tp=1")
         if block.moe is not None and block.moe.fused:
-            raise ConfigError("plan.tp", f"{block.fqn}.{block.moe.fqn}: experts stored as fused 3-D weights "
-                              f"({', '.join(block.moe.fused_params)}) are not split by TP",
-                              "use tp=1 (ep and dp shard these experts)")
+            _check_fused_experts(f"{block.fqn}.{block.moe.fqn}", block.moe, tp if not structure_only else None)
     if structure_only:
         return
     if spec.heads % tp or spec.kv_heads % tp:
@@ -81,6 +91,15 @@ def check_tp(analysis: ModelAnalysis, tp: int, structure_only: bool = False) -> 
                           f"choose tp among the common divisors of {spec.heads} and {spec.kv_heads}")
     if spec.ffn_hidden % tp:
         raise ConfigError("plan.tp", f"tp={tp} does not divide ffn_hidden={spec.ffn_hidden}", "choose a divisor")
+
+
+def _check_fused_experts(fqn: str, moe: MoEInfo, tp: int | None) -> None:
+    """Fused 3-D experts are split inside each expert (``FusedExpertsTP``): ``tp`` must divide their FFN width
+    (the planner's rules check it for ``ffn_hidden``, so only with ``tp`` given). Their weights' layout is
+    checked on the module when applied (``_fused_split_dims``, ``_probe_fused_split``)."""
+    if tp is not None and moe.ffn_hidden % tp:
+        raise ConfigError("plan.tp", f"tp={tp} does not divide the experts' ffn width {moe.ffn_hidden} of {fqn}",
+                          "choose tp dividing it")
 
 
 def _located(block_fqn: str, refusal: str) -> str:
@@ -159,11 +178,36 @@ def piece_index(width: int, pieces: int, tp: int, rank: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class LocalShardSpec:
     """How one projection is split: ``kind`` "col" (outputs) or "row" (inputs); ``transposed``: weight stored
-    [in, out]; ``pieces`` > 1: a fused [a | b | c] output, each rank holding its part of every piece."""
+    [in, out]; ``pieces`` > 1: a fused [a | b | c] output, each rank holding its part of every piece;
+    ``widths``: a fused output of pieces with these unequal widths (GQA's [q | k | v]), stored row-permuted."""
 
     kind: str
     transposed: bool = False
     pieces: int = 1
+    widths: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """The permutation that lets ``Shard(dim)`` give each TP rank its own part of every piece of a fused output
+    whose pieces have unequal ``widths``: the stored global tensor is P(W) = W.index_select(dim, permutation()),
+    the rank chunks [a_0; b_0; c_0; a_1; b_1; c_1; ...], each ``width // tp`` rows of every piece."""
+
+    widths: tuple[int, ...]
+    tp: int
+    dim: int
+
+    def local_index(self, rank: int) -> torch.Tensor:
+        """Rows of W that TP rank ``rank`` holds, in its local order [a_r; b_r; c_r]."""
+        starts = [sum(self.widths[:i]) for i in range(len(self.widths))]
+        return torch.cat([torch.arange(start + rank * (w // self.tp), start + (rank + 1) * (w // self.tp))
+                          for start, w in zip(starts, self.widths)])
+
+    def permutation(self) -> torch.Tensor:
+        return torch.cat([self.local_index(r) for r in range(self.tp)])
+
+    def inverse(self) -> torch.Tensor:
+        return torch.argsort(self.permutation())
 
 
 def _local_style() -> type:
@@ -185,9 +229,11 @@ def _local_style() -> type:
             out_dim = 1 if spec.transposed else 0
             weight = module.weight
             out_features = weight.shape[out_dim]
+            fused = spec.pieces > 1 or bool(spec.widths)
+            order = RowOrder(spec.widths, tp, out_dim) if spec.widths else None
             if spec.kind == "col":
                 w_place = _StridedShard(out_dim, split_factor=spec.pieces) if spec.pieces > 1 else Shard(out_dim)
-                b_place = Replicate() if spec.pieces > 1 else Shard(0)
+                b_place = Replicate() if fused else Shard(0)
                 for attr in leaf_width_attributes(module, out_features):
                     setattr(module, attr, getattr(module, attr) // tp)
             else:
@@ -195,12 +241,19 @@ def _local_style() -> type:
             for name, place in (("weight", w_place), ("bias", b_place)):
                 param = getattr(module, name, None)
                 if isinstance(param, nn.Parameter):
-                    module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, [place]),
+                    value = param
+                    if order is not None and name == "weight":
+                        value = param.detach().index_select(out_dim, order.permutation().to(param.device))
+                    module.register_parameter(name, nn.Parameter(distribute_tensor(value, device_mesh, [place]),
                                                                  requires_grad=param.requires_grad))
+            if order is not None:
+                _keep_row_order(module, order)
             group = device_mesh.get_group()
             bias_index = None
-            if spec.kind == "col" and spec.pieces > 1 and getattr(module, "bias", None) is not None:
-                bias_index = piece_index(out_features, spec.pieces, tp, device_mesh.get_local_rank())
+            if spec.kind == "col" and fused and getattr(module, "bias", None) is not None:
+                rank = device_mesh.get_local_rank()
+                bias_index = order.local_index(rank) if order is not None else \
+                    piece_index(out_features, spec.pieces, tp, rank)
             module.register_forward_pre_hook(_pre_hook(spec, group, bias_index), with_kwargs=True)
             module.register_forward_hook(_post_hook(spec, group))
             return module
@@ -265,7 +318,10 @@ def _mlp_layout(prefix: str, mlp: MLPInfo) -> dict:
 
 def _attention_layout(attn: AttentionInfo) -> dict:
     flipped = set(attn.transposed)
-    if attn.qkv:
+    if attn.qkv and attn.qkv_layout == "sequential" and len(set(attn.qkv_pieces)) > 1:  # GQA: row-permuted
+        layout = {f"{attn.fqn}.{attn.qkv}": _local_style()(LocalShardSpec("col", attn.qkv in flipped,
+                                                                           widths=tuple(attn.qkv_pieces)))}
+    elif attn.qkv:
         pieces = 3 if attn.qkv_layout == "sequential" else 1
         layout = {f"{attn.fqn}.{attn.qkv}": _style(attn.qkv, "col", flipped, pieces)}
     else:
@@ -300,11 +356,253 @@ def apply_tensor_parallel(transformer: nn.Module, analysis: ModelAnalysis, tp_me
     for info in analysis.blocks:
         block = transformer.get_submodule(info.fqn)
         moe_list = None
-        if info.moe is not None:
+        if info.moe is not None and not info.moe.fused:
             moe_mod = block.get_submodule(info.moe.fqn) if info.moe.fqn else block
             moe_list = len(moe_mod.get_submodule(info.moe.experts))  # EP may have removed remote experts
         parallelize_module(block, tp_mesh, block_layout(info, moe_list))
         divide_attributes(block.get_submodule(info.attention.fqn), info.attention.tp_attrs, tp)
+        if info.moe is not None and info.moe.fused:
+            moe_mod = block.get_submodule(info.moe.fqn) if info.moe.fqn else block
+            shard_fused_experts(moe_mod.get_submodule(info.moe.experts), info.moe, tp_mesh,
+                                f"{info.fqn}.{info.moe.fqn}")
+
+
+# ------------------------------------------------------------------------------------------- fused 3-D experts
+
+
+def _fused_split_dims(experts: nn.Module, moe: MoEInfo, where: str) -> dict[str, tuple[int, int]]:
+    """name -> (dim split over TP, pieces) for each fused expert weight: the input projections ([E, out, in],
+    read ``hidden``) by their output dim -- in ``pieces`` = 2 (a ``_StridedShard``, so the rank keeps its part of
+    gate AND of up) when one weight fuses gate and up, 2 * ffn wide --, the output projection ([E, hidden, ffn])
+    by its input dim; transposed weights ([E, in, out], ``is_transposed``) the other way round."""
+    flip = bool(getattr(experts, "is_transposed", False))
+    out_dim, in_dim = (2, 1) if flip else (1, 2)
+    dims = {}
+    for name in moe.fused_params:
+        param = experts._parameters[name]
+        if param.dim() != 3:  # a per-expert bias of the output would be added by every TP rank's partial sum
+            raise ConfigError("plan.tp", f"{where}.{name}: fused experts with parameters other than 3-D weights "
+                              f"({tuple(param.shape)}) are not split by TP", "use tp=1 (ep and dp shard them)")
+        width = param.shape[out_dim]
+        if param.shape[in_dim] == moe.ffn_hidden and width != moe.ffn_hidden:
+            dims[name] = (in_dim, 1)
+        elif width in (moe.ffn_hidden, 2 * moe.ffn_hidden):
+            dims[name] = (out_dim, width // moe.ffn_hidden if moe.gated else 1)
+        else:
+            raise ConfigError("plan.tp", f"{where}.{name}: a fused expert weight of shape {tuple(param.shape)} is "
+                              f"neither an input nor the output projection of the {moe.ffn_hidden}-wide experts",
+                              "use tp=1")
+    return dims
+
+
+def _local_slice(full: torch.Tensor, dim: int, pieces: int, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``full`` split ``tp`` ways along ``dim``, inside each of its ``pieces`` equal
+    pieces (what ``_StridedShard(dim, split_factor=pieces)`` holds locally)."""
+    return torch.cat([p.chunk(tp, dim)[rank] for p in full.chunk(pieces, dim)], dim)
+
+
+def _probe_fused_split(experts: nn.Module, moe: MoEInfo, dims: dict[str, tuple[int, int]], tp: int,
+                       where: str) -> None:
+    """Check from what the experts' forward does (not from names) that the split is exact: on tiny random weights
+    (the module's expert count, 4 FFN columns per rank), the sum over ranks of the forward with each rank's
+    slices must equal the forward with the whole weights. A forward that cuts a fused gate/up otherwise
+    than [gate | up] (interleaved, say) fails here instead of training apart from one device."""
+    E, hidden, ffn = moe.num_experts, 4, 4 * tp  # widths of 16 bytes: grouped_mm needs aligned strides
+    gen = torch.Generator().manual_seed(0)
+    saved = dict(experts._parameters)
+    shapes = {}
+    for name, (dim, pieces) in dims.items():
+        shape = list(saved[name].shape)
+        shape[dim] = ffn * pieces
+        shape[3 - dim] = hidden  # the other non-expert dim
+        shapes[name] = shape
+    full = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    x = torch.randn(5, hidden, generator=gen)
+    ids = torch.stack([torch.arange(5) % E, (torch.arange(5) + 1) % E], 1)
+    weights = torch.rand(5, 2, generator=gen)
+    try:
+        with torch.no_grad():
+            experts._parameters.update(full)
+            want = type(experts).forward(experts, x, ids, weights)
+            got = torch.zeros_like(want)
+            for rank in range(tp):
+                experts._parameters.update({n: _local_slice(full[n], *dims[n], tp, rank) for n in dims})
+                got += type(experts).forward(experts, x, ids, weights)
+    except Exception as err:  # noqa: BLE001 -- any failure means the forward does not run on local widths
+        why = str(err).splitlines()[0] if str(err) else ""
+        raise ConfigError("plan.tp", f"{where}: the fused experts' forward does not run on TP-local widths "
+                          f"({type(err).__name__}: {why})", "use tp=1") from err
+    finally:
+        experts._parameters.update(saved)
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        raise ConfigError("plan.tp", f"{where}: the fused experts' forward split over TP ranks does not sum to the "
+                          "whole (their fused gate/up is not cut [gate | up])", "use tp=1")
+
+
+def shard_fused_experts(experts: nn.Module, moe: MoEInfo, tp_mesh: DeviceMesh, where: str) -> None:
+    """Megatron's split inside each expert of a fused 3-D experts module: input projections by output features
+    (a fused [gate | up] as ``_StridedShard(1, split_factor=2)``, so the global tensor stays the single-device
+    one), the output projection by input features (``Shard(2)``); the router stays replicated. The module's own
+    forward (whichever ``experts_implementation``: all read the weights' shapes) runs on the local weights,
+    between Megatron's f on its floating inputs (hidden states and routing weights: each rank's partial output
+    contributes part of their gradients) and g on its output (a partial sum). Hooks, not a new forward, so expert
+    parallelism (which replaces the forward) and FSDP (whose hooks wrap these) compose with it."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    tp = tp_mesh.size()
+    dims = _fused_split_dims(experts, moe, where)
+    _probe_fused_split(experts, moe, dims, tp, where)
+    for name, (dim, pieces) in dims.items():
+        param = experts._parameters[name]
+        place = _StridedShard(dim, split_factor=pieces) if pieces > 1 else Shard(dim)
+        experts.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), tp_mesh, [place]),
+                                                      requires_grad=param.requires_grad))
+    group = tp_mesh.get_group()
+    experts.register_forward_pre_hook(_fused_pre_hook(list(dims), group), with_kwargs=True)
+    experts.register_forward_hook(_fused_post_hook(group))
+
+
+def _fused_pre_hook(names: list[str], group: Any) -> Callable:
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        from torch.distributed.tensor import DTensor
+
+        params = module._parameters
+        module._tp_stash = {n: params[n] for n in names}
+        params.update({n: p.to_local() if isinstance(p, DTensor) else p for n, p in module._tp_stash.items()})
+        f = (lambda t: _CopyToTP.apply(t, group) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+        return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
+
+    return hook
+
+
+def _fused_post_hook(group: Any) -> Callable:
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor):
+        module._parameters.update(module._tp_stash)
+        module._tp_stash = {}
+        return _ReduceFromTP.apply(output, group)
+
+    return hook
+
+
+# ------------------------------------------------------------------------------------------- row-permuted weights
+
+
+def _keep_row_order(module: nn.Module, order: RowOrder) -> None:
+    """Make every names -> values view of ``module.weight`` (stored as P(W)) show W: state-dict hooks on the
+    module (optimizers holding the weight get theirs from ``keep_optimizer_row_order``). FSDP later replaces the
+    parameter object, so the order is kept on the module; the attribute on the parameter tells
+    ``fsdp_placement`` which dim it must leave alone."""
+    module._autopar_row_order = order
+    module.weight._autopar_row_order = order
+    module._register_state_dict_hook(_weight_as_single_device)
+    module.register_load_state_dict_pre_hook(_weight_from_single_device)
+
+
+def _tp_mesh_dim(param: Any, order: RowOrder) -> int:
+    """The mesh dim of ``param`` (a DTensor, maybe also FSDP-sharded) holding the row-permuted TP shard: the only
+    one with a plain ``Shard(order.dim)`` (``fsdp_placement`` shards another dim)."""
+    from torch.distributed.tensor import Shard
+
+    dims = [i for i, p in enumerate(param.placements) if type(p) is Shard and p.dim == order.dim]
+    if len(dims) != 1:
+        raise ConfigError("plan.tp", f"a row-permuted fused weight has placements {param.placements}: no single "
+                          f"TP shard of dim {order.dim}", "use tp=1 for this model")
+    return dims[0]
+
+
+def _rows_taken_over_tp(value: Any, order: RowOrder, like: Any, rows: torch.Tensor) -> Any:
+    """``value`` (a DTensor on ``like``'s mesh) replicated over the TP mesh dim, other mesh dims as they were, with
+    its rows along ``order.dim`` taken in the order ``rows``."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    placements = list(value.placements)
+    placements[_tp_mesh_dim(like, order)] = Replicate()
+    gathered = _redistribute(value, tuple(placements))
+    local = gathered.to_local()
+    local = local.index_select(order.dim, rows.to(local.device))
+    return DTensor.from_local(local, value.device_mesh, gathered.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
+
+
+def to_single_device_order(value: Any, order: RowOrder, like: Any) -> Any:
+    """``value`` (laid out like ``like``, the parameter: TP shard of P(W)) as a DTensor of W replicated over the
+    TP mesh dim, other mesh dims as they were; what state dicts and checkpoints hold."""
+    return _rows_taken_over_tp(value, order, like, order.inverse())
+
+
+def to_row_order(value: Any, order: RowOrder, like: Any) -> Any:
+    """The inverse of ``to_single_device_order``: W (a DTensor of any placements on ``like``'s mesh, or a plain
+    full tensor on every rank) laid out like ``like`` (the parameter), holding P(W)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(value, DTensor):
+        permuted = value.index_select(order.dim, order.permutation().to(value.device))
+        return distribute_tensor(permuted, like.device_mesh, like.placements)
+    return _redistribute(_rows_taken_over_tp(value, order, like, order.permutation()), like.placements)
+
+
+def _weight_as_single_device(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    from torch.distributed.tensor import DTensor
+
+    key, param = prefix + "weight", module._parameters.get("weight")
+    if isinstance(state_dict.get(key), DTensor) and isinstance(param, DTensor):
+        state_dict[key] = to_single_device_order(state_dict[key], module._autopar_row_order, param)
+
+
+def _weight_from_single_device(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    from torch.distributed.tensor import DTensor
+
+    key, param = prefix + "weight", module._parameters.get("weight")
+    if isinstance(state_dict.get(key), torch.Tensor) and isinstance(param, DTensor) \
+            and state_dict[key].shape == param.shape:
+        state_dict[key] = to_row_order(state_dict[key], module._autopar_row_order, param)
+
+
+def _row_ordered_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[int, tuple[RowOrder, Any]]:
+    """id(parameter) -> (its row order, the parameter) for the row-permuted weights of ``model`` that
+    ``optimizer`` steps."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    found = {}
+    for module in model.modules():
+        if getattr(module, "_autopar_row_order", None) is None:
+            continue
+        param = module._parameters.get("weight")
+        if param is not None and id(param) in stepped:
+            found[id(param)] = (module._autopar_row_order, param)
+    return found
+
+
+def _convert_optimizer_states(optimizer: torch.optim.Optimizer, state_dict: dict, convert: Callable,
+                              model: nn.Module) -> dict:
+    """``state_dict`` (an optimizer state dict keyed by index or name) with the states of row-permuted weights
+    passed through ``convert(value, order, param)``; the optimizer's live states are left alone."""
+    from torch.distributed.tensor import DTensor
+
+    ordered = _row_ordered_params(optimizer, model)
+    if not ordered or "state" not in state_dict:
+        return state_dict
+    states = dict(state_dict["state"])
+    for saved, group in zip(state_dict.get("param_groups", []), optimizer.param_groups):
+        for key, param in zip(saved["params"], group["params"]):
+            if id(param) not in ordered or key not in states:
+                continue
+            order, like = ordered[id(param)]
+            states[key] = {name: convert(v, order, like) if isinstance(v, DTensor) and v.shape == like.shape else v
+                           for name, v in states[key].items()}
+    return {**state_dict, "state": states}
+
+
+def keep_optimizer_row_order(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """An optimizer holding a row-permuted weight (``RowOrder``: its states are P(W)-ordered too) gets state-dict
+    hooks that show (and take) its states in W's order, so optimizer checkpoints reshard across plans. Called by
+    the strategies on the optimizers built on the sharded parameters; a no-op for any other optimizer."""
+    if not _row_ordered_params(optimizer, model):
+        return
+    optimizer.register_state_dict_post_hook(
+        lambda opt, state: _convert_optimizer_states(opt, state, to_single_device_order, model))
+    optimizer.register_load_state_dict_pre_hook(
+        lambda opt, state: _convert_optimizer_states(opt, state, to_row_order, model))
 
 
 # ------------------------------------------------------------------------------------------- FSDP and DCP
@@ -321,12 +619,14 @@ def _strided_dim(tensor: Any) -> int | None:
 
 def fsdp_placement(shard_size: int) -> Callable[[nn.Parameter], Any]:
     """FSDP2 ``shard_placement_fn`` for TP-sharded fused projections: a parameter whose TP placement is a
-    ``_StridedShard`` on dim d is sharded by FSDP on the other dim (FSDP's default, dim 0, would cut the rank's
-    [q_r | k_r | v_r] rows again, which no placement pair describes); None (FSDP's default) otherwise."""
+    ``_StridedShard`` on dim d, or a row-permuted one (``RowOrder``) sharded on dim d, is sharded by FSDP on the
+    other dim (FSDP's default, dim 0, would cut the rank's [q_r | k_r | v_r] rows again, which no placement pair
+    describes, or which the state-dict hooks' un-permuting would not expect); None (FSDP's default) otherwise."""
     from torch.distributed.tensor import Shard
 
     def place(param: nn.Parameter) -> Any:
-        dim = _strided_dim(param)
+        order = getattr(param, "_autopar_row_order", None)
+        dim = order.dim if order is not None else _strided_dim(param)
         if dim is None or param.dim() < 2:
             return None
         other = next((d for d in range(param.dim()) if d != dim and param.shape[d] % shard_size == 0), None)

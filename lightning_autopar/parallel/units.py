@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.profile.analyze import first_line, implements_forward
 
 
 @dataclass(frozen=True)
@@ -109,11 +110,6 @@ def tie_groups(root: nn.Module) -> list[TieGroup]:
     return [TieGroup(g.names) for g in param_groups(root) if len(g.names) > 1]
 
 
-def _implements_forward(module: nn.Module) -> bool:
-    """A container (ModuleDict, ModuleList, ParameterList) inherits ``nn.Module.forward``, which raises."""
-    return type(module).forward is not nn.Module.forward
-
-
 # ------------------------------------------------------------------------------------------- tracing
 
 
@@ -137,45 +133,13 @@ class _UseRecorder(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextmanager
-def _blocks_stand_in_on_failure(blocks: list[nn.Module], failures: list[str]) -> Iterator[None]:
-    """A block whose forward cannot run on meta tensors returns its input (a block maps hidden states to hidden
-    states of the same shape), so the trace still sees everything around the blocks; ``failures`` collects why."""
-
-    def guarded(original: Any):
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return original(*args, **kwargs)
-            except Exception as err:  # noqa: BLE001 -- data-dependent ops have no meta kernel
-                failures.append(_first_line(err))
-                return args[0] if args else next(iter(kwargs.values()))
-        return forward
-
-    own = [block.__dict__.get("forward") for block in blocks]  # a forward set on the instance, if any
-    try:
-        for block in blocks:
-            block.forward = guarded(block.forward)
-        yield
-    finally:
-        for block, previous in zip(blocks, own):
-            if previous is None:
-                del block.forward
-            else:
-                block.forward = previous
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).splitlines()[0][:120] if str(err) else ""
-    return f"{type(err).__name__}: {text}"
-
-
 def _trace(root: nn.Module, entry: str, seq_len: int, blocks: Iterable[str] = ()) -> CallTrace:
     """One forward of ``root.get_submodule(entry)`` on token ids, every parameter and buffer swapped for a meta
     tensor (ties kept: one meta tensor per Parameter object); ``blocks`` (root-relative) stand in as identity
     where they cannot run on meta tensors."""
     from torch.func import functional_call
 
-    from lightning_autopar.profile.analyze import _meta_friendly_experts
+    from lightning_autopar.profile.analyze import _meta_friendly_experts, blocks_stand_in_on_failure
 
     model = root.get_submodule(entry)
     prefix = entry + "." if entry else ""
@@ -209,7 +173,7 @@ def _trace(root: nn.Module, entry: str, seq_len: int, blocks: Iterable[str] = ()
     failures: list[str] = []
     stand_ins = [root.get_submodule(b) for b in blocks if _inside(b, entry) and b != entry]
     try:
-        with (torch.no_grad(), _meta_friendly_experts(model), _blocks_stand_in_on_failure(stand_ins, failures),
+        with (torch.no_grad(), _meta_friendly_experts(model), blocks_stand_in_on_failure(stand_ins, failures),
               recorder):
             functional_call(model, tensors, (idx,), strict=False, tie_weights=True)
     finally:
@@ -232,8 +196,8 @@ def trace_calls(root: nn.Module, transformer: nn.Module, seq_len: int, block_fqn
         try:
             return _trace(root, entry, seq_len, blocks)
         except Exception as err:  # noqa: BLE001 -- a model not runnable on token ids: try the next one inward
-            failure = failure or _first_line(err)
-    called = frozenset(n for n, m in root.named_modules() if n and _implements_forward(m))
+            failure = failure or first_line(err)
+    called = frozenset(n for n, m in root.named_modules() if n and implements_forward(m))
     return CallTrace(path, False, called, {}, failure)
 
 
@@ -249,7 +213,7 @@ class _Owners:
         self.trace = trace
         self.blocks = tuple(blocks)
         self.callable = {n for n, m in root.named_modules() if n and not _inside(n, trace.entry)
-                         and _implements_forward(m)} | set(trace.called)
+                         and implements_forward(m)} | set(trace.called)
         # the entry's ancestors enclose whatever the entry runs
         entry = trace.entry
         self.outer = tuple(a for a in self.callable if a and entry != a and _inside(entry, a))

@@ -464,6 +464,41 @@ def _probe_hooks(model: nn.Module, block0: str, recorder: _TraceRecorder, probe:
     return handles
 
 
+@contextmanager
+def blocks_stand_in_on_failure(blocks: list[nn.Module], failures: list[str]) -> Iterator[None]:
+    """A block whose forward cannot run on meta tensors (data-dependent routing: ``nonzero``, ``torch.where`` with
+    one argument) returns its input (a block maps hidden states to hidden states of the same shape), so a meta
+    trace still sees everything else, including what the block ran before it failed (its attention, for an MoE
+    block); ``failures`` collects why."""
+
+    def guarded(original: Any):
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 -- data-dependent ops have no meta kernel
+                failures.append(first_line(err))
+                return args[0] if args else next(iter(kwargs.values()))
+        return forward
+
+    own = [block.__dict__.get("forward") for block in blocks]  # a forward set on the instance, if any
+    try:
+        for block in blocks:
+            block.forward = guarded(block.forward)
+        yield
+    finally:
+        for block, previous in zip(blocks, own):
+            if previous is None:
+                del block.forward
+            else:
+                block.forward = previous
+
+
+def first_line(err: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    text = str(err).splitlines()[0][:120] if str(err) else ""
+    return f"{type(err).__name__}: {text}"
+
+
 def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns: list[str]) -> dict[str, Any]:
     """Forward + backward on meta tensors: per-block FLOPs, saved bytes, the attention call sites, how each
     projection uses its weight, and block 0's calls (``_Probe``)."""
@@ -500,18 +535,20 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
     handles = []
     for name, mod in model.named_modules():
         handles.append(mod.register_forward_pre_hook(pre(name)))
-        handles.append(mod.register_forward_hook(post(name)))
+        handles.append(mod.register_forward_hook(post(name), always_call=True))  # pops after a failure too
     recorder = _TraceRecorder(stack, weights)
     probe = _Probe()
     if block_fqns:
         handles += _probe_hooks(model, block_fqns[0], recorder, probe)
     idx = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    stood_in: list[str] = []
     try:
         with ExitStack() as es:
             counter = es.enter_context(FlopCounterMode(display=False))
             es.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
             es.enter_context(recorder)
             es.enter_context(_meta_friendly_experts(model))
+            es.enter_context(blocks_stand_in_on_failure([model.get_submodule(f) for f in block_fqns], stood_in))
             out = functional_call(model, {**params, **buffers}, (idx,), strict=False, tie_weights=True)
             logits = out if isinstance(out, torch.Tensor) else (out.logits if hasattr(out, "logits") else out[0])
             logits.float().sum().backward()
@@ -522,7 +559,8 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
     root = type(model).__name__
     block_flops = {f: float(sum(counts.get(f"{root}.{f}", {}).values())) for f in block_fqns}
     return {"flops": block_flops, "total": float(counter.get_total_flops()), "saved": saved, "attn": recorder.calls,
-            "orientation": recorder.orientation, "consumers": recorder.consumers, "probe": probe}
+            "orientation": recorder.orientation, "consumers": recorder.consumers, "probe": probe,
+            "stood_in": list(dict.fromkeys(stood_in))}
 
 
 def _int_attrs(mod: nn.Module) -> dict[str, int]:
@@ -807,10 +845,7 @@ def _attention_tp(block0: str, attn_mod: nn.Module, info: AttentionInfo, traced:
         if info.qkv_layout == "sequential" and info.qkv_pieces != [q_width, kv_width, kv_width]:
             info.tp_refusal = f"{info.fqn}.{info.qkv}: fused pieces {info.qkv_pieces} are not q, k, v"
             return
-        if info.qkv_layout == "sequential" and q_width != kv_width:
-            info.tp_refusal = (f"{info.fqn}.{info.qkv} is a fused [q|k|v] with GQA (q {q_width}, k/v {kv_width} "
-                               "wide): no DTensor placement gives each rank its own heads' q, k and v")
-            return
+        # GQA's unequal [q | k | v]: parallel.tensor stores the weight row-permuted (RowOrder), so no refusal
     if site not in probe.calls or site not in probe.out_shapes:
         return
     transposed = set(info.transposed)
@@ -893,14 +928,15 @@ def _tp_feasibility(blocks: nn.Module, infos: list[BlockInfo], traced: dict[str,
 # ------------------------------------------------------------------------------------------- entry points
 
 
-def _has_forward(module: nn.Module) -> bool:
+def implements_forward(module: nn.Module) -> bool:
+    """A container (ModuleDict, ModuleList, ParameterList) inherits ``nn.Module.forward``, which raises."""
     return type(module).forward is not nn.Module.forward
 
 
 def _traced_module(model: nn.Module, runner: nn.Module | None) -> tuple[str, nn.Module]:
     """(prefix of ``model`` in it, module to run): ``model`` itself, or -- when it has no forward (litgpt's
     ``transformer`` ModuleDict) -- its innermost ancestor in ``runner`` that has one (litgpt's GPT)."""
-    if _has_forward(model) or runner is None:
+    if implements_forward(model) or runner is None:
         return "", model
     full = next((n for n, m in runner.named_modules() if m is model), None)
     if full is None:
@@ -908,7 +944,7 @@ def _traced_module(model: nn.Module, runner: nn.Module | None) -> tuple[str, nn.
     parts = full.split(".") if full else []
     for cut in range(len(parts) - 1, -1, -1):
         ancestor = runner.get_submodule(".".join(parts[:cut]))
-        if _has_forward(ancestor):
+        if implements_forward(ancestor):
             return ".".join(parts[cut:]), ancestor
     return "", model
 
@@ -975,9 +1011,10 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
             except Exception as err:  # structure alone still serves the planner and TP
                 failure = failure or err
         if not traced and failure is not None:
-            message = str(failure).splitlines()[0][:80] if str(failure) else ""
-            unclassified.append(f"meta forward failed ({type(failure).__name__}: {message})")
+            unclassified.append(f"meta forward failed ({first_line(failure)})")
             traced_seq = seq_len
+        for why in traced.get("stood_in", []):  # their FLOPs and saved bytes are missing from the trace
+            unclassified.append(f"a block ran only up to a data-dependent op on meta tensors ({why})")
 
     # projections that are not nn.Linear (GPT-2's Conv1D): orientation from the op the trace saw on the weight
     orient: Orientation = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as L
 import torch
 from torch.utils.data import TensorDataset
 
@@ -64,3 +65,29 @@ def reference_run(steps: int = STEPS, clip: float | None = None, seed: int = 0, 
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+
+class LitLM(L.LightningModule):
+    """Any module mapping token ids to logits (a tensor, or an output with ``.logits``) in a LightningModule:
+    next-token loss, SGD with momentum; the model is the user's, unchanged, only this wrapper is ours. Subclasses
+    change ``loss`` for models that compute their own (nanoGPT) or add a balance loss."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def loss(self, batch) -> torch.Tensor:
+        from lightning_autopar.models.gpt import lm_loss
+
+        idx, targets = batch
+        out = self.model(idx)
+        return lm_loss(out if isinstance(out, torch.Tensor) else out.logits, targets)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)

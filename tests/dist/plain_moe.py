@@ -10,6 +10,7 @@ from __future__ import annotations
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
+from common import LitLM
 from torch import nn
 
 
@@ -96,25 +97,15 @@ class PlainMoEGPT(nn.Module):
         return sum(m.aux_loss for m in self.modules() if isinstance(m, PlainMoE))
 
 
-class LitPlainMoE(L.LightningModule):
+class LitPlainMoE(LitLM):
+    """The shared wrapper's next-token loss plus the model's own balance loss."""
+
     def __init__(self, model: PlainMoEGPT, aux_coef: float = 0.1) -> None:
-        super().__init__()
-        self.model = model
+        super().__init__(model)
         self.aux_coef = aux_coef
 
     def loss(self, batch) -> torch.Tensor:
-        idx, targets = batch
-        logits = self.model(idx)
-        lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-        return lm + self.aux_coef * self.model.aux_loss()
-
-    def training_step(self, batch, batch_idx):
-        loss = self.loss(batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return super().loss(batch) + self.aux_coef * self.model.aux_loss()
 
 
 def make_plain_moe_module(**overrides) -> LitPlainMoE:
@@ -127,14 +118,12 @@ def make_plain_moe_module(**overrides) -> LitPlainMoE:
 
 def make_litgpt_moe_module(**_: object) -> L.LightningModule:
     """litgpt's own GPT with its ``LLaMAMoE`` (gate Linear, ModuleList of LLaMAMLP experts, the loop in forward),
-    tiny: 2 layers, hidden 32, 4 experts, top-2; only the loss is ours (tests_litgpt.LitLitGPT)."""
+    tiny: 2 layers, hidden 32, 4 experts, top-2; only the loss is ours (common.LitLM)."""
     from common import SEQ, VOCAB
     from litgpt.config import Config
     from litgpt.model import GPT
-    from tests_litgpt import LitLitGPT
-
     config = Config(n_layer=2, n_embd=32, n_head=4, n_query_groups=2, vocab_size=VOCAB, padded_vocab_size=VOCAB,
                     block_size=SEQ, bias=False, mlp_class_name="LLaMAMoE", intermediate_size=64,
                     moe_intermediate_size=64, n_expert=4, n_expert_per_token=2, norm_class_name="RMSNorm",
                     rotary_percentage=1.0, parallel_residual=False)
-    return LitLitGPT(GPT(config))
+    return LitLM(GPT(config))

@@ -1,7 +1,8 @@
 """Tensor parallelism on the layouts the analysis finds from what the code does: attention whose head count is
-only in a ``view(b, s, -1, head_dim)``, GPT-2 (Conv1D, fused ``c_attn``), litgpt (fused ``qkv``) and Phi-3 (fused
-``qkv_proj`` and ``gate_up_proj``). Each trains at tp=2 under strategy="autopar"; results are compared with the
-single-process loop (tests/test_tp_layouts.py).
+only in a ``view(b, s, -1, head_dim)``, GPT-2 (Conv1D, fused ``c_attn``), litgpt (fused ``qkv``; with GQA its
+unequal [q | k | v], stored row-permuted) and Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``; with GQA too).
+Each trains at tp=2 under strategy="autopar"; results are compared with the single-process loop
+(tests/test_tp_layouts.py).
 
 Usage: torchrun --nproc-per-node N tests/dist/tp_layout_scenarios.py OUT_DIR name[,name...]
 (name: a model of ``MODELS``, trained at tp=2, dp=1; or a scenario of ``PLANS``)
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SEQ, VOCAB  # noqa: E402
+from common import SEQ, VOCAB, LitLM  # noqa: E402
 
 HIDDEN, HEAD_DIM, LAYERS = 32, 8, 2
 
@@ -81,29 +82,6 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
-class LitLM(L.LightningModule):
-    """Any module mapping token ids to logits (or an HF causal LM), next-token loss, SGD with momentum."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def loss(self, batch) -> torch.Tensor:
-        from lightning_autopar.models.gpt import lm_loss
-
-        idx, targets = batch
-        out = self.model(idx)
-        return lm_loss(out if isinstance(out, torch.Tensor) else out.logits, targets)
-
-    def training_step(self, batch, batch_idx):
-        loss = self.loss(batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-
 def view_model() -> nn.Module:
     return TinyLM(ViewAttention)
 
@@ -121,12 +99,12 @@ def gpt2_model() -> nn.Module:
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def phi3_model() -> nn.Module:
+def phi3_model(kv_heads: int = HIDDEN // HEAD_DIM) -> nn.Module:
     import transformers
 
     cfg = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
                                   num_hidden_layers=LAYERS, num_attention_heads=HIDDEN // HEAD_DIM,
-                                  num_key_value_heads=HIDDEN // HEAD_DIM, max_position_embeddings=SEQ,
+                                  num_key_value_heads=kv_heads, max_position_embeddings=SEQ,
                                   pad_token_id=0, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
     return transformers.Phi3ForCausalLM(cfg)
 
@@ -142,7 +120,18 @@ def litgpt_model(query_groups: int = HIDDEN // HEAD_DIM) -> nn.Module:
     return GPT(cfg)
 
 
-MODELS = {"view": view_model, "gpt2": gpt2_model, "litgpt": litgpt_model, "phi3": phi3_model}
+def litgpt_gqa_model() -> nn.Module:
+    """litgpt with GQA (4 heads, 2 query groups): its fused ``qkv`` is [q | k | v] of unequal widths."""
+    return litgpt_model(query_groups=2)
+
+
+def phi3_gqa_model() -> nn.Module:
+    """Phi-3 with GQA (4 heads, 2 kv heads): its fused ``qkv_proj`` output is sliced into unequal q, k, v."""
+    return phi3_model(kv_heads=2)
+
+
+MODELS = {"view": view_model, "gpt2": gpt2_model, "litgpt": litgpt_model, "phi3": phi3_model,
+          "litgpt_gqa": litgpt_gqa_model, "phi3_gqa": phi3_gqa_model}
 
 
 def make(name: str):
@@ -184,24 +173,85 @@ def reload_dcp(module: nn.Module, path: Path) -> None:
     module.load_state_dict(restore_layout(plain, like=state)["model"])
 
 
+def optimizer_state(trainer: L.Trainer, module: nn.Module) -> dict:
+    """The optimizer's states by parameter name, whole tensors as the single-device names and order hold them
+    (on rank 0; other ranks get an empty dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_optimizer_state_dict(module, trainer.optimizers[0], options=opts).get("state", {})
+    return {name: {k: v.clone() for k, v in entry.items() if isinstance(v, torch.Tensor)}
+            for name, entry in state.items()}
+
+
+def reload_optimizer_dcp(trainer: L.Trainer, module: nn.Module, path: Path) -> None:
+    """The optimizer's states through DCP the way the strategy's checkpoints go: saved sharded, the live states
+    zeroed, loaded back (``plain_shards`` / ``restore_layout``, ``set_optimizer_state_dict``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from lightning_autopar.parallel.tensor import plain_shards, restore_layout
+
+    optimizer = trainer.optimizers[0]
+    dcp.save(plain_shards({"optim": get_optimizer_state_dict(module, optimizer)}), checkpoint_id=str(path))
+    with torch.no_grad():
+        for entry in optimizer.state.values():
+            for value in entry.values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+    state = {"optim": get_optimizer_state_dict(module, optimizer)}
+    plain = plain_shards(state)
+    dcp.load(plain, checkpoint_id=str(path))
+    set_optimizer_state_dict(module, optimizer, optim_state_dict=restore_layout(plain, like=state)["optim"])
+
+
 # scenario -> (model, plan fields); a bare model name trains at tp=2, dp=1
-PLANS = {"view_pp2_tp2_dp2": ("view", "pp=2,tp=2,dp=2,mbs=1,grad_accum=4")}
+PLANS = {"view_pp2_tp2_dp2": ("view", "pp=2,tp=2,dp=2,mbs=1,grad_accum=4"),
+         "litgpt_gqa_tp2_dp4_zero3": ("litgpt_gqa", "tp=2,dp=4,zero=3")}
+ROW_ORDERED = {"litgpt_gqa", "phi3_gqa", "litgpt_gqa_tp2_dp4_zero3"}  # also record the optimizer states (row-permuted)
+
+
+# scenario -> (model, plan saved with, plan resumed at): a Lightning checkpoint of the strategy (DCP, sharded)
+# saved mid-run under one plan, resumed under another
+RESUMES = {"litgpt_gqa_resume_tp2_to_dp2": ("litgpt_gqa", "tp=2,dp=1", "dp=2,zero=3")}
+
+
+def resume_across_plans(out: Path, name: str) -> None:
+    """Save at step STEPS / 2 under the first plan, resume from it under the second, from another init seed."""
+    from common import STEPS
+    from scenarios import fit, full_state, record
+
+    model, saved_at, resumed_at = RESUMES[name]
+    saver = L.callbacks.ModelCheckpoint(dirpath=out / f"{name}_ckpts", every_n_train_steps=STEPS // 2,
+                                        save_top_k=-1)
+    fit(saved_at, make=make(model), enable_checkpointing=True, extra_callbacks=[saver])
+    ckpt = out / f"{name}_ckpts" / f"epoch=0-step={STEPS // 2}.ckpt"
+    trainer, module, losses, plan = fit(resumed_at, make=make(model), ckpt_path=str(ckpt), seed=123)
+    record(out, name, losses=losses, state=full_state(module), plan=plan)
 
 
 def run(out: Path, name: str) -> None:
     from pp_scenarios import gathered_state
     from scenarios import fit, full_state, record
 
+    if name in RESUMES:
+        resume_across_plans(out, name)
+        return
     model, fix = PLANS.get(name, (name, "tp=2,dp=1"))
     trainer, module, losses, plan = fit(fix, make=make(model))
     if plan["pp"] > 1:  # each stage holds its own blocks: gathered from all ranks
         record(out, name, losses=losses, state=gathered_state(module), plan=plan)
         return
     state = full_state(module)
+    extra = {}
+    if name in ROW_ORDERED:
+        extra["optim"] = optimizer_state(trainer, module)
+        reload_optimizer_dcp(trainer, module, out / f"{name}_optim_dcp")
+        extra["optim_reloaded"] = optimizer_state(trainer, module)
     save_dcp(module, out / f"{name}_dcp", plain=True)
     reload_dcp(module, out / f"{name}_dcp")
     record(out, name, losses=losses, state=state, plan=plan, placements=placements(module),
-           reloaded=full_state(module))
+           reloaded=full_state(module), **extra)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,287 @@
+"""The third-party model matrix (issue 12): tiny random-init models written by others, each in a LightningModule.
+
+Every model is the library's own class, used unchanged (Hugging Face GPT-2, Llama, Mixtral, Qwen2, Phi-3, OLMoE;
+litgpt's GPT dense and MoE), written here the way its authors write it (a nanoGPT-style model with one fused
+c_attn and tied wte/lm_head), or the plain-loop MoE of the expert-parallel tests (plain_moe.py). Shapes follow
+tests/dist/common.py: hidden 32, 2 layers, 4 heads, vocab 64, seq 16; MoE: 4 experts, top-2; fp32. Seed
+(``L.seed_everything``) before calling a factory: the weights come from the global RNG, so the single-process
+reference and every rank build the same model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from common import SEQ, VOCAB, LitLM
+from torch import nn
+
+HIDDEN, LAYERS, HEADS, FFN = 32, 2, 4, 64
+EXPERTS, TOP_K = 4, 2
+LR, MOMENTUM = 0.1, 0.9
+MOE_AUX_COEF = 0.5  # large, so a balance loss that were not exact under data / expert parallelism would show
+
+
+# ------------------------------------------------------------------------------------------- Hugging Face
+
+
+def _hf_lit(model: nn.Module) -> L.LightningModule:
+    from lightning_autopar.models.hf import LitCausalLM
+
+    return LitCausalLM(model, lr=LR, optimizer="sgd", momentum=MOMENTUM)
+
+
+def _hf_common() -> dict:
+    """Config fields every tiny HF model shares (token ids inside the tiny vocabulary, no dropout)."""
+    return dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+                attn_implementation="sdpa")
+
+
+def make_gpt2(**_: object) -> L.LightningModule:
+    """GPT2LMHeadModel: Conv1D projections (fused c_attn), learned positions, lm_head tied to wte."""
+    import transformers as tf
+
+    config = tf.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                           n_inner=FFN, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                           eos_token_id=1, tie_word_embeddings=True, attn_implementation="sdpa")
+    return _hf_lit(tf.GPT2LMHeadModel(config))
+
+
+def make_llama(**_: object) -> L.LightningModule:
+    import transformers as tf
+
+    config = tf.LlamaConfig(num_key_value_heads=2, intermediate_size=FFN, tie_word_embeddings=False, **_hf_common())
+    return _hf_lit(tf.LlamaForCausalLM(config))
+
+
+def make_mixtral(**_: object) -> L.LightningModule:
+    """MixtralForCausalLM: fused 3-D expert weights, balance loss on (weight MOE_AUX_COEF)."""
+    import transformers as tf
+
+    config = tf.MixtralConfig(num_key_value_heads=2, intermediate_size=FFN, num_local_experts=EXPERTS,
+                              num_experts_per_tok=TOP_K, output_router_logits=True, router_aux_loss_coef=MOE_AUX_COEF,
+                              tie_word_embeddings=False, **_hf_common())
+    return _hf_lit(tf.MixtralForCausalLM(config))
+
+
+def make_qwen2(**_: object) -> L.LightningModule:
+    """Qwen2ForCausalLM: GQA with biases on q/k/v."""
+    import transformers as tf
+
+    config = tf.Qwen2Config(num_key_value_heads=2, intermediate_size=FFN, tie_word_embeddings=False,
+                            use_sliding_window=False, **_hf_common())
+    return _hf_lit(tf.Qwen2ForCausalLM(config))
+
+
+def make_phi3(**_: object) -> L.LightningModule:
+    """Phi3ForCausalLM: one fused qkv_proj and one fused gate_up_proj per layer (4 heads, 4 kv heads)."""
+    import transformers as tf
+
+    config = tf.Phi3Config(num_key_value_heads=HEADS, intermediate_size=FFN, tie_word_embeddings=False,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, original_max_position_embeddings=SEQ,
+                           **_hf_common())
+    return _hf_lit(tf.Phi3ForCausalLM(config))
+
+
+def make_olmoe(**_: object) -> L.LightningModule:
+    """OlmoeForCausalLM: q/k RMSNorms over the full projection width (not per head), fused 3-D experts,
+    balance loss on."""
+    import transformers as tf
+
+    config = tf.OlmoeConfig(num_key_value_heads=HEADS, intermediate_size=FFN, num_experts=EXPERTS,
+                            num_experts_per_tok=TOP_K, output_router_logits=True, router_aux_loss_coef=MOE_AUX_COEF,
+                            tie_word_embeddings=False, **_hf_common())
+    return _hf_lit(tf.OlmoeForCausalLM(config))
+
+
+# ------------------------------------------------------------------------------------------- litgpt
+
+
+def make_litgpt(**_: object) -> L.LightningModule:
+    """litgpt's GPT, Llama-style (fused qkv Linear with GQA, LLaMAMLP, RMSNorm), in tests_litgpt's module."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    config = Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, n_query_groups=2, vocab_size=VOCAB,
+                    padded_vocab_size=VOCAB, block_size=SEQ, bias=False, mlp_class_name="LLaMAMLP",
+                    intermediate_size=FFN, norm_class_name="RMSNorm", rotary_percentage=1.0, parallel_residual=False)
+    return LitLM(GPT(config))
+
+
+def make_litgpt_moe(**_: object) -> L.LightningModule:
+    """litgpt's GPT with LLaMAMoE (a gate Linear, a ModuleList of LLaMAMLP experts looped over in forward), the
+    same config as the dense one: plain_moe.py's factory, shared with the expert-parallel tests."""
+    from plain_moe import make_litgpt_moe_module
+
+    return make_litgpt_moe_module()
+
+
+# ------------------------------------------------------------------------------------------- nanoGPT
+
+
+@dataclass
+class NanoGPTConfig:
+    block_size: int = SEQ
+    vocab_size: int = VOCAB
+    n_layer: int = LAYERS
+    n_head: int = HEADS
+    n_embd: int = HIDDEN
+    dropout: float = 0.0
+    bias: bool = True
+
+
+class CausalSelfAttention(nn.Module):
+    """As in Karpathy's nanoGPT model.py: one c_attn for q, k, v; head size from the input width C."""
+
+    def __init__(self, config: NanoGPTConfig) -> None:
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0,
+                                           is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: NanoGPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: NanoGPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's GPT: wte/wpe, a ModuleList of blocks, ln_f, lm_head tied to wte by assigning the Parameter;
+    forward(idx, targets) returns (logits, loss) as nanoGPT does."""
+
+    def __init__(self, config: NanoGPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # https://paperswithcode.com/method/weight-tying
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():
+            if pn.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits = self.lm_head(x[:, [-1], :])  # inference: only the last position
+            loss = None
+        return logits, loss
+
+
+class LitNanoGPT(LitLM):
+    """nanoGPT's training loop in Lightning form: the model computes its own loss from (idx, targets)."""
+
+    def loss(self, batch) -> torch.Tensor:
+        idx, targets = batch
+        _, loss = self.model(idx, targets)
+        return loss
+
+
+def make_nanogpt(**_: object) -> L.LightningModule:
+    return LitNanoGPT(NanoGPT(NanoGPTConfig()))
+
+
+# ------------------------------------------------------------------------------------------- plain-loop MoE
+
+
+def make_plain_moe(**_: object) -> L.LightningModule:
+    """The plain-loop MoE GPT of plain_moe.py: a router nn.Linear, an nn.ModuleList of expert MLPs and the top-k
+    loop over the experts in forward (no route() method), with a router z-loss (a token mean)."""
+    from plain_moe import make_plain_moe_module
+
+    return make_plain_moe_module()
+
+
+# ------------------------------------------------------------------------------------------- the matrix
+
+
+@dataclass(frozen=True)
+class ThirdPartyModel:
+    """A matrix row: how to build it and what its structure allows.
+
+    ``moe``: has MoE layers (gets the ep2 column). ``balance_loss``: its loss has a term over all tokens of a
+    step that is not a sum over rows (the router balance loss), so its single-process reference must see the
+    same micro-batches as the plan (``reference_run(micro_batches=..., dp=...)``). ``tied``: shares its input
+    embedding with its output head (a pipeline split would put the two on different stages)."""
+
+    make: Callable[..., L.LightningModule]
+    moe: bool = False
+    balance_loss: bool = False
+    tied: bool = False
+
+
+MODELS: dict[str, ThirdPartyModel] = {
+    "gpt2": ThirdPartyModel(make_gpt2, tied=True),
+    "llama": ThirdPartyModel(make_llama),
+    "mixtral": ThirdPartyModel(make_mixtral, moe=True, balance_loss=True),
+    "qwen2": ThirdPartyModel(make_qwen2),
+    "phi3": ThirdPartyModel(make_phi3),
+    "olmoe": ThirdPartyModel(make_olmoe, moe=True, balance_loss=True),
+    "litgpt": ThirdPartyModel(make_litgpt),
+    "litgpt_moe": ThirdPartyModel(make_litgpt_moe, moe=True),
+    "nanogpt": ThirdPartyModel(make_nanogpt, tied=True),
+    "plain_moe": ThirdPartyModel(make_plain_moe, moe=True),
+}
