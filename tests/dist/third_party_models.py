@@ -255,6 +255,28 @@ def make_plain_moe(**_: object) -> L.LightningModule:
     return make_plain_moe_module()
 
 
+# ------------------------------------------------------------------------------------------- an encoder
+
+
+class LitMaskedLM(LitLM):
+    """A Hugging Face masked LM trained on (input_ids, labels): the model computes its own loss."""
+
+    def loss(self, batch) -> torch.Tensor:
+        idx, targets = batch
+        return self.model(idx, labels=targets).loss
+
+
+def make_bert(**_: object) -> L.LightningModule:
+    """BertForMaskedLM: an encoder whose MLP spans two modules (intermediate.dense -> output.dense), attention's
+    output projection outside the attention module, and the decoder tied to the word embeddings."""
+    import transformers as tf
+
+    config = tf.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                           intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    return LitMaskedLM(tf.BertForMaskedLM(config))
+
+
 # ------------------------------------------------------------------------------------------- the matrix
 
 
@@ -284,4 +306,5 @@ MODELS: dict[str, ThirdPartyModel] = {
     "litgpt_moe": ThirdPartyModel(make_litgpt_moe, moe=True),
     "nanogpt": ThirdPartyModel(make_nanogpt, tied=True),
     "plain_moe": ThirdPartyModel(make_plain_moe, moe=True),
+    "bert": ThirdPartyModel(make_bert, tied=True),
 }
