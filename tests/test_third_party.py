@@ -3,7 +3,8 @@
 Rows: Hugging Face GPT-2 (tied lm_head), Llama, Mixtral, Qwen2, Phi-3, OLMoE (q/k norms over the full projection
 width); litgpt's GPT dense and MoE; a nanoGPT-style model (one fused c_attn, tied wte/lm_head), a plain-loop MoE
 and Hugging Face BERT (masked LM, decoder tied to the word embeddings) (tests/dist/third_party_models.py).
-Columns: the planner's own plan, zero=3 (dp=4), tp=2 (dp=2), ep=2 (dp=4, MoE rows) and pp=2 (dp=2). One torchrun launch of world 4 runs every cell (tests/dist/third_party_scenarios.py).
+Columns: the planner's own plan, zero=3 (dp=4), tp=2 (dp=2), ep=2 (dp=4, MoE rows) and pp=2 (dp=2). One torchrun
+launch of world 4 runs every cell (tests/dist/third_party_scenarios.py).
 
 Every cell either trains equal to the plain single-process loop (losses per step and final parameters within
 LOSS_RTOL / PARAM_RTOL + PARAM_ATOL of tests/test_strategy.py, fp32) with the plan it was asked for, or, where the
