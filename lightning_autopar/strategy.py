@@ -510,7 +510,7 @@ class AutoParallelMixin:
         automatic optimization; ep needs MoE layers with a route() method, the fused layout of HF Mixtral or the
         plain layout (parallel.experts). Field -> (allowed values, why the others are not)."""
         from lightning_autopar.parallel.apply import has_moe, pipeline_split
-        from lightning_autopar.parallel.experts import moe_modules, replays_forward, supports_ep
+        from lightning_autopar.parallel.experts import moe_modules, supports_ep
         from lightning_autopar.parallel.pipeline import check_pipeline
         from lightning_autopar.profile.analyze import find_transformer
 
@@ -533,8 +533,6 @@ class AutoParallelMixin:
             out["ep"] = ([1], "no MoE layers found")
         elif not all(supports_ep(m, info) for _, m, info in moe_modules(transformer, analysis)):
             out["ep"] = ([1], "MoE layout not supported by expert parallelism (parallel/experts.py)")
-        else:  # a plain-loop MoE runs its forward twice under ep > 1: the planner prices it
-            analysis.spec.moe_replay = replays_forward(transformer, analysis)
         return out
 
     def _norm_parts(self) -> list[Any] | None:

@@ -75,7 +75,8 @@ def pipeline_split(root: nn.Module, transformer: nn.Module, analysis: ModelAnaly
     from lightning_autopar.profile.analyze import analyze
 
     split = pipeline_root(root, transformer)
-    return split, (analysis if split is transformer else analyze(split, trace=True))
+    # the split needs structure only (stages, embeddings, head); TP uses the transformer's traced analysis
+    return split, (analysis if split is transformer else analyze(split, trace=False))
 
 
 def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer: nn.Module) -> None:

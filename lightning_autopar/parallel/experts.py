@@ -92,6 +92,7 @@ import torch
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.profile.analyze import plain_moe_layout as plain_layout
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -127,15 +128,6 @@ def moe_modules(transformer: nn.Module, analysis: ModelAnalysis) -> list[tuple[s
         fqn = f"{info.fqn}.{info.moe.fqn}" if info.moe.fqn else info.fqn
         out.append((fqn, block.get_submodule(info.moe.fqn) if info.moe.fqn else block, info.moe))
     return out
-
-
-def plain_layout(module: nn.Module, info: Any) -> bool:
-    """A plain MoE (no ``route``): a router ``nn.Linear`` and an ``nn.ModuleList`` of experts the analysis found to
-    be MLPs from hidden to hidden, so an expert call's output has its input's shape (``PlainExpertForward``)."""
-    if info.fused or callable(getattr(module, "route", None)) or info.expert_mlp is None:
-        return False
-    return isinstance(module.get_submodule(info.experts), nn.ModuleList) and isinstance(
-        module.get_submodule(info.router), nn.Linear)
 
 
 def supports_ep(module: nn.Module, info: Any) -> bool:

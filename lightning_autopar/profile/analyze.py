@@ -309,6 +309,17 @@ def _classify_moe(fqn: str, module: nn.Module, hidden: int, orient: Orientation 
     return _classify_fused_moe(fqn, module, hidden)
 
 
+def plain_moe_layout(module: nn.Module, info: MoEInfo) -> bool:
+    """A plain MoE (no ``route``): a router ``nn.Linear`` and an ``nn.ModuleList`` of experts the analysis found to
+    be MLPs from hidden to hidden, so an expert call's output has its input's shape. Expert parallelism runs such a
+    layer's forward twice (capture, then replay: ``parallel.experts.PlainExpertForward``), which the planner
+    prices (``ModelSpec.moe_replay``)."""
+    if info.fused or callable(getattr(module, "route", None)) or info.expert_mlp is None:
+        return False
+    return isinstance(module.get_submodule(info.experts), nn.ModuleList) and isinstance(
+        module.get_submodule(info.router), nn.Linear)
+
+
 # ------------------------------------------------------------------------------------------- tracing
 
 
@@ -1044,7 +1055,7 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
             kv_heads = (fused[0] // head_dim - heads) // 2  # one fused qkv of (heads + 2 * kv_heads) heads
 
     infos: list[BlockInfo] = []
-    ffn_hidden, ffn_kind, experts, top_k, moe_every_hits = 0, "gelu", 0, 0, []
+    ffn_hidden, ffn_kind, experts, top_k, moe_every_hits, replayed = 0, "gelu", 0, 0, [], False
     for i, block in enumerate(blocks):
         info = BlockInfo(index=i, fqn=block_fqns[i], params=_param_count(block),
                          flops=traced.get("flops", {}).get(block_fqns[i], 0.0),
@@ -1056,6 +1067,7 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
             if attn_site is not None and (name == attn_site or name.startswith(attn_site + ".")):
                 continue
             if info.moe is None and (moe := _classify_moe(name, mod, hidden, orient)) is not None:
+                replayed = replayed or plain_moe_layout(mod, moe)
                 info.moe = moe
                 moe_every_hits.append(i)
                 experts, top_k = moe.num_experts, moe.top_k or top_k
@@ -1091,6 +1103,7 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
         top_k=top_k or (2 if experts else 2),
         moe_every=moe_every,
         tied_embeddings=tied,
+        moe_replay=replayed,
     )
     return ModelAnalysis(
         spec=spec,
@@ -1126,9 +1139,5 @@ def find_transformer(module: nn.Module) -> tuple[str, nn.Module]:
 
 def model_spec_from_module(module: nn.Module, seq_len: int | None = None) -> ModelSpec:
     """The planner's ModelSpec for a module (a LightningModule is searched for its transformer)."""
-    from lightning_autopar.parallel.experts import replays_forward
-
     _, transformer = find_transformer(module)
-    analysis = analyze(transformer, seq_len=seq_len, trace=False)
-    analysis.spec.moe_replay = replays_forward(transformer, analysis)  # plain-loop MoE: priced twice under ep
-    return analysis.spec
+    return analyze(transformer, seq_len=seq_len, trace=False).spec
