@@ -261,12 +261,27 @@ def _local_style() -> type:
     return LocalShard
 
 
+def _swap_in_local(module: nn.Module, names: list[str]) -> dict[str, Any]:
+    """Put the local tensors of ``module``'s DTensor parameters ``names`` in their place for one forward (the
+    model's own code then computes on this rank's slice, autograd reaching the DTensors); returns the stash
+    ``_swap_back`` restores."""
+    from torch.distributed.tensor import DTensor
+
+    params = module._parameters
+    module._tp_stash = {n: params[n] for n in names if params.get(n) is not None}
+    params.update({n: p.to_local() if isinstance(p, DTensor) else p for n, p in module._tp_stash.items()})
+    return module._tp_stash
+
+
+def _swap_back(module: nn.Module) -> None:
+    module._parameters.update(module._tp_stash)
+    module._tp_stash = {}
+
+
 def _pre_hook(spec: LocalShardSpec, group: Any, bias_index: torch.Tensor | None) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         params = module._parameters
-        module._tp_stash = {name: params[name] for name in ("weight", "bias") if params.get(name) is not None}
-        params["weight"] = module._tp_stash["weight"].to_local()
-        bias = module._tp_stash.get("bias")
+        bias = _swap_in_local(module, ["weight", "bias"]).get("bias")
         if bias is not None:
             local = bias.to_local()
             if spec.kind == "row":  # added once, after the sum (post hook)
@@ -284,8 +299,7 @@ def _pre_hook(spec: LocalShardSpec, group: Any, bias_index: torch.Tensor | None)
 
 def _post_hook(spec: LocalShardSpec, group: Any) -> Callable:
     def hook(module: nn.Module, args: tuple, output: torch.Tensor):
-        module._parameters.update(module._tp_stash)
-        module._tp_stash = {}
+        _swap_back(module)
         if spec.kind != "row":
             return output
         output = _ReduceFromTP.apply(output, group)
@@ -465,11 +479,7 @@ def shard_fused_experts(experts: nn.Module, moe: MoEInfo, tp_mesh: DeviceMesh, w
 
 def _fused_pre_hook(names: list[str], group: Any) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict):
-        from torch.distributed.tensor import DTensor
-
-        params = module._parameters
-        module._tp_stash = {n: params[n] for n in names}
-        params.update({n: p.to_local() if isinstance(p, DTensor) else p for n, p in module._tp_stash.items()})
+        _swap_in_local(module, names)
         f = (lambda t: _CopyToTP.apply(t, group) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
         return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
 
@@ -478,8 +488,7 @@ def _fused_pre_hook(names: list[str], group: Any) -> Callable:
 
 def _fused_post_hook(group: Any) -> Callable:
     def hook(module: nn.Module, args: tuple, output: torch.Tensor):
-        module._parameters.update(module._tp_stash)
-        module._tp_stash = {}
+        _swap_back(module)
         return _ReduceFromTP.apply(output, group)
 
     return hook
