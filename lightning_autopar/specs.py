@@ -18,6 +18,10 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 FFN_KINDS = ("gelu", "swiglu")
+# what a unit contains (UnitSpec.kinds); the cost model prices conv at the device's conv efficiency and norms /
+# pooling as memory-bound work
+UNIT_KINDS = ("conv", "linear", "batchnorm", "groupnorm", "layernorm", "norm", "pool", "attention", "mlp",
+              "embedding", "tied")
 
 
 def configs_dir() -> Path:
@@ -32,8 +36,46 @@ def configs_dir() -> Path:
 
 
 @dataclass
+class UnitSpec:
+    """One unit of a model described by units (any ``nn.Module``: CNNs, U-Nets, encoders; ARCHITECTURE.md,
+    contract additions). Units run one after another in the forward, partition the parameters, and are what
+    FSDP shards, recompute checkpoints and pipeline stages split at. All sizes are per sample, for the forward,
+    counted at 4-byte elements (the analysis traces fp32; the planner scales to the plan's precision):
+
+    * ``flops``: forward FLOPs (backward priced as twice that); ``conv_flops``: the part in convolutions;
+    * ``activation_bytes``: bytes saved for backward; ``output_bytes``: the unit's output (pipeline transfers);
+    * ``memory_bytes``: bytes read and written by the memory-bound ops (norms, pooling, activations, adds);
+    * ``ops``: eager ops in its forward (each pays the device's per-kernel overhead).
+    """
+
+    name: str = "unit"
+    params: int = 0
+    flops: float = 0.0
+    conv_flops: float = 0.0
+    activation_bytes: float = 0.0
+    output_bytes: float = 0.0
+    memory_bytes: float = 0.0
+    ops: int = 0
+    kinds: list[str] = field(default_factory=list)
+
+    def validate(self, where: str = "model.units") -> None:
+        for name in ("params", "flops", "conv_flops", "activation_bytes", "output_bytes", "memory_bytes", "ops"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"{where}.{name}", f"must be a number >= 0, got {value!r}")
+        if self.conv_flops > self.flops:
+            raise ConfigError(f"{where}.conv_flops", f"{self.conv_flops:g} exceeds flops={self.flops:g}",
+                              "conv_flops is the part of flops spent in convolutions")
+        for kind in self.kinds:
+            if kind not in UNIT_KINDS:
+                raise ConfigError(f"{where}.kinds", f"unknown {kind!r}", f"use any of {', '.join(UNIT_KINDS)}")
+
+
+@dataclass
 class ModelSpec:
-    """A decoder-only transformer as the planner sees it (contract field names)."""
+    """A model as the planner sees it (contract field names): a decoder-only transformer by its fields, or --
+    when ``units`` is given -- any model as a sequence of units (UnitSpec). In unit form the transformer fields
+    are unused, ``layers`` is the number of units and a sample is one batch row (``seq_len`` 1)."""
 
     name: str = "model"
     layers: int = 12
@@ -51,15 +93,34 @@ class ModelSpec:
     # the MoE layers are written as a plain loop over their experts (no route()): under ep > 1 their forward runs
     # twice, capture and replay (parallel.experts.PlainExpertForward; priced by planner.cost.moe_replay_time)
     moe_replay: bool = False
+    units: list[UnitSpec] = field(default_factory=list)  # unit form (any model); empty: a transformer
 
     def __post_init__(self) -> None:
+        if self.units:
+            self.units = [UnitSpec(**u) if isinstance(u, Mapping) else u for u in self.units]
+            self.layers, self.seq_len, self.experts = len(self.units), 1, 0
         if self.kv_heads is None:
             self.kv_heads = self.heads
         if self.ffn_hidden is None:
             self.ffn_hidden = 4 * self.hidden
         self.validate()
 
+    @property
+    def unit_form(self) -> bool:
+        """Described by units (any model) rather than by transformer fields."""
+        return bool(self.units)
+
     def validate(self) -> None:
+        if self.units:
+            names = set()
+            for i, unit in enumerate(self.units):
+                unit.validate(f"model.units[{i}]")
+                if unit.name in names:
+                    raise ConfigError(f"model.units[{i}].name", f"{unit.name!r} appears twice", "name each unit once")
+                names.add(unit.name)
+            if not sum(u.flops for u in self.units) > 0:
+                raise ConfigError("model.units", "no unit has forward FLOPs", "give each unit its flops per sample")
+            return
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -109,11 +170,15 @@ class ModelSpec:
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + 2 * self.hidden
 
     def total_params(self) -> int:
+        if self.units:
+            return int(sum(u.params for u in self.units))
         dense = self.layers - self.moe_layers
         return dense * self.block_params() + self.moe_layers * self.block_params(moe=True) + self.embedding_params()
 
     def active_params(self) -> int:
         """Parameters touched per token (MoE: top_k experts instead of all)."""
+        if self.units:
+            return self.total_params()
         moe_active = self.attention_params() + self.mlp_params() * self.top_k + 4 * self.hidden
         dense = self.layers - self.moe_layers
         return dense * self.block_params() + self.moe_layers * moe_active + self.embedding_params()
