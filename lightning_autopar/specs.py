@@ -213,6 +213,7 @@ class DeviceSpec:
     attention_bwd_efficiency: float = 0.0  # its backward kernel vs peak (0: as the forward)
     comm_sm_fraction: float = 0.0  # compute share the collective kernels take while overlapped (NCCL channels / SMs)
     dispatch_us: float = 0.0  # host time per eager op; the device waits when its kernels are shorter (0: ignore)
+    conv_efficiency: float = 0.0  # fraction of peak a well-shaped convolution sustains (0: derived from gemm_efficiency)
     throughput_cv: float = 0.0  # device-to-device spread (std/mean) of sustained compute rate; steps run at the slowest
 
 
