@@ -1,4 +1,5 @@
-"""Planner speed: candidates priced per second for a 1T GPT on 3072 A100s and a Mixtral-like MoE.
+"""Planner speed: candidates priced per second for a 1T GPT on 3072 A100s, a Mixtral-like MoE, ResNet-152 in unit
+form and BERT-Large on 64 devices (issue 13: planning < 1 s each).
 
     python benchmarks/planner_speed.py [--repeat 3] [--cli]
 
@@ -20,6 +21,8 @@ CASES = [
     # (label, model, cluster, nodes, global batch)
     ("gpt-1t on 384 x 8 A100-80G", "gpt-1t", "a100-80g-dgx", 384, 3072),
     ("mixtral-8x7b on 32 x 8 H100", "mixtral-8x7b", "h100-sxm-dgx", 32, 1024),
+    ("resnet152 (unit form, 53 units) on 8 x 8 A100-80G", "resnet152", "a100-80g-dgx", 8, 2048),
+    ("bert-large on 8 x 8 A100-80G", "bert-large", "a100-80g-dgx", 8, 1024),
 ]
 
 

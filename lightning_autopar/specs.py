@@ -45,7 +45,8 @@ class UnitSpec:
     * ``flops``: forward FLOPs (backward priced as twice that); ``conv_flops``: the part in convolutions;
     * ``activation_bytes``: bytes saved for backward; ``output_bytes``: the unit's output (pipeline transfers);
     * ``memory_bytes``: bytes read and written by the memory-bound ops (norms, pooling, activations, adds);
-    * ``ops``: eager ops in its forward (each pays the device's per-kernel overhead).
+    * ``ops``: eager ops in its forward (each pays the device's per-kernel overhead);
+    * ``batchnorm_layers``: BatchNorm layers in the unit (each synchronises its statistics under data parallelism).
     """
 
     name: str = "unit"
@@ -56,10 +57,12 @@ class UnitSpec:
     output_bytes: float = 0.0
     memory_bytes: float = 0.0
     ops: int = 0
+    batchnorm_layers: int = 0
     kinds: list[str] = field(default_factory=list)
 
     def validate(self, where: str = "model.units") -> None:
-        for name in ("params", "flops", "conv_flops", "activation_bytes", "output_bytes", "memory_bytes", "ops"):
+        for name in ("params", "flops", "conv_flops", "activation_bytes", "output_bytes", "memory_bytes", "ops",
+                     "batchnorm_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{where}.{name}", f"must be a number >= 0, got {value!r}")

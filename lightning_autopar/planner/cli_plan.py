@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TextIO
 
 from lightning_autopar.errors import ConfigError, InfeasibleError
+from lightning_autopar.specs import ModelSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,19 +31,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--report", default=None, metavar="FILE.png", help="write a PNG of the ranked plans")
     parser.add_argument("--no-explain", action="store_true", help="skip the what-if re-runs of the explanation")
+    parser.add_argument("--explain-model", action="store_true",
+                        help="print the model's units (name, kinds, params, FLOPs, activations per sample) first")
+
+
+def print_model(model: ModelSpec, out: TextIO) -> None:
+    """--explain-model: the units table of a unit-form model (profile.units.describe_units, imported only here:
+    it needs torch), or the transformer's fields. With --json it goes to stderr so stdout stays one object."""
+    if model.unit_form:
+        from lightning_autopar.profile.units import describe_units
+
+        out.write(f"model {model.name}: {len(model.units)} units\n{describe_units(model)}\n")
+    else:
+        out.write(f"model {model.name}: transformer, layers={model.layers} hidden={model.hidden} heads={model.heads} "
+                  f"kv_heads={model.kv_heads} ffn_hidden={model.ffn_hidden} ({model.ffn_kind}) vocab={model.vocab} "
+                  f"seq_len={model.seq_len} experts={model.experts} tied_embeddings={model.tied_embeddings}, "
+                  f"{model.total_params() / 1e6:,.1f}M params\n")
 
 
 def run(args: argparse.Namespace) -> int:
     from lightning_autopar.planner.search import plan
-    from lightning_autopar.specs import load_cluster_spec
+    from lightning_autopar.specs import load_cluster_spec, load_model_spec
 
     for name in ("nodes", "devices_per_node", "global_batch", "seq_len", "top"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')}", f"must be a positive integer, got {value}")
+    model = load_model_spec(args.model)
+    if model.unit_form and args.seq_len is not None:
+        raise ConfigError("--seq-len", f"{args.model} is described by units (a sample is one batch row), so a "
+                          "sequence length has no meaning for it", "omit --seq-len; --global-batch counts samples")
+    if args.explain_model:
+        print_model(model, sys.stderr if args.json else sys.stdout)
     cluster = load_cluster_spec(args.cluster, nodes=args.nodes, devices_per_node=args.devices_per_node)
     precision = [p for p in args.precision.split(",") if p.strip()] if args.precision else None
-    report = plan(args.model, cluster, global_batch=args.global_batch, seq_len=args.seq_len, fix=args.fix,
+    report = plan(model, cluster, global_batch=args.global_batch, seq_len=args.seq_len, fix=args.fix,
                   top=args.top, precision=precision, memory_fraction=args.memory_fraction,
                   allow_infeasible=bool(args.fix), explain_choice=not args.no_explain)
     if args.json:

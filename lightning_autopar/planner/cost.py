@@ -30,6 +30,8 @@ TILE_FILL_S = 1.0e-6  # per wave of GEMM tiles: K-pipeline fill (~one HBM round 
 ATTN_REF_HEAD_DIM = 128  # head_dim at which the presets' attention efficiencies are quoted (FA2/FA3 benchmarks)
 GRAD_REDUCE_BYTES = np.array([4.0, 4.0, 4.0])  # gradients are reduced in fp32 (FSDP2 reduce_dtype; Megatron default)
 GRAD_ACC_BYTES = np.array([12.0, 10.0, 10.0])  # per param per micro-batch: read grad (4|2), read+write fp32 accumulator
+CONV_OF_GEMM = 0.8  # implicit-GEMM convolution rate / GEMM rate when a device gives no conv_efficiency (derived_conv_efficiency)
+UNIT_BWD = 2.0  # backward / forward of a unit: dX and dW each cost a forward's FLOPs; norm/activation grads ~2x traffic
 
 
 def prec_index(precision: str) -> int:
@@ -63,6 +65,7 @@ class Hardware:
     attn_bwd: float = 0.0
     comm_sm: float = 0.0  # compute share lost while a collective runs concurrently
     dispatch_s: float = 0.0  # host time per eager op
+    conv_eff: float = 0.0  # fraction of peak a convolution sustains (unit form; derived_conv_efficiency)
 
     @staticmethod
     def from_cluster(cluster: ClusterSpec) -> "Hardware":
@@ -93,7 +96,15 @@ class Hardware:
             attn_bwd=max(dev.attention_bwd_efficiency, 0.0) * slow,
             comm_sm=min(max(dev.comm_sm_fraction, 0.0), 0.9),
             dispatch_s=max(dev.dispatch_us, 0.0) * 1e-6,
+            conv_eff=derived_conv_efficiency(dev.conv_efficiency, dev.gemm_efficiency) * slow,
         )
+
+
+def derived_conv_efficiency(conv_efficiency: float, gemm_efficiency: float) -> float:
+    """conv_efficiency, else CONV_OF_GEMM * gemm_efficiency: implicit-GEMM convolution (cuDNN, CUTLASS) is a GEMM whose
+    A operand is gathered on the fly (im2col in the main loop), losing address arithmetic and tile reuse at the
+    image borders; 0.8 is a first-principles estimate of that loss, not a measured figure (a preset overrides it)."""
+    return conv_efficiency if conv_efficiency > 0 else CONV_OF_GEMM * gemm_efficiency
 
 
 def slowest_device_factor(world: int, cv: float) -> float:
@@ -401,6 +412,87 @@ def shard_copy_time(hw: Hardware, full_params: Any, shard: Any, prec: Any, gathe
     per_gather = (4 + e) / shard + 2 * e
     per_reduce = (e + 4) + 12 / shard
     return full_params * (gathers * per_gather + reduces * per_reduce) / hw.mem_bw
+
+
+# ============================================================================================ unit form (any model)
+
+
+@dataclass(frozen=True)
+class UnitArrays:
+    """The units of a unit-form ModelSpec as numpy columns (specs.UnitSpec: per sample, forward, 4-byte elements).
+    ``inputs`` is each unit's input, the previous unit's output (0 for the first: the batch is the loader's)."""
+
+    flops: np.ndarray
+    conv: np.ndarray
+    memory: np.ndarray
+    ops: np.ndarray
+    act: np.ndarray
+    out: np.ndarray
+    inputs: np.ndarray
+    params: np.ndarray
+    attention: np.ndarray  # bool: the unit holds attention (selective recompute applies)
+    batchnorm: np.ndarray  # BatchNorm layers per unit (each synchronises its statistics over dp)
+
+    @staticmethod
+    def of(m: ModelSpec) -> "UnitArrays":
+        col = lambda name: np.array([float(getattr(u, name)) for u in m.units])  # noqa: E731
+        out = col("output_bytes")
+        return UnitArrays(col("flops"), col("conv_flops"), col("memory_bytes"), col("ops"), col("activation_bytes"),
+                          out, np.concatenate([[0.0], out[:-1]]), col("params"),
+                          np.array(["attention" in u.kinds for u in m.units]),
+                          np.array([max(u.batchnorm_layers, int("batchnorm" in u.kinds)) for u in m.units]))
+
+
+def unit_time(hw: Hardware, u: UnitArrays, mbs: Any, peak: Any, elem: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(fwd, bwd) per (candidate, unit): b*[conv/(P*eta_conv) + (F-conv)/(P*eta_gemm) + M*e/4/BW] + ops*launch, bwd 2x (roofline per kernel class).
+
+    The three parts add rather than overlap: memory_bytes counts only the memory-bound kernels (norms, pooling,
+    activations, adds), which run between the conv/matmul kernels, never at the same time; each class is already
+    at its own roofline bound. Tile and wave losses of small batches are not modelled (the shapes are not in a
+    unit); the per-op launch cost is what penalises small micro-batches. Host dispatch floors it (dispatch_floor).
+    """
+    b, peak, e = (np.asarray(x, dtype=float)[..., None] for x in (mbs, peak, elem))
+    compute = u.conv / (peak * hw.conv_eff) + (u.flops - u.conv) / (peak * hw.gemm_eff)
+    memory = u.memory * e / 4.0 / hw.mem_bw
+    fwd = dispatch_floor(hw, b * (compute + memory) + u.ops * hw.overhead_s, u.ops)
+    bwd = dispatch_floor(hw, UNIT_BWD * (b * (compute + memory) + u.ops * hw.overhead_s), UNIT_BWD * u.ops)
+    return fwd, bwd
+
+
+def unit_selective_time(hw: Hardware, u: UnitArrays, mbs: Any, elem: Any) -> np.ndarray:
+    """Selective recompute per (candidate, unit): attention units re-run their memory-bound ops, b*M*e/4/BW + ops*launch; others 0.
+
+    Units without attention price selective as none (no time, all activations kept). Units with attention are
+    charged the re-run of their element-wise work but keep their full activations in the memory estimate: both
+    are upper bounds, since a unit does not say which of its saved bytes belong to the matmuls (parallel.recompute
+    keeps matmul and fused-attention outputs).
+    """
+    b, e = (np.asarray(x, dtype=float)[..., None] for x in (mbs, elem))
+    return np.where(u.attention, b * u.memory * e / 4.0 / hw.mem_bw + u.ops * hw.overhead_s, 0.0)
+
+
+def unit_activation_bytes(u: UnitArrays, mbs: Any, elem: Any, recompute: int) -> np.ndarray:
+    """Saved bytes per (candidate, unit): none/selective b*act*e/4; full b*input*e/4 (the checkpointed unit keeps its input only)."""
+    b, e = (np.asarray(x, dtype=float)[..., None] for x in (mbs, elem))
+    return b * (u.inputs if recompute == 2 else u.act) * e / 4.0
+
+
+def sync_batchnorm_time(hw: Hardware, dp: Any) -> tuple[Any, Any]:
+    """(fwd, bwd) per BatchNorm layer and micro-batch: collectives of the statistics forward and backward, latency-bound
+    (torch SyncBatchNorm; parallel/batchnorm.py).
+
+    The statistics are 2C+1 floats per layer (kilobytes): the collectives cost their hops, priced with zero payload;
+    they block the next op, so nothing hides them. One pair per BatchNorm layer (``UnitSpec.batchnorm_layers``; a
+    unit that only says "batchnorm" in its kinds counts one).
+    """
+    dp = np.asarray(dp, dtype=float)
+    return (np.where(dp > 1, allgather_time(hw, 0.0, dp, 1), 0.0),
+            np.where(dp > 1, allreduce_time(hw, 0.0, dp, 1), 0.0))
+
+
+def unit_model_flops_per_sample(m: ModelSpec) -> float:
+    """3 x the units' forward FLOPs per sample, no recompute: the MFU numerator in unit form (Chowdhery et al. 2022)."""
+    return 3.0 * float(sum(u.flops for u in m.units))
 
 
 # ============================================================================================ communication

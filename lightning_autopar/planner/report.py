@@ -54,9 +54,12 @@ class PlanReport:
             if not console.is_terminal:  # logs and pipes: wide enough that the plan column does not wrap
                 console = Console(width=max(console.width, 160))
         c = self.cluster
+        units = self.model.unit_form  # a sample is one batch row: samples/s, no sequence length
+        shape = f"{len(self.model.units)} units" if units else f"seq {self.seq_len}"
         table = Table(title=f"autopar plan: {self.model.name} on {c.name} ({c.nodes} x {c.devices_per_node} "
-                            f"{c.device.name}), global batch {self.global_batch}, seq {self.seq_len}")
-        for col in ("#", "plan", "step s", "tokens/s", "MFU", "GiB/dev", "compute", "recompute", "comm", "bubble"):
+                            f"{c.device.name}), global batch {self.global_batch}, {shape}")
+        rate = "samples/s" if units else "tokens/s"
+        for col in ("#", "plan", "step s", rate, "MFU", "GiB/dev", "compute", "recompute", "comm", "bubble"):
             table.add_column(col, justify="left" if col == "plan" else "right")
         for i, p in enumerate(self.candidates, 1):
             b = p.breakdown

@@ -15,7 +15,7 @@ import numpy as np
 from lightning_autopar.errors import ConfigError, InfeasibleError
 from lightning_autopar.planner import cost as C
 from lightning_autopar.planner.report import PlanReport, explain
-from lightning_autopar.planner.space import Space, enumerate_space, space_from_plans
+from lightning_autopar.planner.space import Space, enumerate_space, space_from_plans, unit_form_restrict
 from lightning_autopar.specs import (
     PRECISIONS,
     Breakdown,
@@ -66,8 +66,12 @@ def resolve_precisions(cluster: ClusterSpec, precision: str | Sequence[str] | No
 
 
 def layer_weights(model: ModelSpec, hw: C.Hardware, seq: int, prec: int, fused: bool) -> tuple[np.ndarray, float, float]:
-    """Per-block fwd+bwd time at tp=cp=mbs=1 (the DP's costs), plus embedding and head costs in the same units."""
+    """Per-block fwd+bwd time at tp=cp=mbs=1 (the DP's costs), plus embedding and head costs in the same units.
+    In unit form: each unit's fwd+bwd time at mbs=1, no separate embedding or head (they are units)."""
     peak, elem = hw.peak[prec], C.ACT_BYTES[prec]
+    if model.unit_form:
+        fwd, bwd = C.unit_time(hw, C.UnitArrays.of(model), 1.0, peak, elem)
+        return (fwd + bwd).reshape(-1), 0.0, 0.0
     dense = C.dense_block_time(hw, model, 1, seq, 1, 1, False, peak, elem, fused)
     w_dense = float(dense.fwd + dense.bwd)
     is_moe = moe_mask(model)
@@ -136,7 +140,62 @@ def _stage_table(model: ModelSpec, weights: np.ndarray, emb: float, head: float,
     return rank_rows[[0, pp - 1, middle]], chunks
 
 
+_UNIT_STAGE_CACHE: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def unit_stage_table(units: C.UnitArrays, weights: np.ndarray, pp: int, vpp: int,
+                     uneven: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Representative ranks (first, last, heaviest middle) of a unit-form model: a (N_REP, units) membership mask,
+    and rows [stage, boundary bytes, FSDP head params]. Stages are contiguous units split by their time weights
+    (stage_chunks); the boundary is the larger of the tensors the rank receives and sends (per sample, 4-byte);
+    the head params are those of its first unit holding parameters (the gather and the last gradient reduction
+    that no compute hides)."""
+    key = (weights.tobytes(), units.out.tobytes(), units.params.tobytes(), pp, vpp, uneven)
+    if key not in _UNIT_STAGE_CACHE:
+        if len(_UNIT_STAGE_CACHE) > 4096:
+            _UNIT_STAGE_CACHE.clear()
+        _UNIT_STAGE_CACHE[key] = _unit_stage_table(units, weights, pp, vpp, uneven)
+    return _UNIT_STAGE_CACHE[key]
+
+
+def _unit_stage_table(units: C.UnitArrays, weights: np.ndarray, pp: int, vpp: int,
+                      uneven: bool) -> tuple[np.ndarray, np.ndarray]:
+    n_units = len(weights)
+    chunks = stage_chunks(weights, 0.0, 0.0, pp, vpp, uneven)
+    bounds = np.concatenate([[0], np.cumsum(chunks)]).astype(int)
+    mask, rows, rank_w = np.zeros((pp, n_units)), np.zeros((pp, 3)), np.zeros(pp)
+    rows[:, 0] = np.arange(pp)
+    for j, _ in enumerate(chunks):
+        r, lo, hi = j % pp, bounds[j], bounds[j + 1]
+        if hi <= lo:
+            continue
+        mask[r, lo:hi] = 1.0
+        rank_w[r] += weights[lo:hi].sum()
+        receives = units.inputs[lo] if lo > 0 else 0.0
+        sends = units.out[hi - 1] if hi < n_units else 0.0
+        rows[r, 1] = max(rows[r, 1], receives, sends)
+        held = units.params[lo:hi][units.params[lo:hi] > 0]
+        if rows[r, 2] == 0 and len(held):
+            rows[r, 2] = held[0]
+    middle = 1 + int(np.argmax(rank_w[1:-1])) if pp > 2 else 0
+    pick = [0, pp - 1, middle]
+    return mask[pick], rows[pick]
+
+
 # ============================================================================================ pricing
+
+
+def _unit_reps(model: ModelSpec, units: C.UnitArrays, hw: C.Hardware, space: Space, pp: np.ndarray,
+               vpp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unit-form representative ranks for each row's (pp, vpp): masks (rows, N_REP, units), rows (rows, N_REP, 3)."""
+    prec0 = int(space.keys["precision"][0]) if len(space.keys["precision"]) else 0
+    weights = layer_weights(model, hw, 1, prec0, True)[0]
+    shape = (int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, N_REP)
+    masks, rows = np.zeros(shape + (len(weights),)), np.zeros(shape + (3,))
+    for code in np.unique(pp * 4096 + vpp):
+        p_, v_ = divmod(int(code), 4096)
+        masks[p_, v_], rows[p_, v_] = unit_stage_table(units, weights, p_, v_, space.uneven)
+    return masks[pp, vpp], rows[pp, vpp]
 
 
 def _stage_reps(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, fused: bool, pp: np.ndarray,
@@ -157,10 +216,19 @@ def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq
 
     Terms are computed on the smallest factor table they depend on (space.Space) and combined per candidate
     for each representative pipeline rank (first, last, heaviest middle); the slowest rank sets the pace and
-    the fullest sets the memory.
+    the fullest sets the memory. A transformer is priced by its blocks, a unit-form model by the sums over
+    each rank's units (_unit_terms); both feed the same data-parallel terms and assembly.
     """
+    terms = _unit_terms if model.unit_form else _transformer_terms
+    mid, dpc = terms(model, hw, space, seq, measured, fused)
+    return _assemble(hw, space, mid, dpc, detail)
+
+
+def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measured: C.Measured | None,
+                       fused: bool) -> tuple[dict[str, list], dict[str, list]]:
+    """Per representative rank: mid-level (time, memory per recompute mode) and dpc-level (DP traffic, states) terms."""
     m = model
-    Lt, K, M, D, Cn = space.layouts, space.keys, space.mids, space.dpcs, space.cands
+    Lt, K, M, D = space.layouts, space.keys, space.mids, space.dpcs
     f = lambda a: a.astype(float)  # noqa: E731
 
     # ---- key level: one block, embedding, head and their traffic per micro-batch
@@ -222,8 +290,6 @@ def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq
     tp_d, pp_d, cp_d, dp_d, ep_d = (f(Lt[n][dl]) for n in ("tp", "pp", "cp", "dp", "ep"))
     zero, prec_d = D["zero"], D["precision"]
     ds = np.where(D["dp_shard"] > 0, D["dp_shard"], Lt["dp"][dl]).astype(float)
-    wbytes = C.WEIGHT_BYTES[prec_d]
-    gbytes = C.GRAD_REDUCE_BYTES[prec_d]  # gradients travel in fp32, parameters in the compute precision
     reps_d = _stage_reps(m, hw, space, seq, fused, Lt["pp"][dl], D["vpp"])
     p_dense_blk = m.block_params() / tp_d
     p_moe_shared = (m.attention_params() + 4 * m.hidden + m.hidden * m.experts) / tp_d
@@ -232,49 +298,158 @@ def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq
     # LM head + final norm; a tied head shares the embedding on one stage, Megatron keeps a copy on the last one
     p_head = np.where(m.tied_embeddings & (pp_d == 1), 0.0, m.vocab * m.hidden / tp_d) + 2 * m.hidden
     unit = np.maximum(p_dense_blk, p_moe_shared + p_moe_expert if has_moe else 0.0)
-    shard = ds * cp_d
-    exp_shard = np.maximum(shard / ep_d, 1)
-    replicas = dp_d / ds
-    z1, z2, z3 = zero == 1, zero == 2, zero == 3
-    dpc = {name: [] for name in ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem", "mb")}
+    dpc: dict[str, list] = {name: [] for name in DPC_TERMS}
     for r in range(N_REP):
         nd, nm, he, hh, _ = (reps_d[:, r, j] for j in range(5))
         p_d = nd * p_dense_blk + nm * p_moe_shared + he * p_emb + hh * p_head
         p_e = nm * p_moe_expert
-        grad_d, grad_e = p_d * gbytes, p_e * gbytes
-        rs = C.allgather_time(hw, grad_d, shard, tp_d) + C.allgather_time(hw, grad_e, exp_shard, tp_d * ep_d)
-        ag = (C.allgather_time(hw, p_d * wbytes, shard, tp_d)
-              + C.allgather_time(hw, p_e * wbytes, exp_shard, tp_d * ep_d))
-        ar = (C.allreduce_time(hw, grad_d, dp_d * cp_d, tp_d)
-              + C.allreduce_time(hw, grad_e, np.maximum(dp_d * cp_d / ep_d, 1), tp_d * ep_d))
-        hsdp = np.where(replicas > 1, C.allreduce_time(hw, grad_d / shard + grad_e / exp_shard, replicas,
-                                                       ds * cp_d * tp_d), 0.0)
         # one FSDP unit per block plus one for the stage's embedding / norm / head: the first unit's gather and
         # the last unit's reduction have no compute to hide behind
         edge = he * p_emb + hh * p_head
         tail = np.minimum(1.0, np.where(edge > 0, edge, unit) / np.maximum(p_d + p_e, 1.0))
-        once = np.where(zero == 0, ar, np.where(z1, rs, 0.0)) + np.where(zero > 0, hsdp, 0.0)
-        # per micro-batch exposed = max(a1 - tf, b1) + max(a2 - tb, b2); once per step = max(a3 - tb, b3) + c3
-        # (plus the interference share of the hidden part, search.slot_of)
-        dpc["a1"].append(np.where(z3, ag, 0.0))
-        dpc["b1"].append(np.where(z3, ag * tail, 0.0))
-        dpc["a2"].append(np.where(z2, rs, np.where(z3, ag + rs, 0.0)))
-        dpc["b2"].append(np.where(z2, rs * tail, np.where(z3, (ag + rs) * tail, 0.0)))
-        dpc["a3"].append(once)
-        dpc["b3"].append(once * tail)
-        dpc["c3"].append(np.where(z1 | z2, ag, 0.0))
-        local = np.where(zero == 0, p_d + p_e, p_d / shard + p_e / exp_shard)
-        # memory-bound parameter work: per micro-batch fp32 gradient accumulation (zero 0/1) or the reduce-scatter's
-        # cast and accumulation (zero 2/3) and, for zero 3, two gathers' copy-in/out; per step the zero 1/2 copies
-        copies = lambda g, red: (C.shard_copy_time(hw, p_d, shard, prec_d, g, red)  # noqa: E731
-                                 + C.shard_copy_time(hw, p_e, exp_shard, prec_d, g, red))
-        dpc["mb"].append(np.where(zero <= 1, C.grad_accumulate_time(hw, p_d + p_e, prec_d),
-                                  copies(np.where(z3, 2.0, 0.0), 1.0)))
-        dpc["opt"].append(C.optimizer_time(hw, local, prec_d) + np.where(z1 | z2, copies(1.0, np.where(z1, 1.0, 0.0)),
-                                                                         0.0))
-        states = C.model_state_bytes(p_d, zero, shard, prec_d) + C.model_state_bytes(p_e, zero, exp_shard, prec_d)
-        bufs = np.where(z3, 2 * unit * wbytes, 2 * np.minimum(C.DDP_BUCKET_BYTES, grad_d + grad_e))
-        dpc["mem"].append(states + bufs * frag + hw.reserved)
+        _dp_rank_terms(hw, dpc, zero, prec_d, dp_d, cp_d, tp_d, ep_d, ds, p_d, p_e, unit, tail)
+    return mid, dpc
+
+
+def _unit_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measured: C.Measured | None,
+                fused: bool) -> tuple[dict[str, list], dict[str, list]]:
+    """Unit form: per representative rank, the sums over its units of time, saved activations and parameters.
+
+    tp = cp = ep = 1 (space.py offers no other); per micro-batch the rank runs its units' forward and backward
+    (cost.unit_time), the SyncBatchNorm collectives of its BatchNorm units when dp > 1, and with pp > 1 sends and
+    receives its boundary tensor (forward activation, backward gradient). Full recompute keeps each unit's input
+    and rebuilds one unit's activations at a time (the rank's largest), re-running the forward and its SyncBN.
+    """
+    u = C.UnitArrays.of(model)
+    Lt, K, M, D = space.layouts, space.keys, space.mids, space.dpcs
+    f = lambda a: a.astype(float)  # noqa: E731
+    frag = 1 + C.FRAGMENTATION
+
+    # ---- key level (layout x mbs x precision): every unit's time and saved bytes per micro-batch
+    kl = K["layout"]
+    pp, dp = f(Lt["pp"][kl]), f(Lt["dp"][kl])
+    mbs, ga, prec = f(K["mbs"]), f(K["ga"]), K["precision"]
+    peak, elem = hw.peak[prec], C.ACT_BYTES[prec]
+    uf, ub = C.unit_time(hw, u, mbs, peak, elem)
+    act = [C.unit_activation_bytes(u, mbs, elem, mode) for mode in range(3)]
+    if measured is not None:
+        uf, ub, act = _apply_measured_units(measured, model, u, hw, uf, ub, act)
+    sel = C.unit_selective_time(hw, u, mbs, elem)
+    bn_f, bn_b = C.sync_batchnorm_time(hw, dp)
+
+    # ---- mid level (key x schedule/vpp): sums over each representative rank's units
+    mk = M["key"]
+    vpp_m, sched_m, pp_m, ga_m = f(M["vpp"]), M["schedule"], pp[mk], ga[mk]
+    masks, rows = _unit_reps(model, u, hw, space, Lt["pp"][kl][mk], M["vpp"])
+    uf_m, ub_m, sel_m, act_m = uf[mk], ub[mk], sel[mk], [a[mk] for a in act]
+    mid: dict[str, list] = {name: [] for name in ("tf", "tb", "base", "mem")}
+    for r in range(N_REP):
+        w, stage = masks[:, r, :], rows[:, r, 0]
+        boundary = rows[:, r, 1] * mbs[mk] * elem[mk] / 4.0
+        tf, tb = (uf_m * w).sum(axis=1), (ub_m * w).sum(axis=1)
+        n_bn = w @ u.batchnorm.astype(float)
+        p2p = np.where(pp_m > 1, 2 * vpp_m * C.p2p_time(hw, boundary, hw.nodes > 1), 0.0)
+        comm = n_bn * (bn_f[mk] + bn_b[mk]) + p2p
+        trc = [0.0 * tf, (sel_m * w).sum(axis=1), tf + n_bn * bn_f[mk]]
+        inflight = C.inflight_microbatches(sched_m, pp_m, vpp_m, ga_m, stage)
+        bufs = np.where(pp_m > 1, 2 * boundary, 0.0)
+        one_unit = (act_m[0] * w).max(axis=1)  # full recompute rebuilds one unit at a time
+        mid["tf"].append(tf)
+        mid["tb"].append(tb)
+        mid["base"].append(np.stack([tf + tb + comm + t for t in trc], axis=1))
+        mid["mem"].append(np.stack([(inflight * (act_m[i] * w).sum(axis=1) + bufs + (one_unit if i == 2 else 0.0))
+                                    * frag for i in range(3)], axis=1))
+
+    # ---- dpc level: the rank's parameters through the shared data-parallel terms
+    dl = D["layout"]
+    tp_d, cp_d, dp_d, ep_d = (f(Lt[n][dl]) for n in ("tp", "cp", "dp", "ep"))
+    ds = np.where(D["dp_shard"] > 0, D["dp_shard"], Lt["dp"][dl]).astype(float)
+    masks_d, rows_d = _unit_reps(model, u, hw, space, Lt["pp"][dl], D["vpp"])
+    dpc: dict[str, list] = {name: [] for name in DPC_TERMS}
+    for r in range(N_REP):
+        w = masks_d[:, r, :]
+        p_d = w @ u.params
+        unit = (w * u.params).max(axis=1)  # the largest FSDP unit: zero-3 gather buffers
+        tail = np.minimum(1.0, rows_d[:, r, 2] / np.maximum(p_d, 1.0))
+        _dp_rank_terms(hw, dpc, D["zero"], D["precision"], dp_d, cp_d, tp_d, ep_d, ds, p_d, 0.0 * p_d, unit, tail)
+    return mid, dpc
+
+
+def _apply_measured_units(meas: C.Measured, model: ModelSpec, u: C.UnitArrays, hw: C.Hardware, uf: np.ndarray,
+                          ub: np.ndarray, act: list) -> tuple[np.ndarray, np.ndarray, list]:
+    """Unit form: measured blocks named like units replace those units' terms, scaled by the analytic ratio."""
+    ref_prec = PRECISIONS.index(meas.precision)
+    rf, rb = C.unit_time(hw, u, float(meas.mbs), hw.peak[ref_prec], C.ACT_BYTES[ref_prec])
+    ra = C.unit_activation_bytes(u, float(meas.mbs), C.ACT_BYTES[ref_prec], 0)
+    uf, ub, act = uf.copy(), ub.copy(), [a.copy() for a in act]
+    for j, unit in enumerate(model.units):
+        got = meas.blocks.get(unit.name)
+        if got is None:
+            continue
+        uf[:, j] = C.scaled_measure(got.fwd_s, uf[:, j], float(rf[j]))
+        ub[:, j] = C.scaled_measure(got.bwd_s, ub[:, j], float(rb[j]))
+        if got.activation_bytes:
+            act[0][:, j] = act[1][:, j] = C.scaled_measure(got.activation_bytes, act[0][:, j], float(ra[j]))
+    return uf, ub, act
+
+
+DPC_TERMS = ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem", "mb")
+
+
+def _dp_rank_terms(hw: C.Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d: np.ndarray, dp_d: np.ndarray,
+                   cp_d: np.ndarray, tp_d: np.ndarray, ep_d: np.ndarray, ds: np.ndarray, p_d: np.ndarray,
+                   p_e: np.ndarray, unit: np.ndarray, tail: np.ndarray) -> None:
+    """Append one representative rank's data-parallel traffic, parameter work and model-state memory to ``dpc``.
+
+    ``p_d`` / ``p_e``: dense / expert parameters on the rank; ``unit``: the largest FSDP unit (zero-3 gather
+    buffers); ``tail``: the share of the rank's gather/reduction that no compute hides (first / last unit).
+    """
+    frag = 1 + C.FRAGMENTATION
+    wbytes = C.WEIGHT_BYTES[prec_d]
+    gbytes = C.GRAD_REDUCE_BYTES[prec_d]  # gradients travel in fp32, parameters in the compute precision
+    shard = ds * cp_d
+    exp_shard = np.maximum(shard / ep_d, 1)
+    replicas = dp_d / ds
+    z1, z2, z3 = zero == 1, zero == 2, zero == 3
+    grad_d, grad_e = p_d * gbytes, p_e * gbytes
+    rs = C.allgather_time(hw, grad_d, shard, tp_d) + C.allgather_time(hw, grad_e, exp_shard, tp_d * ep_d)
+    ag = (C.allgather_time(hw, p_d * wbytes, shard, tp_d)
+          + C.allgather_time(hw, p_e * wbytes, exp_shard, tp_d * ep_d))
+    ar = (C.allreduce_time(hw, grad_d, dp_d * cp_d, tp_d)
+          + C.allreduce_time(hw, grad_e, np.maximum(dp_d * cp_d / ep_d, 1), tp_d * ep_d))
+    hsdp = np.where(replicas > 1, C.allreduce_time(hw, grad_d / shard + grad_e / exp_shard, replicas,
+                                                   ds * cp_d * tp_d), 0.0)
+    once = np.where(zero == 0, ar, np.where(z1, rs, 0.0)) + np.where(zero > 0, hsdp, 0.0)
+    # per micro-batch exposed = max(a1 - tf, b1) + max(a2 - tb, b2); once per step = max(a3 - tb, b3) + c3
+    # (plus the interference share of the hidden part, search.slot_of)
+    dpc["a1"].append(np.where(z3, ag, 0.0))
+    dpc["b1"].append(np.where(z3, ag * tail, 0.0))
+    dpc["a2"].append(np.where(z2, rs, np.where(z3, ag + rs, 0.0)))
+    dpc["b2"].append(np.where(z2, rs * tail, np.where(z3, (ag + rs) * tail, 0.0)))
+    dpc["a3"].append(once)
+    dpc["b3"].append(once * tail)
+    dpc["c3"].append(np.where(z1 | z2, ag, 0.0))
+    local = np.where(zero == 0, p_d + p_e, p_d / shard + p_e / exp_shard)
+    # memory-bound parameter work: per micro-batch fp32 gradient accumulation (zero 0/1) or the reduce-scatter's
+    # cast and accumulation (zero 2/3) and, for zero 3, two gathers' copy-in/out; per step the zero 1/2 copies
+    copies = lambda g, red: (C.shard_copy_time(hw, p_d, shard, prec_d, g, red)  # noqa: E731
+                             + C.shard_copy_time(hw, p_e, exp_shard, prec_d, g, red))
+    dpc["mb"].append(np.where(zero <= 1, C.grad_accumulate_time(hw, p_d + p_e, prec_d),
+                              copies(np.where(z3, 2.0, 0.0), 1.0)))
+    dpc["opt"].append(C.optimizer_time(hw, local, prec_d) + np.where(z1 | z2, copies(1.0, np.where(z1, 1.0, 0.0)),
+                                                                     0.0))
+    states = C.model_state_bytes(p_d, zero, shard, prec_d) + C.model_state_bytes(p_e, zero, exp_shard, prec_d)
+    bufs = np.where(z3, 2 * unit * wbytes, 2 * np.minimum(C.DDP_BUCKET_BYTES, grad_d + grad_e))
+    dpc["mem"].append(states + bufs * frag + hw.reserved)
+
+
+def _assemble(hw: C.Hardware, space: Space, mid: dict[str, list], dpc: dict[str, list],
+              detail: bool) -> dict[str, np.ndarray]:
+    """Combine the mid- and dpc-level terms per candidate: step time, memory and (``detail``) the breakdown."""
+    K, M, Cn = space.keys, space.mids, space.cands
+    mk = M["key"]
+    ga, vpp_m = K["ga"].astype(float), M["vpp"].astype(float)
+    pp = space.layouts["pp"][K["layout"]].astype(float)
 
     # ---- candidates: three row-gathers per chunk (mid x recompute, mid, dpc), reduced over the representative
     # ranks; float32 (ranking needs ~1e-6 relative precision) and cache-sized chunks keep it memory-light.
@@ -380,7 +555,10 @@ def priced_plan(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: S
     plan = space.plan(i)
     step = float(costs["step"][i])
     prec = PRECISIONS.index(plan.precision)
-    model_flops = global_batch * seq * C.model_flops_per_token(model, seq)
+    if model.unit_form:  # a sample is one batch row (seq 1): samples/s in tokens_per_s
+        model_flops = global_batch * C.unit_model_flops_per_sample(model)
+    else:
+        model_flops = global_batch * seq * C.model_flops_per_token(model, seq)
     per_device = model_flops / step / cluster.world_size
     memory = float(costs["memory"][i])
     feasible = memory <= limit
@@ -408,7 +586,7 @@ def priced_plan(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: S
 def _inputs(model: Any, cluster: Any, global_batch: int | None, seq_len: int | None):
     spec = resolve_model(model, seq_len)
     clus = load_cluster_spec(cluster)
-    seq = int(seq_len or spec.seq_len)
+    seq = 1 if spec.unit_form else int(seq_len or spec.seq_len)  # unit form: a sample is one row, seq_len unused
     if seq <= 0:
         raise ConfigError("seq_len", f"must be a positive integer, got {seq_len!r}")
     if global_batch is not None and (not isinstance(global_batch, (int, np.integer)) or global_batch <= 0):
@@ -459,6 +637,8 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
     report = PlanReport(best=cands[0], candidates=cands, evaluated=space.size, feasible=feasible, rejected=rejected,
                         search_seconds=0.0, model=spec, cluster=clus, global_batch=global_batch, seq_len=seq,
                         memory_fraction=memory_fraction)
+    if spec.unit_form:
+        report.excluded = unit_form_restrict(spec, fixed, restrict or {})[1]
     if feasible:
         report.runner_up = _runner_up(spec, clus, hw, space, costs, ok, int(order[0]), global_batch, seq, limit,
                                       meas)
@@ -506,7 +686,9 @@ def _infeasible(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: S
     i = int(np.argmin(costs["memory"]))
     need = float(costs["memory"][i]) / C.GIB
     best = space.plan(i)
-    relax = ["more devices (--nodes)", "a smaller --global-batch or --seq-len"]
+    relax = ["more devices (--nodes)", "a smaller --global-batch" + ("" if model.unit_form else " or --seq-len")]
+    if model.unit_form and "grad_accum" in unit_form_restrict(model, {}, {})[1] and best.grad_accum == 1:
+        relax.insert(0, "--fix grad_accum=K (a BatchNorm model keeps 1 unless fixed)")
     if fraction < 0.95:
         relax.append("a larger --memory-fraction")
     relax.append("a device with more memory")

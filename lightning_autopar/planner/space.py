@@ -124,6 +124,8 @@ def _allowed(name: str, default: Sequence, fix: Mapping[str, Any], restrict: Map
 
 def check_fix(model: ModelSpec, world: int, global_batch: int, seq_len: int, fix: Mapping[str, Any]) -> None:
     """Reject fixed values that can never form a valid plan, naming the field and the fix (ConfigError)."""
+    if model.unit_form:
+        check_unit_fix(fix)
     tp = fix.get("tp")
     if tp is not None:
         for attr in ("heads", "kv_heads"):
@@ -171,6 +173,41 @@ def check_fix(model: ModelSpec, world: int, global_batch: int, seq_len: int, fix
         raise ConfigError("fix.dp_shard", f"{fix['dp_shard']} does not divide dp={fix['dp']}", "choose a divisor of dp")
 
 
+def check_unit_fix(fix: Mapping[str, Any]) -> None:
+    """Unit form (any model): no tensor, context or expert parallelism, no sequence parallel, no interleaved
+    schedule (a unit-form model has no attention/MLP to split, no sequence and uneven units; pipeline stages are
+    contiguous units, one per rank). A fixed value outside that is refused in one line."""
+    for name in ("tp", "cp", "ep"):
+        if fix.get(name, 1) != 1:
+            raise ConfigError(f"fix.{name}", f"{name}={fix[name]} needs a transformer; a model in unit form has "
+                              "no attention/MLP the runtime can split", f"set {name}=1")
+    if fix.get("sp"):
+        raise ConfigError("fix.sp", "sequence parallel needs a transformer with tp > 1", "set sp=false")
+    if fix.get("schedule") == "interleaved" or fix.get("vpp", 1) != 1:
+        raise ConfigError("fix.schedule", "interleaved stages need a stack of identical blocks; a model in unit "
+                          "form has one contiguous run of units per pipeline rank", "use schedule=1f1b or gpipe, vpp=1")
+
+
+def unit_form_restrict(model: ModelSpec, fix: Mapping[str, Any],
+                       restrict: Mapping[str, Sequence]) -> tuple[dict[str, Sequence], dict[str, str]]:
+    """The unit form's space inside ``restrict``, and per narrowed field the reason (PlanReport.excluded):
+    tp = cp = ep = 1, sp off, no interleaving (check_unit_fix); selective recompute only when a unit holds
+    attention (elsewhere it is priced as none: a duplicate); grad_accum 1 when a unit holds BatchNorm, so the
+    SyncBatchNorm statistics cover each rank's whole batch as on one device, unless the user fixes grad_accum."""
+    out: dict[str, Sequence] = {**restrict, "tp": [1], "cp": [1], "ep": [1], "sp": [False]}
+    why = {"tp/cp/ep/sp": "a model in unit form has no attention/MLP or sequence the runtime can split"}
+    out["schedule"] = [s for s in restrict.get("schedule", SCHEDULES) if s != "interleaved"]
+    why["schedule"] = "interleaved needs identical blocks; each pipeline rank holds one contiguous run of units"
+    if not any("attention" in u.kinds for u in model.units) and "recompute" not in fix:
+        out["recompute"] = [r for r in restrict.get("recompute", RECOMPUTE_MODES) if r != "selective"]
+        why["recompute"] = "selective recompute keeps matmul/attention outputs; no unit holds attention"
+    if any("batchnorm" in u.kinds for u in model.units) and "grad_accum" not in fix:
+        out["grad_accum"] = [1]
+        why["grad_accum"] = ("BatchNorm: statistics over the whole per-rank batch, as on one device (fix "
+                             "grad_accum to allow more: the statistics are then per micro-batch)")
+    return out, why
+
+
 # ============================================================================================ enumeration
 
 
@@ -180,6 +217,8 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
     fix = dict(fix or {})
     restrict = dict(restrict or {})
     check_fix(model, world, global_batch, seq_len, fix)
+    if model.unit_form:
+        restrict = unit_form_restrict(model, fix, restrict)[0]
     uneven = True in list(restrict.get("uneven", [True]))
     rejected: Counter = Counter()
     L = model.layers
