@@ -1,4 +1,4 @@
-"""`autopar plan | ranktable | probe`: thin wiring; each subcommand lives beside its code.
+"""`autopar plan | analyze | ranktable | probe`: thin wiring; each subcommand lives beside its code.
 
 Exit codes (contract): 0 ok; 2 bad input (one line naming the field and the fix); 3 no feasible plan.
 """
@@ -15,6 +15,7 @@ from lightning_autopar.errors import AutoparError
 # Only the module of the subcommand being run is imported, so one subcommand's imports never slow another.
 SUBCOMMANDS = {
     "plan": ("lightning_autopar.planner.cli_plan", "rank parallel plans for a model on a cluster"),
+    "analyze": ("lightning_autopar.profile.cli_analyze", "describe a model (any nn.Module) and write its model spec"),
     "ranktable": ("lightning_autopar.topology.ranktable", "build, validate and convert rank tables (HCCL, generic)"),
     "probe": ("lightning_autopar.topology.probe", "measure collective bandwidth on the live group (torchrun)"),
 }

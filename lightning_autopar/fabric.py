@@ -33,7 +33,10 @@ Where the plan's inputs come from:
   (``grad_accum=1``) and no pipeline (``pp=1``); accumulate across steps with ``fabric.no_backward_sync``.
 * **the optimizer**: pass it to ``fabric.setup(model, optimizer)`` as usual; sharding replaces the parameters
   (DTensors), so its parameter groups (and any state) are re-pointed to the new ones by parameter name.
-* **the model** needs no ``configure_model``; the analysis finds the transformer as for the Trainer.
+* **the model** needs no ``configure_model``; the analysis finds the transformer as for the Trainer. Any other
+  model (a CNN, a U-Net: the unit form) is analysed by tracing it on the first tensor of the loader's first batch
+  (one row, on meta tensors), taken as the model's input -- so set up the loader first
+  (``fabric.setup_dataloaders`` before ``fabric.setup``); without one the setup stops with one line saying so.
 
 ``fabric run`` (the CLI) accepts only the strategies of its fixed ``--strategy`` list, so leave ``--strategy``
 out and name the strategy in the code: ``fabric run examples/fabric_gpt.py --accelerator cpu --devices 4``.
@@ -133,6 +136,23 @@ class FabricAutoParallelMixin(AutoParallelMixin):
 
     def _plan_loader(self, trainer: Any) -> Any:
         return self._loader
+
+    def _model_call(self, trainer: Any) -> Any:
+        """The call a model in unit form is traced on: the model itself, on one row of the first tensor of the
+        loader's first batch (the user's loop calls ``model(x)``; Fabric has no training_step to capture)."""
+        import torch
+
+        from lightning_autopar.profile.units import ModelCall
+        from lightning_autopar.strategy import _tree_leaves
+
+        module = self._autopar_module
+        first = self._first_batch(trainer)
+        x = next((t for t in _tree_leaves(first) if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
+        if x is None:
+            raise ConfigError("fabric.setup", f"{type(module).__name__} has no transformer blocks, so it is analysed "
+                              "by tracing it on a batch, and no DataLoader with tensors was set up before it",
+                              "call fabric.setup_dataloaders(...) before fabric.setup(model, ...)")
+        return ModelCall("", module, (x[:1],), {})
 
     def setup_environment(self) -> None:
         # Fabric's base: set the device, then the process group; the mesh waits for the plan (setup_module).

@@ -5,6 +5,11 @@ training DataLoader -> plan -> DeviceMesh -> apply in the canonical order (``par
 -> EP -> recompute -> FSDP/DP -> precision) -> optimizers built on the sharded parameters. Checkpoints go through torch.distributed.checkpoint (inherited from Lightning's
 ModelParallelStrategy), keyed by the user's parameter names.
 
+Any model: a model without a transformer stack (a CNN, a U-Net, Hugging Face ResNet) is analysed in unit form
+(``profile.units``) from the user's own model call, captured on one row of the first batch; it is planned on
+data parallelism (zero 0-3, dp_shard, recompute per unit), the other fields at 1 with their reasons in the report,
+and its BatchNorm layers compute statistics over the dp group (``parallel.batchnorm``), as one device would.
+
 Batch semantics: the DataLoader's batch is the global batch of one optimizer step, exactly as on one device.
 Each step it is cut into ``dp`` contiguous slices (ranks of one TP/PP group get the same slice), each slice into
 ``grad_accum`` micro-batches; every micro-batch loss is weighted by its share of the global batch so the
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping
@@ -69,6 +75,13 @@ def _slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
         return leaf
 
     return tree_map(cut, batch)
+
+
+def _is_transformer(analysis: Any) -> bool:
+    """Repeated blocks with attention, an MLP or MoE layers found in the first: planned and split as a transformer
+    (TP, EP, the block-stack pipeline); anything else is a model in unit form."""
+    first = analysis.blocks[0] if analysis.blocks else None
+    return first is not None and any(part is not None for part in (first.attention, first.mlp, first.moe))
 
 
 def split_rows(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -164,6 +177,7 @@ class AutoParallelMixin:
         self._pipeline: Any = None  # parallel.pipeline.Pipeline when pp > 1
         self._pipeline_grads: dict[Any, Any] | None = None  # the schedule's gradients, until backward()
         self._held_grads: dict[Any, Any] = {}  # earlier micro-batches' gradients, until the last one's backward
+        self._first_of: tuple[Any, Any] | None = None  # (plan DataLoader, its first batch)
 
     # ------------------------------------------------------------------ environment and setup
 
@@ -263,24 +277,77 @@ class AutoParallelMixin:
         """Whether the strategy runs the micro-batches' backward itself (Fabric: no, the user's loop does)."""
         return bool(getattr(self.lightning_module, "automatic_optimization", True))
 
+    def _first_batch(self, trainer: Any) -> Any:
+        """The first batch of the plan's DataLoader (None without one); read once per loader."""
+        loader = self._plan_loader(trainer)
+        if loader is None:
+            return None
+        cached = self._first_of
+        if cached is not None and cached[0] is loader:
+            return cached[1]
+        try:
+            first = next(iter(loader))
+        except (TypeError, StopIteration):
+            first = None
+        self._first_of = (loader, first)
+        return first
+
     def _batch_geometry(self, trainer: Any, transformer_seq: int | None) -> tuple[int, int]:
-        """(global batch, sequence length) from the training DataLoader, as on one device."""
+        """(global batch, sequence length) from the training DataLoader, as on one device. A model in unit form
+        has no sequence: a sample is one batch row (seq 1)."""
         global_batch, seq_len = self._global_batch_arg, None
         loader = self._plan_loader(trainer)
-        if loader is not None:
-            if global_batch is None:
-                global_batch = getattr(loader, "batch_size", None)
-            try:
-                first = next(iter(loader))
-            except (TypeError, StopIteration):
-                first = None
-            if first is not None:
-                global_batch = global_batch or _leading_size(first)
-                seq_len = next((int(t.shape[1]) for t in _tree_leaves(first)
-                                if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+        if loader is not None and global_batch is None:
+            global_batch = getattr(loader, "batch_size", None)
+        first = self._first_batch(trainer)
+        if first is not None:
+            global_batch = global_batch or _leading_size(first)
+            seq_len = next((int(t.shape[1]) for t in _tree_leaves(first)
+                            if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
         if not global_batch:
             global_batch = self.world_size
+        if self.analysis is not None and self.analysis.spec.unit_form:
+            seq_len = 1
         return int(global_batch), int(seq_len or transformer_seq or 1)
+
+    def _model_call(self, trainer: Any) -> Any:
+        """The user's call of its model (``profile.units.ModelCall``): the step of the stage being run, on one row
+        of the plan DataLoader's first batch, stopped at its first module call (logs discarded)."""
+        from functools import partial
+
+        from lightning_autopar.profile.units import find_model_call
+
+        first = self._first_batch(trainer)
+        total = _leading_size(first) if first is not None else None
+        module = self.lightning_module
+        if total is None:
+            raise ConfigError("DataLoader", f"{type(module).__name__}: no transformer blocks found, so the model is "
+                              "analysed by running the step on a batch, and the DataLoader gave none with a batch "
+                              "dimension", "pass a DataLoader whose batches hold tensors")
+        stage = str(getattr(trainer.state.fn, "value", trainer.state.fn))
+        hook = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}.get(stage,
+                                                                                                 "training_step")
+        with self._recording_logs(_LogRecorder()):
+            return find_model_call(module, partial(getattr(module, hook), _slice_batch(first, 0, 1, total), 0))
+
+    def _analyse(self, trainer: Any) -> tuple[nn.Module, Any, tuple[tuple, dict] | None]:
+        """(the model the plan applies to, its analysis, the user's call of it or None). A transformer (repeated
+        blocks with attention, an MLP or MoE layers found) is analysed as before, on token ids; any other model
+        in unit form (``profile.units``), from the user's own call of it on one row of the first batch."""
+        from lightning_autopar.profile.analyze import analyze, find_transformer
+        from lightning_autopar.profile.units import analyze_model
+
+        module = self.lightning_module
+        try:
+            _, transformer = find_transformer(module)
+            analysis = analyze(transformer, trace=True, runner=module)  # what the code does (views, fused layouts)
+        except ValueError:  # no repeated blocks, or none a transformer spec describes (a ResNet's: no width)
+            analysis = None
+        if analysis is not None and _is_transformer(analysis):
+            return transformer, analysis, None
+        call = self._model_call(trainer)
+        example = (tuple(call.args), dict(call.kwargs))
+        return call.module, analyze_model(call.module, example, runner=module), example
 
     def _exclude(self, restrict: dict[str, list[Any]], name: str, values: list[Any], reason: str) -> None:
         """Narrow plan field ``name`` to ``values`` because the runtime cannot apply the others to this model;
@@ -305,29 +372,57 @@ class AutoParallelMixin:
         restrict.update(self._restrict)
         return restrict
 
+    def _unit_restrictions(self, analysis: Any) -> dict[str, list[Any]]:
+        """The plan space of a model in unit form: data parallelism (zero 0-3, dp_shard), mbs, recompute per unit,
+        precision; tp, ep, cp and pp stay 1 (``parallel.apply.UNIT_FORM_LIMITS``, reasons in the report). With
+        BatchNorm, one micro-batch per step: its statistics are per micro-batch; a grad_accum the user fixes is
+        kept, with one warning."""
+        from lightning_autopar.parallel.apply import UNIT_FORM_LIMITS
+        from lightning_autopar.parallel.batchnorm import batchnorm_modules
+
+        restrict: dict[str, list[Any]] = {k: list(v) for k, v in RUNTIME_SUPPORT.items()}
+        self.excluded = {}
+        for name, (why, _) in UNIT_FORM_LIMITS.items():
+            self._exclude(restrict, name, [1], why)
+        if not self._automatic_optimization():
+            self._exclude(restrict, "grad_accum", [1], "the user's loop runs backward (manual optimization)")
+        elif batchnorm_modules(self.lightning_module):
+            fixed = self._fix.get("grad_accum")
+            if fixed is None:
+                self._exclude(restrict, "grad_accum", [1], "BatchNorm statistics are per micro-batch: with "
+                              "accumulation they would cover fewer rows than one device running the batch")
+            elif fixed > 1 and self.global_rank == 0:
+                warnings.warn(f"autopar: grad_accum={fixed} is fixed and {analysis.spec.name} has BatchNorm: its "
+                              "statistics (and running buffers) are per micro-batch, as on one device running "
+                              f"{fixed} micro-batches per step, not the whole batch at once", stacklevel=2)
+        restrict.update(self._restrict)
+        return restrict
+
     def _plan_and_apply(self, trainer: Any) -> None:
-        from lightning_autopar.parallel.apply import apply_plan
+        from lightning_autopar.parallel.apply import apply_plan, check_unit_form
         from lightning_autopar.parallel.precision import plan_precision
         from lightning_autopar.parallel.tensor import check_tp
         from lightning_autopar.planner.search import plan as make_plan
-        from lightning_autopar.profile.analyze import analyze, find_transformer
         from lightning_autopar.topology.mesh import build_mesh
 
         module = self.lightning_module
-        prefix, transformer = find_transformer(module)
-        analysis = analyze(transformer, trace=True, runner=module)  # what the code does (views, fused layouts)
+        transformer, analysis, example = self._analyse(trainer)
         self.analysis = analysis
+        unit_form = analysis.spec.unit_form
         global_batch, seq_len = self._batch_geometry(trainer, analysis.spec.seq_len)
         self._global_batch = global_batch
         analysis.spec.seq_len = seq_len
         precision = plan_precision(trainer.precision)
-        if "tp" in self._fix:
+        if unit_form:
+            check_unit_form(analysis, self._fix)
+        elif "tp" in self._fix:
             check_tp(analysis, self._fix["tp"])
         started = time.perf_counter()
+        restrict = (self._unit_restrictions(analysis) if unit_form
+                    else self._restrictions(trainer, analysis, precision))
         self.report = make_plan(
             analysis.spec, self._cluster_spec(), global_batch=global_batch, seq_len=seq_len, fix=self._fix,
-            top=self._top, restrict=self._restrictions(trainer, analysis, precision), precision=precision,
-            memory_fraction=self._memory_fraction,
+            top=self._top, restrict=restrict, precision=precision, memory_fraction=self._memory_fraction,
         )
         self.report.excluded = dict(self.excluded)
         plan = self.plan = self.report.best.plan
@@ -353,10 +448,12 @@ class AutoParallelMixin:
         applied = self._applied = apply_plan(
             module, transformer, analysis, plan, layout, self._dp_mesh(plan), self.root_device,
             loss_fn=lambda output, target: self._pipeline_loss(output, target),
-            layers_per_stage=self.report.best.layers_per_stage, capacity_factor=self._capacity_factor)
+            layers_per_stage=self.report.best.layers_per_stage, capacity_factor=self._capacity_factor,
+            example=example)
         self._fsdp_roots = applied.fsdp_roots
         self._pipeline = applied.pipeline
         self._transformer = applied.pipeline_root or transformer  # what the user's steps call
+        self._first_of = None  # the batch is not held for the whole run
 
     def _dp_mesh(self, plan: Plan) -> Any:
         if plan.shard_size < plan.dp:

@@ -159,12 +159,12 @@ def test_cli_unit_form_json_table_png(capsys: pytest.CaptureFixture, tmp_path: P
 def test_cli_explain_model_prints_units(capsys: pytest.CaptureFixture) -> None:
     assert main(UNIT_CLI + ["--explain-model", "--top", "1", "--no-explain"]) == 0
     out = capsys.readouterr().out
-    assert "stage3.35" in out and "classifier" in out and "batchnorm" in out
-    assert out.index("stage3.35") < out.index("autopar plan")  # the units come before the plan table
+    assert "resnet.encoder.stages.2.layers.35" in out and "classifier" in out and "batchnorm" in out
+    assert out.index("resnet.encoder.stages.2.layers.35") < out.index("autopar plan")  # the units come before the plan table
     assert main(UNIT_CLI + ["--explain-model", "--json", "--no-explain"]) == 0
     cap = capsys.readouterr()
     json.loads(cap.out)  # stdout stays one JSON object; the units table went to stderr
-    assert "stage1.0" in cap.err
+    assert "resnet.encoder.stages.0.layers.0" in cap.err
 
 
 def test_cli_seq_len_with_units_exits_2(capsys: pytest.CaptureFixture) -> None:

@@ -78,3 +78,12 @@ class LitImageClassifier(L.LightningModule):
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+def resnet152(classes: int = 1000) -> torch.nn.Module:
+    """Hugging Face ResNet-152 (He et al. 2016: bottleneck blocks 3, 8, 36, 3), random init; build it under
+    ``torch.device("meta")`` to analyse it without memory (``autopar analyze``)."""
+    tf = _transformers()
+    config = tf.ResNetConfig(embedding_size=64, hidden_sizes=[256, 512, 1024, 2048], depths=[3, 8, 36, 3],
+                             layer_type="bottleneck", num_labels=classes)
+    return tf.ResNetForImageClassification(config)

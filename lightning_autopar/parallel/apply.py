@@ -6,11 +6,17 @@
 2. TP (``tensor``): DTensor layouts on the remaining blocks (all experts still present, each split inside).
 3. EP (``experts``): remote experts removed, MoE forwards routed through all-to-all; with data parallelism alone
    (ep=1) the MoE forward is replaced too, so the balance loss covers the global micro-batch.
-4. Recompute (``recompute``): composable checkpoint hooks per block (outside FSDP, as torchtitan does).
+   BatchNorm (``batchnorm``): with data parallelism every BatchNorm layer computes its statistics over the dp
+   group (count-weighted, running buffers as one device). After the split and the layouts (it needs the modules
+   this rank keeps), before recompute (whose re-run forward must find the synchronised layer, which then skips
+   the running-stat update) and before FSDP/DDP (which wrap the module whose class it swaps).
+4. Recompute (``recompute``): composable checkpoint hooks per block (outside FSDP, as torchtitan does); for a
+   model in unit form (any ``nn.Module``: CNNs, U-Nets; ``analysis.spec.unit_form``) per unit of the analysis.
 5. FSDP/DP (``fsdp``): experts on the expert-data-parallel mesh first, then blocks, then the modules owning
    the rest (or, with PP, each chunk) on the data-parallel mesh; zero=0 with data parallelism alone: DDP
    (``replicate``). The units are chosen (``units.choose_units``) before step 1, from one meta forward of the
-   untouched model: modules whose forward runs, tied parameters owned by one unit.
+   untouched model (on token ids, or on the user's own call of it, ``example``): modules whose forward runs,
+   tied parameters owned by one unit; for a model in unit form the blocks are the analysis' units.
 6. Precision: FSDP's mixed-precision policy (set in step 5) plus Lightning's precision plugin (the strategy).
 
 Then the guard (``units.check_applied``): every tie found before step 1 is still one tensor owned by one unit,
@@ -50,8 +56,33 @@ class Applied:
         return {id(p) for layer in self.experts if not layer.fused for e in layer.experts for p in e.parameters()}
 
 
+# What the runtime cannot split in a model in unit form (no transformer found): field -> (why, fix). The strategy
+# shows the reasons in the plan report; ``check_plan`` refuses a forced value with them.
+UNIT_FORM_LIMITS: dict[str, tuple[str, str]] = {
+    "tp": ("no attention or MLP found, so tensor parallelism has nothing to split", "use tp=1"),
+    "ep": ("no MoE layers found", "use ep=1"),
+    "cp": ("no attention found, so context parallelism has no sequence to split", "use cp=1"),
+    "pp": ("pipeline stages need a block stack; models in unit form train on DP/FSDP", "use pp=1"),
+}
+
+
+def check_unit_form(analysis: ModelAnalysis, plan: Any) -> None:
+    """Raise one ConfigError naming the model and the fix when ``plan`` (a Plan or a mapping of fixed fields)
+    asks a model in unit form for a split the runtime cannot apply to it."""
+    from lightning_autopar.errors import ConfigError
+
+    get = plan.get if isinstance(plan, dict) else lambda name, default: getattr(plan, name, default)
+    for name, (why, fix) in UNIT_FORM_LIMITS.items():
+        value = get(name, 1)
+        if value != 1:
+            raise ConfigError(f"plan.{name}", f"{analysis.spec.name} (model in unit form): {name}={value}: {why}",
+                              fix)
+
+
 def present_blocks(analysis: ModelAnalysis, transformer: nn.Module) -> ModelAnalysis:
     """The analysis restricted to the blocks still present in ``transformer`` (after the PP split)."""
+    if analysis.spec.unit_form:
+        return analysis  # no pipeline split: every unit is here
     blocks = transformer.get_submodule(analysis.blocks_fqn)
     keys = set(blocks._modules)
     prefix = analysis.blocks_fqn + "."
@@ -85,6 +116,9 @@ def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer
     from lightning_autopar.parallel.pipeline import check_pipeline
     from lightning_autopar.parallel.tensor import check_tp
 
+    if analysis.spec.unit_form:
+        check_unit_form(analysis, plan)
+        return
     check_tp(analysis, plan.tp)
     if plan.pp > 1:
         split, split_analysis = pipeline_split(root, transformer, analysis)
@@ -94,8 +128,11 @@ def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer
 
 def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis, plan: Plan, layout: MeshLayout,
                dp_mesh: Any, device: torch.device, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
-               layers_per_stage: Sequence[int] | None = None, capacity_factor: float | None = None) -> Applied:
-    """Apply ``plan`` to ``transformer`` (inside ``root``, the LightningModule) in place; see the module doc."""
+               layers_per_stage: Sequence[int] | None = None, capacity_factor: float | None = None,
+               example: tuple[tuple, dict] | None = None) -> Applied:
+    """Apply ``plan`` to ``transformer`` (inside ``root``, the LightningModule; for a model in unit form, the
+    model the training step calls, ``example`` being that call) in place; see the module doc."""
+    from lightning_autopar.parallel.batchnorm import batchnorm_modules, sync_batchnorm
     from lightning_autopar.parallel.experts import apply_expert_parallel
     from lightning_autopar.parallel.fsdp import (apply_data_parallel, apply_data_parallel_chunks, apply_replicate,
                                                  shard_experts)
@@ -110,7 +147,7 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     units = None
     if plan.pp == 1:  # chosen on the untouched model: TP and EP below change its parameters
         units = choose_units(root, transformer, [b.fqn for b in analysis.blocks], analysis.spec.seq_len,
-                             wrap_blocks=not plain_ddp(plan, analysis))
+                             wrap_blocks=not plain_ddp(plan, analysis), example=example)
     pipeline = split = None
     if plan.pp > 1:  # 1. PP split
         if loss_fn is None:
@@ -129,6 +166,8 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
         experts = apply_expert_parallel(transformer, local, meshes["ep"].get_group() if meshes else None,
                                         layout["dp_flat"].get_group() if plan.dp > 1 else None, capacity_factor,
                                         ep_mesh=meshes.get("ep"))
+    if plan.dp > 1 and batchnorm_modules(root):  # BatchNorm statistics over the dp group (module doc, step 3)
+        sync_batchnorm(root, layout["dp_flat"].get_group())
     blocks = {b.fqn: transformer.get_submodule(b.fqn) for b in local.blocks}  # 4. recompute
     attention_of = {blocks[b.fqn]: blocks[b.fqn].get_submodule(b.attention.fqn) if b.attention else blocks[b.fqn]
                     for b in local.blocks if b.moe is not None}

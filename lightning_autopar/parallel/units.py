@@ -14,9 +14,11 @@ never-synchronised tensor: the model silently trains apart from one device. So a
 an ancestor of every module holding it whose forward encloses all its uses; ``check_applied`` verifies after the
 apply that every tie is still one tensor, owned by one unit, and that no parameter was left outside every unit.
 
-When the meta forward fails (a model that does not run on token ids), modules whose class implements ``forward``
-stand in for the called ones, and what the blocks leave goes to the outermost of them (their forward encloses
-every use); the guard still applies.
+The meta forward runs on token ids (a transformer), or on ``example``: the user's own model call (args, kwargs) as
+captured from the training step (``profile.units.find_model_call``), its tensors swapped for meta tensors -- so
+CNNs, U-Nets and other models in unit form are traced too (their units are the analysis' units). When it fails,
+modules whose class implements ``forward`` stand in for the called ones, and what the blocks leave goes to the
+outermost of them (their forward encloses every use); the guard still applies.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import nn
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.profile.analyze import first_line, implements_forward
+from lightning_autopar.profile.units import meta_buffer
 
 
 @dataclass(frozen=True)
@@ -133,10 +136,24 @@ class _UseRecorder(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _trace(root: nn.Module, entry: str, seq_len: int, blocks: Iterable[str] = ()) -> CallTrace:
-    """One forward of ``root.get_submodule(entry)`` on token ids, every parameter and buffer swapped for a meta
-    tensor (ties kept: one meta tensor per Parameter object); ``blocks`` (root-relative) stand in as identity
-    where they cannot run on meta tensors."""
+Example = tuple[tuple, dict]  # a model call: (args, kwargs)
+
+
+def _meta_call(example: Example | None, seq_len: int) -> Example:
+    """The call to trace: ``example`` with every tensor as a meta tensor of the same shape and dtype, else one
+    row of ``seq_len`` token ids."""
+    if example is None:
+        return (torch.zeros(1, seq_len, dtype=torch.long, device="meta"),), {}
+    args, kwargs = torch.utils._pytree.tree_map(
+        lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, example)
+    return tuple(args), dict(kwargs)
+
+
+def _trace(root: nn.Module, entry: str, seq_len: int, blocks: Iterable[str] = (),
+           example: Example | None = None) -> CallTrace:
+    """One forward of ``root.get_submodule(entry)`` on token ids (or on ``example``, the user's call of it), every
+    parameter and buffer swapped for a meta tensor (ties kept: one meta tensor per Parameter object); ``blocks``
+    (root-relative) stand in as identity where they cannot run on meta tensors."""
     from torch.func import functional_call
 
     from lightning_autopar.profile.analyze import _meta_friendly_experts, blocks_stand_in_on_failure
@@ -152,7 +169,7 @@ def _trace(root: nn.Module, entry: str, seq_len: int, blocks: Iterable[str] = ()
         param_names[id(meta[id(p)])].append(prefix + name)
         tensors[name] = meta[id(p)]
     for name, b in model.named_buffers(remove_duplicate=False):
-        tensors[name] = torch.empty_like(b, device="meta")
+        tensors[name] = meta_buffer(b)
     stack: list[str] = []
     called: set[str] = set()
     handles = []
@@ -169,13 +186,13 @@ def _trace(root: nn.Module, entry: str, seq_len: int, blocks: Iterable[str] = ()
         handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mod.register_forward_hook(post, always_call=True))
     recorder = _UseRecorder(stack, param_names)
-    idx = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    args, kwargs = _meta_call(example, seq_len)
     failures: list[str] = []
     stand_ins = [root.get_submodule(b) for b in blocks if _inside(b, entry) and b != entry]
     try:
         with (torch.no_grad(), _meta_friendly_experts(model), blocks_stand_in_on_failure(stand_ins, failures),
               recorder):
-            functional_call(model, tensors, (idx,), strict=False, tie_weights=True)
+            functional_call(model, tensors, args, kwargs, strict=False, tie_weights=True)
     finally:
         for h in handles:
             h.remove()
@@ -183,18 +200,22 @@ def _trace(root: nn.Module, entry: str, seq_len: int, blocks: Iterable[str] = ()
                      partial=bool(failures))
 
 
-def trace_calls(root: nn.Module, transformer: nn.Module, seq_len: int, block_fqns: Iterable[str] = ()) -> CallTrace:
+def trace_calls(root: nn.Module, transformer: nn.Module, seq_len: int, block_fqns: Iterable[str] = (),
+                example: Example | None = None) -> CallTrace:
     """Trace the outermost module between ``root`` (the LightningModule, whose forward the training step does
     not run) and ``transformer`` that runs on token ids: a ``*ForCausalLM`` or litgpt's GPT around the blocks
-    (``block_fqns``, relative to ``transformer``)."""
+    (``block_fqns``, relative to ``transformer``). With ``example`` (the user's call of ``transformer``, the
+    model the step calls) that call is traced instead."""
     names = {id(m): n for n, m in root.named_modules()}
     path = names[id(transformer)]
-    blocks = [f"{path}.{b}" if path else b for b in block_fqns]
+    blocks = [f"{path}.{b}" if path and b else path or b for b in block_fqns]
     chain = [] if not path else [".".join(path.split(".")[: i + 1]) for i in range(path.count(".") + 1)]
+    if example is not None:
+        chain = [path]  # the example is the call of this module, no other
     failure = ""
     for entry in chain or [""]:
         try:
-            return _trace(root, entry, seq_len, blocks)
+            return _trace(root, entry, seq_len, blocks, example)
         except Exception as err:  # noqa: BLE001 -- a model not runnable on token ids: try the next one inward
             failure = failure or first_line(err)
     called = frozenset(n for n, m in root.named_modules() if n and implements_forward(m))
@@ -279,23 +300,25 @@ def _cover(owners: _Owners, within: str, groups: list[ParamGroup]) -> list[str]:
 
 
 def choose_units(root: nn.Module, transformer: nn.Module, block_fqns: Iterable[str], seq_len: int,
-                 wrap_blocks: bool = True, trace: CallTrace | None = None) -> UnitChoice:
+                 wrap_blocks: bool = True, trace: CallTrace | None = None,
+                 example: Example | None = None) -> UnitChoice:
     """The data-parallel units of ``root`` (the LightningModule): each block of ``transformer`` (``block_fqns``
-    relative to it) that owns all its parameters (``wrap_blocks``; DDP takes none), then as few modules as
-    correct owning everything else."""
+    relative to it; for a model in unit form, the analysis' units) that owns all its parameters (``wrap_blocks``;
+    DDP takes none), then as few modules as correct owning everything else. ``example``: the user's call of
+    ``transformer``, traced instead of token ids."""
     direct = [n for n, _ in root.named_parameters(recurse=False)]
     if direct:
         raise ConfigError(f"{type(root).__name__}.{direct[0]}", "a parameter registered directly on the "
                           "LightningModule cannot be sharded", "hold it in a submodule (e.g. an nn.Linear)")
     block_fqns = list(block_fqns)
-    trace = trace or trace_calls(root, transformer, seq_len, block_fqns)
+    trace = trace or trace_calls(root, transformer, seq_len, block_fqns, example)
     if not trace.traced:
         warnings.warn(f"autopar: the meta forward of {trace.entry or type(root).__name__!r} failed "
                       f"({trace.failure}); data-parallel units chosen from the modules implementing forward",
                       stacklevel=2)
     names = {id(m): n for n, m in root.named_modules()}
     prefix = names[id(transformer)]
-    blocks = [f"{prefix}.{b}" if prefix else b for b in block_fqns]
+    blocks = [f"{prefix}.{b}" if prefix and b else prefix or b for b in block_fqns]  # "": the model is one unit
     groups = param_groups(root)
     owners = _Owners(root, trace, [])
     kept = _block_units(owners, groups, blocks) if wrap_blocks else []

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -104,16 +103,13 @@ class PlanReport:
         ax_m.legend(fontsize=8)
         fig.suptitle(f"{self.model.name} on {self.cluster.name}: best {self.best.plan.short()}", fontsize=9)
         fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix or ".png")
-        os.close(fd)
+        from lightning_autopar.files import atomic_file
+
         try:
-            fig.savefig(tmp, format=(path.suffix.lstrip(".") or "png"), dpi=110)
-            os.replace(tmp, path)
+            with atomic_file(path) as tmp:
+                fig.savefig(tmp, format=(path.suffix.lstrip(".") or "png"), dpi=110)
         finally:
             plt.close(fig)
-            if os.path.exists(tmp):
-                os.unlink(tmp)
         return path
 
 

@@ -42,6 +42,7 @@ from lightning_autopar.profile.analyze import (BlockInfo, ModelAnalysis, analyze
 from lightning_autopar.specs import UNIT_KINDS, ModelSpec, UnitSpec
 
 REST = "(rest)"  # the spec unit holding what no module unit covers
+DOMINANT_SHARE = 0.9  # a child doing this share of its parent's FLOPs makes the parent one unit
 UNIT_SHARE = 1 / 16  # a module holding more than this share of FLOPs or parameters is split further
 ELEMENT_BYTES = 4  # unit sizes are counted at 4-byte elements (the planner scales to the plan's precision)
 META_FIX = ("make its forward run on meta tensors (no data-dependent ops such as nonzero() or .item()), "
@@ -252,13 +253,20 @@ def _meta_example(example: tuple[tuple, dict]) -> tuple[tuple, dict]:
     return tree_map(cut, tuple(args)), tree_map(cut, dict(kwargs))
 
 
+def meta_buffer(buffer: torch.Tensor) -> torch.Tensor:
+    """A buffer's stand-in for a meta trace: a meta tensor, except a real scalar counter (BatchNorm with
+    momentum=None reads num_batches_tracked's value, which a meta tensor cannot give)."""
+    counter = buffer.dim() == 0 and not buffer.is_floating_point() and buffer.device.type != "meta"
+    return buffer.clone() if counter else torch.empty_like(buffer, device="meta")
+
+
 def _run_meta(model: nn.Module, example: tuple[tuple, dict], trace: _Trace) -> None:
     """One forward on meta tensors with module hooks, the cost mode and saved-tensor hooks."""
     from torch.func import functional_call
 
     params = {n: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
               for n, p in model.named_parameters()}
-    buffers = {n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()}
+    buffers = {n: meta_buffer(b) for n, b in model.named_buffers()}
     state_storages = {t.untyped_storage()._cdata for t in (*params.values(), *buffers.values())}
     seen: set[int] = set()
 
@@ -403,7 +411,10 @@ def _totals(trace: _Trace) -> _Totals:
 def _choose(s: _Structure, called: dict[str, int], totals: _Totals) -> list[str]:
     """Units top-down: the model is always split; a module is split when it is big (more than UNIT_SHARE of the
     FLOPs or parameters) or contains repeated blocks, is not itself a repeated block, and has >= 2 children doing
-    work -- or exactly one and no work of its own (a pass-through such as ResNet's stage around its layers)."""
+    work -- or exactly one and no work of its own (a pass-through such as ResNet's stage around its layers). Outside
+    block stacks a module stays whole when its working children are all bare layers (a conv-norm-activation
+    Sequential: units of single layers would leave the activations between them to no unit) or when one child
+    does DOMINANT_SHARE of its FLOPs (a U-Net's up block: the transposed conv beside the conv block)."""
     total_flops = max(totals.flops.get("", 0.0), 1e-30)
     total_params = max(s.count(s.params[""]), 1)
     contains_blocks: dict[str, bool] = {}
@@ -418,10 +429,14 @@ def _choose(s: _Structure, called: dict[str, int], totals: _Totals) -> list[str]
             return True
         if name in s.blocks or not kids:
             return False
-        big = (totals.flops.get(name, 0.0) > UNIT_SHARE * total_flops
-               or s.count(s.params[name]) > UNIT_SHARE * total_params)
-        if not (big or contains_blocks[name]):
-            return False
+        if not contains_blocks[name]:
+            big = (totals.flops.get(name, 0.0) > UNIT_SHARE * total_flops
+                   or s.count(s.params[name]) > UNIT_SHARE * total_params)
+            if not big or all(not s.children[k] for k in kids):
+                return False
+            flops = totals.flops.get(name, 0.0)
+            if flops > 0 and max(totals.flops.get(k, 0.0) for k in kids) >= DOMINANT_SHARE * flops:
+                return False  # one child does (nearly) all the work: splitting would not make smaller units
         if len(kids) >= 2:
             return True
         own_params = s.params[name] - s.params[kids[0]]

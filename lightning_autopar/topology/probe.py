@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from lightning_autopar.topology.mesh import init_process_group_with_timeout
-    from lightning_autopar.topology.ranktable import atomic_write
+    from lightning_autopar.files import atomic_write
 
     sizes = parse_sizes(args.sizes) if args.sizes else None
     if args.iters is not None and args.iters < 1:

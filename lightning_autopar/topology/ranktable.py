@@ -31,7 +31,6 @@ import os
 import re
 import socket
 import sys
-import tempfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.files import atomic_write
 
 GENERIC_FORMAT = "autopar-ranktable"
 MAX_NODES = 100_000
@@ -478,27 +478,6 @@ def table_from_records(records: Sequence[Any], device_ip_base: str | None = None
                                   device_ip=_device_ip(device_ip_base, rank, rec.device_ip or address)))
         servers.append(Server(server_id=address, devices=devices, host=host))
     return RankTable(servers=servers, kind="discovered").validate()
-
-
-def atomic_write(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file in the same folder and os.replace: never half-written."""
-    target = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    except OSError as err:
-        raise ConfigError("output", f"cannot write {target}: {err.strerror}", "choose a writable folder") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------------------------- CLI
