@@ -77,13 +77,6 @@ def _slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
     return tree_map(cut, batch)
 
 
-def _is_transformer(analysis: Any) -> bool:
-    """Repeated blocks with attention, an MLP or MoE layers found in the first: planned and split as a transformer
-    (TP, EP, the block-stack pipeline); anything else is a model in unit form."""
-    first = analysis.blocks[0] if analysis.blocks else None
-    return first is not None and any(part is not None for part in (first.attention, first.mlp, first.moe))
-
-
 def split_rows(total: int, parts: int, index: int) -> tuple[int, int]:
     """[start, stop) of part ``index`` when ``total`` rows are split into ``parts`` contiguous near-equal parts."""
     base, rem = divmod(total, parts)
@@ -335,7 +328,7 @@ class AutoParallelMixin:
         blocks with attention, an MLP or MoE layers found) is analysed as before, on token ids; any other model
         in unit form (``profile.units``), from the user's own call of it on one row of the first batch."""
         from lightning_autopar.profile.analyze import analyze, find_transformer
-        from lightning_autopar.profile.units import analyze_model
+        from lightning_autopar.profile.units import analyze_model, is_transformer
 
         module = self.lightning_module
         try:
@@ -343,10 +336,12 @@ class AutoParallelMixin:
             analysis = analyze(transformer, trace=True, runner=module)  # what the code does (views, fused layouts)
         except ValueError:  # no repeated blocks, or none a transformer spec describes (a ResNet's: no width)
             analysis = None
-        if analysis is not None and _is_transformer(analysis):
+        traced = analysis is not None and not any(u.startswith("meta forward failed") for u in analysis.unclassified)
+        if analysis is not None and is_transformer(analysis) and traced:
             return transformer, analysis, None
         call = self._model_call(trainer)
         example = (tuple(call.args), dict(call.kwargs))
+        # a transformer that does not run on token ids (ViT: pixels) is traced on the user's own call
         return call.module, analyze_model(call.module, example, runner=module), example
 
     def _exclude(self, restrict: dict[str, list[Any]], name: str, values: list[Any], reason: str) -> None:
@@ -424,7 +419,7 @@ class AutoParallelMixin:
             analysis.spec, self._cluster_spec(), global_batch=global_batch, seq_len=seq_len, fix=self._fix,
             top=self._top, restrict=restrict, precision=precision, memory_fraction=self._memory_fraction,
         )
-        self.report.excluded = dict(self.excluded)
+        self.report.excluded = {**self.report.excluded, **self.excluded}  # the planner's own (unit form) and the runtime's
         plan = self.plan = self.report.best.plan
         if self.global_rank == 0 and self._print_plan:
             self.report.print_table()

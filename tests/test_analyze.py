@@ -110,3 +110,56 @@ def test_hugging_face_llama_heads_come_from_its_config():
         assert (attn.q, attn.k, attn.v, attn.o) == ("q_proj", "k_proj", "v_proj", "o_proj")
         assert (a.spec.heads, a.spec.kv_heads, a.spec.ffn_kind, a.spec.layers) == (4, 2, "swiglu", 2)
         assert a.unclassified == []
+
+
+def test_bert_attention_and_mlp_across_sibling_modules_come_from_the_dataflow():
+    """HF BERT: q/k/v in ``attention.self``, o in the sibling ``attention.output``, the MLP from
+    ``intermediate.dense`` to ``output.dense``: found by what feeds what in the trace, for every layer."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_autopar.parallel.tensor import block_layout, check_tp
+
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=16, attn_implementation="sdpa")
+    model = transformers.BertForMaskedLM(cfg)
+    a = analyze(find_transformer(model)[1], runner=model)
+    assert a.blocks_fqn == "encoder.layer" and a.unclassified == []
+    for block in a.blocks:
+        attn, mlp = block.attention, block.mlp
+        assert (attn.fqn, attn.q, attn.k, attn.v, attn.o) == ("attention", "self.query", "self.key", "self.value",
+                                                              "output.dense")
+        assert (mlp.fqn, mlp.up, mlp.down, mlp.gate, mlp.ffn_hidden) == ("", "intermediate.dense", "output.dense",
+                                                                         None, 64)
+    attn = a.blocks[0].attention
+    assert attn.tp_validated and attn.tp_refusal is None and a.blocks[0].mlp.tp_refusal is None
+    check_tp(a, 2)
+    assert sorted(block_layout(a.blocks[0])) == ["attention.output.dense", "attention.self.key",
+                                                 "attention.self.query", "attention.self.value",
+                                                 "intermediate.dense", "output.dense"]
+    # the structure alone cannot tell o from v among four 32 x 32 linears: TP is refused, not guessed
+    untraced = analyze(find_transformer(model)[1], trace=False)
+    with pytest.raises(Exception, match="attention projections not recognised"):
+        check_tp(untraced, 2, structure_only=True)
+
+
+def test_vit_is_traced_with_the_example_call():
+    """A ViT takes pixel values, not token ids: with the model's real call (``example``, cut to ``batch`` rows) the
+    trace runs, finds its attention and MLP and counts the FLOPs of that call. Eager attention (softmax, no SDPA):
+    torch's FLOP counter counts no CPU SDPA kernel, so only eager attention compares with a real run."""
+    transformers = pytest.importorskip("transformers")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=64, num_labels=3, attn_implementation="eager")
+    model = transformers.ViTForImageClassification(cfg)
+    pixels = torch.randn(4, 3, 8, 8)
+    assert any("meta forward failed" in u for u in analyze(model).unclassified)  # token ids do not fit
+    a = analyze(model, batch=2, example=((), {"pixel_values": pixels}))
+    assert a.unclassified == [] and a.blocks_fqn == "vit.layers"
+    attn, mlp = a.blocks[0].attention, a.blocks[0].mlp
+    assert (attn.fqn, attn.q, attn.k, attn.v, attn.o) == ("attention", "q_proj", "k_proj", "v_proj", "o_proj")
+    assert (attn.heads, attn.head_dim, attn.tp_validated, attn.tp_refusal) == (4, 8, True, None)
+    assert (mlp.fqn, mlp.up, mlp.down, mlp.ffn_hidden) == ("mlp", "fc1", "fc2", 64)
+    with FlopCounterMode(display=False) as counter:
+        model(pixel_values=pixels[:2]).logits.sum().backward()
+    assert a.flops_total == pytest.approx(counter.get_total_flops(), rel=1e-6)
+    assert all(p.device.type == "cpu" for p in model.parameters())

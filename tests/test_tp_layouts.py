@@ -1,5 +1,6 @@
 """Tensor parallelism from what the code does: the analysis traces the model on meta tensors (heads found in a
-``view``, fused q/k/v and gate/up layouts, GPT-2's transposed Conv1D), dry-runs each block's attention and MLP
+``view``, fused q/k/v and gate/up layouts, GPT-2's transposed Conv1D, attention and MLP parts in sibling modules
+as in BERT), dry-runs each block's attention and MLP
 on one TP rank's local shapes, and refuses tp > 1 with one line when the model's code cannot run that way.
 Distributed: tp=2 equals the single-process loop for each layout (fused GQA [q | k | v] too, also under
 tp=2 x dp=4 zero=3), and a DCP checkpoint written at tp=2 loads into the single-device model unchanged (names and
@@ -111,6 +112,44 @@ def test_litgpt_fused_qkv_divides_its_own_config_copy():
     assert "needs the meta trace" in refusal(transformer)  # without the runner the layout stays unknown
 
 
+def test_encoder_heads_are_divided_on_the_submodule_that_reads_them():
+    """BERT as written before transformers 4.48: the attention module is the common ancestor of q/k/v (in
+    ``attention.self``) and o (``attention.output.dense``); the dry run finds the attributes its code needs
+    divided on the submodule (a view by ``num_attention_heads``, one by ``all_head_size``)."""
+    from lightning_autopar.profile.analyze import divide_attributes
+
+    model = S.encoder_model()
+    a = analyze(model)
+    attn, mlp = a.blocks[0].attention, a.blocks[0].mlp
+    assert (attn.fqn, attn.q, attn.o, attn.heads) == ("attention", "self.query", "output.dense", 4)
+    assert attn.tp_attrs == ["self.num_attention_heads", "self.all_head_size"] and attn.tp_validated
+    assert (mlp.fqn, mlp.up, mlp.down) == ("", "intermediate.dense", "output.dense")
+    check_tp(a, 2)
+    inner = model.layer[0].attention.self
+    assert (inner.num_attention_heads, inner.all_head_size) == (4, 32)  # the dry run left the model as it was
+    restore = divide_attributes(model.layer[0].attention, attn.tp_attrs, 2)
+    assert (inner.num_attention_heads, inner.all_head_size) == (2, 16)
+    restore()
+    assert (inner.num_attention_heads, inner.all_head_size) == (4, 32)
+
+
+def test_nested_config_paths_divide_the_submodules_own_copy():
+    """"self.config.n_head" divides the head count on a shallow copy of ``self``'s config: the config other
+    modules share keeps its value, and restoring puts the shared object back."""
+    from types import SimpleNamespace
+
+    from lightning_autopar.profile.analyze import divide_attributes
+
+    shared = SimpleNamespace(n_head=4)
+    outer = torch.nn.Module()
+    outer.self = torch.nn.Module()
+    outer.self.config = shared
+    restore = divide_attributes(outer, ["self.config.n_head"], 2)
+    assert outer.self.config.n_head == 2 and shared.n_head == 4 and outer.self.config is not shared
+    restore()
+    assert outer.self.config is shared
+
+
 def test_nanogpt_attention_is_refused_because_its_code_needs_the_full_width():
     reason = refusal(S.nano_model())
     assert reason.startswith("plan.tp: blocks.0.attn: its code does not run on a TP rank's local heads (")
@@ -154,7 +193,7 @@ def test_fused_layout_rules(width, op, args, expected):
 
 # ------------------------------------------------------------------------------------------- distributed
 
-MODELS = ["view", "gpt2", "litgpt", "phi3", "litgpt_gqa", "phi3_gqa"]
+MODELS = ["view", "gpt2", "litgpt", "phi3", "litgpt_gqa", "phi3_gqa", "encoder"]
 ROW_ORDERED = {"litgpt_gqa": "transformer.h.0.attn.qkv.weight", "phi3_gqa": "model.layers.0.self_attn.qkv_proj.weight"}
 STRIDED = {"gpt2": "transformer.h.0.attn.c_attn.weight", "litgpt": "transformer.h.0.attn.qkv.weight",
            "phi3": "model.layers.0.self_attn.qkv_proj.weight"}

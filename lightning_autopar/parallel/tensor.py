@@ -2,8 +2,13 @@
 
 Per block: q, k, v (or the MLP's up and gate) are split by columns (each rank owns whole heads / a slice of the
 FFN), o and down by rows (partial sums all-reduced), so each block costs two all-reduces forward and two
-backward. MoE experts are split the same way inside each expert; the router stays replicated. Experts stored as
-fused 3-D weights (HF Mixtral: ``gate_up_proj`` [E, 2*ffn, hidden] fusing [gate | up] along dim 1, ``down_proj``
+backward. The projections are addressed by their paths below the block wherever the analysis found them in the
+dataflow (HF BERT: q/k/v in ``attention.self``, o in the sibling ``attention.output``, the MLP from
+``intermediate.dense`` to ``output.dense``). TP leaves everything outside these projections alone (embeddings, a
+ViT's patch Conv2d, CLS token and position embeddings, norms, heads: replicated across the TP group, sharded by
+FSDP over the data-parallel mesh only), so no op of the model meets a TP DTensor next to a plain tensor. MoE
+experts are split the same way inside each expert; the router stays replicated. Experts stored as fused 3-D
+weights (HF Mixtral: ``gate_up_proj`` [E, 2*ffn, hidden] fusing [gate | up] along dim 1, ``down_proj``
 [E, hidden, ffn]) too (``shard_fused_experts``): ``gate_up_proj`` is ``_StridedShard(1, split_factor=2)`` (the rank
 keeps its part of gate and of up), ``down_proj`` ``Shard(2)``; the module's own forward runs on the local weights
 between f (on its hidden states and routing weights) and g (on its output); a probe on tiny weights checks that
@@ -80,7 +85,7 @@ def check_tp(analysis: ModelAnalysis, tp: int, structure_only: bool = False) -> 
         if block.mlp is not None and block.mlp.tp_refusal:
             raise ConfigError("plan.tp", _located(block.fqn, block.mlp.tp_refusal), "use tp=1")
         if block.moe is not None and block.moe.expert_mlp is not None and block.moe.expert_mlp.gate_up:
-            raise ConfigError("plan.tp", f"{block.fqn}.{block.moe.fqn}: experts with a fused gate/up projection "
+            raise ConfigError("plan.tp", f"{_join(block.fqn, block.moe.fqn)}: experts with a fused gate/up projection "
                               f"({block.moe.expert_mlp.gate_up}) are not split by TP", "use tp=1")
         if block.moe is not None and block.moe.fused:
             _check_fused_experts(f"{block.fqn}.{block.moe.fqn}", block.moe, tp if not structure_only else None)
@@ -321,7 +326,9 @@ def _style(name: str, kind: str, transposed: set[str], pieces: int = 1) -> Any:
 
 
 def _mlp_layout(prefix: str, mlp: MLPInfo) -> dict:
-    join = (lambda n: f"{prefix}.{n}" if prefix else n)
+    """The MLP's projections below ``prefix`` (relative to the block; "" when the MLP spans the block's own
+    children, as HF BERT's ``intermediate.dense`` -> ``output.dense``)."""
+    join = (lambda n: _join(prefix, n))
     flipped = set(mlp.transposed)
     layout = {join(mlp.up): _style(mlp.up, "col", flipped, 2 if mlp.gate_up else 1),
               join(mlp.down): _style(mlp.down, "row", flipped)}
@@ -330,17 +337,24 @@ def _mlp_layout(prefix: str, mlp: MLPInfo) -> dict:
     return layout
 
 
+def _join(*names: str) -> str:
+    """A module path from parts relative to each other; empty parts (the block itself) drop out."""
+    return ".".join(n for n in names if n)
+
+
 def _attention_layout(attn: AttentionInfo) -> dict:
+    """The attention's projections relative to the block. ``attn.fqn`` is the innermost module holding all of them,
+    which need not be their parent: HF BERT's "attention" with q "self.query" and o "output.dense"."""
     flipped = set(attn.transposed)
     if attn.qkv and attn.qkv_layout == "sequential" and len(set(attn.qkv_pieces)) > 1:  # GQA: row-permuted
-        layout = {f"{attn.fqn}.{attn.qkv}": _local_style()(LocalShardSpec("col", attn.qkv in flipped,
-                                                                           widths=tuple(attn.qkv_pieces)))}
+        layout = {_join(attn.fqn, attn.qkv): _local_style()(LocalShardSpec("col", attn.qkv in flipped,
+                                                                            widths=tuple(attn.qkv_pieces)))}
     elif attn.qkv:
         pieces = 3 if attn.qkv_layout == "sequential" else 1
-        layout = {f"{attn.fqn}.{attn.qkv}": _style(attn.qkv, "col", flipped, pieces)}
+        layout = {_join(attn.fqn, attn.qkv): _style(attn.qkv, "col", flipped, pieces)}
     else:
-        layout = {f"{attn.fqn}.{name}": _style(name, "col", flipped) for name in (attn.q, attn.k, attn.v)}
-    layout[f"{attn.fqn}.{attn.o}"] = _style(attn.o, "row", flipped)
+        layout = {_join(attn.fqn, name): _style(name, "col", flipped) for name in (attn.q, attn.k, attn.v)}
+    layout[_join(attn.fqn, attn.o)] = _style(attn.o, "row", flipped)
     return layout
 
 

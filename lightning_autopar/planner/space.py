@@ -125,7 +125,7 @@ def _allowed(name: str, default: Sequence, fix: Mapping[str, Any], restrict: Map
 def check_fix(model: ModelSpec, world: int, global_batch: int, seq_len: int, fix: Mapping[str, Any]) -> None:
     """Reject fixed values that can never form a valid plan, naming the field and the fix (ConfigError)."""
     if model.unit_form:
-        check_unit_fix(fix)
+        check_unit_fix(model, fix)
     tp = fix.get("tp")
     if tp is not None:
         for attr in ("heads", "kv_heads"):
@@ -173,14 +173,14 @@ def check_fix(model: ModelSpec, world: int, global_batch: int, seq_len: int, fix
         raise ConfigError("fix.dp_shard", f"{fix['dp_shard']} does not divide dp={fix['dp']}", "choose a divisor of dp")
 
 
-def check_unit_fix(fix: Mapping[str, Any]) -> None:
+def check_unit_fix(model: ModelSpec, fix: Mapping[str, Any]) -> None:
     """Unit form (any model): no tensor, context or expert parallelism, no sequence parallel, no interleaved
     schedule (a unit-form model has no attention/MLP to split, no sequence and uneven units; pipeline stages are
     contiguous units, one per rank). A fixed value outside that is refused in one line."""
     for name in ("tp", "cp", "ep"):
         if fix.get(name, 1) != 1:
-            raise ConfigError(f"fix.{name}", f"{name}={fix[name]} needs a transformer; a model in unit form has "
-                              "no attention/MLP the runtime can split", f"set {name}=1")
+            raise ConfigError(f"fix.{name}", f"{model.name} is in unit form (no attention, MLP or sequence found): "
+                              f"{name}={fix[name]} has nothing to split", f"use {name}=1")
     if fix.get("sp"):
         raise ConfigError("fix.sp", "sequence parallel needs a transformer with tp > 1", "set sp=false")
     if fix.get("schedule") == "interleaved" or fix.get("vpp", 1) != 1:

@@ -4,11 +4,16 @@ Parameters are swapped for meta tensors (``torch.func.functional_call``), so a m
 (or already built on the meta device) is analysed without allocating it. We find:
 
 * the repeated blocks: the largest ``ModuleList``/``Sequential`` of same-class children;
-* inside a block, by structure and shapes rather than attribute names: the attention (the module that calls
+* inside a block, from the traced dataflow where there is a trace: the attention's o projection reads the output
+  of an attention call (``scaled_dot_product_attention``, or eager attention's 4-D softmax), its q/k/v (or one
+  fused qkv) feed that call; the MLP's down projection (ffn -> hidden) reads, through an activation or gate * up,
+  projections reading the hidden states -- wherever these modules sit (HF BERT's o in ``attention.output``, its
+  MLP from ``intermediate.dense`` to ``output.dense``);
+* otherwise by structure and shapes rather than attribute names: the attention (the module that calls
   ``scaled_dot_product_attention`` or a 4-D softmax; its linears split into q/k/v/o or fused qkv), the MLP
-  (linears hidden -> ffn [gate, up] and ffn -> hidden [down]) and MoE layers (a router hidden -> E next to a
-  list of E identical MLPs, or -- the fused layout of Hugging Face Mixtral -- a router module with a weight
-  [E, hidden] next to an experts module holding 3-D parameters [E, ...]);
+  (linears hidden -> ffn [gate, up] and ffn -> hidden [down]); and, always by structure, MoE layers (a router
+  hidden -> E next to a list of E identical MLPs, or -- the fused layout of Hugging Face Mixtral -- a router
+  module with a weight [E, hidden] next to an experts module holding 3-D parameters [E, ...]);
 * embeddings (token, position), the final norm and the LM head (tied or not);
 * per block: parameters, forward+backward FLOPs (``FlopCounterMode``) and saved-activation bytes;
 * for tensor parallelism, from what the traced code does: projections that multiply ``x @ W`` (GPT-2's Conv1D,
@@ -22,6 +27,7 @@ What could not be classified is listed in ``ModelAnalysis.unclassified`` rather 
 
 from __future__ import annotations
 
+import copy
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -37,7 +43,10 @@ SHORT_TRACE_SEQ = 8  # the sequence length of the fallback trace
 
 @dataclass
 class AttentionInfo:
-    fqn: str  # relative to the block
+    # relative to the block: the innermost module holding all the projections and the attention call ("" for
+    # the block itself); the projections are relative to it and need not be its children (HF BERT: fqn
+    # "attention", q "self.query", o "output.dense")
+    fqn: str
     q: str | None = None
     k: str | None = None
     v: str | None = None
@@ -66,7 +75,9 @@ class AttentionInfo:
 
 @dataclass
 class MLPInfo:
-    fqn: str  # relative to the block (or to an MoE expert list entry)
+    # relative to the block (or to an MoE expert list entry): the innermost module holding up, gate and down, which
+    # are relative to it (HF BERT: fqn "" -- the block --, up "intermediate.dense", down "output.dense")
+    fqn: str
     up: str
     down: str
     gate: str | None = None
@@ -173,15 +184,18 @@ class Projection:
 Orientation = dict[int, bool]  # id(module) -> weight stored [in, out], for traced non-Linear projections
 
 
+def _projection(m: nn.Module, orient: Orientation | None = None) -> Projection | None:
+    """``m`` as a projection: an nn.Linear, or a module whose traced forward multiplied its 2-D weight."""
+    if isinstance(m, nn.Linear):
+        return Projection(m.in_features, m.out_features)
+    if orient and id(m) in orient and isinstance(getattr(m, "weight", None), torch.Tensor):
+        rows, cols = m.weight.shape
+        return Projection(rows, cols, True) if orient[id(m)] else Projection(cols, rows)
+    return None
+
+
 def _linears(module: nn.Module, orient: Orientation | None = None) -> dict[str, Projection]:
-    found: dict[str, Projection] = {}
-    for n, m in module.named_children():
-        if isinstance(m, nn.Linear):
-            found[n] = Projection(m.in_features, m.out_features)
-        elif orient and id(m) in orient and isinstance(getattr(m, "weight", None), torch.Tensor):
-            rows, cols = m.weight.shape
-            found[n] = Projection(rows, cols, True) if orient[id(m)] else Projection(cols, rows)
-    return found
+    return {n: p for n, m in module.named_children() if (p := _projection(m, orient)) is not None}
 
 
 def _classify_mlp(fqn: str, module: nn.Module, hidden: int, orient: Orientation | None = None) -> MLPInfo | None:
@@ -231,6 +245,13 @@ def _classify_attention(fqn: str, module: nn.Module, hidden: int, heads: int, he
             info.q, info.k, info.v = q[0], q[1], q[2]
     if outs:
         info.o = outs[-1]
+    _head_attributes(info, module, "", heads, kv_heads)
+    return info
+
+
+def _head_attributes(info: AttentionInfo, module: nn.Module, path: str, heads: int, kv_heads: int) -> None:
+    """Add ``module``'s integer attributes named like a head count (at ``path`` below the attention module) to
+    ``info.heads_attrs`` / ``info.kv_heads_attrs``: what TP divides when no dry run could check it."""
     for attr, value in vars(module).items():
         if isinstance(value, bool) or not isinstance(value, int):
             continue
@@ -238,10 +259,177 @@ def _classify_attention(fqn: str, module: nn.Module, hidden: int, heads: int, he
             continue
         if "kv" in attr.lower() or "key_value" in attr.lower() or "group" in attr.lower():
             if value == kv_heads:
-                info.kv_heads_attrs.append(attr)
+                info.kv_heads_attrs.append(_join(path, attr))
         elif value == heads:
-            info.heads_attrs.append(attr)
+            info.heads_attrs.append(_join(path, attr))
+
+
+# ------------------------------------------------------------------------------------------- structure from dataflow
+#
+# Where attention and the MLP sit is read from what block 0's forward does, not from module boundaries: the o
+# projection is the one reading an attention call's output, q/k/v the ones feeding that call; the MLP's down
+# projection reads (through an activation, or gate * up) projections that read the hidden states. So Hugging
+# Face BERT's attention (q/k/v in ``attention.self``, o in the sibling ``attention.output``) and its MLP
+# (``intermediate.dense`` -> ``output.dense``) are found like any other; paths are relative to the innermost
+# module holding all the parts (``AttentionInfo.fqn`` / ``MLPInfo.fqn``, possibly the block itself: "").
+
+
+@dataclass(frozen=True)
+class _BlockFlow:
+    """Block 0's projections (relative to the block, in call order) and where each one's input comes from."""
+
+    projections: dict[str, Projection]
+    inputs: dict[str, frozenset[str]]  # projection -> projections / attention marks its input is computed from
+    attention: list[tuple[str, frozenset[str], frozenset[str], frozenset[str]]]  # (site, q, k, v sources)
+
+
+def _block_flow(traced: dict[str, Any], block_fqn: str, block: nn.Module, orient: Orientation) -> _BlockFlow | None:
+    """Block 0's dataflow from the trace, names relative to the block; None without a trace."""
+    probe: _Probe | None = traced.get("probe")
+    if probe is None or not probe.inputs:
+        return None
+    prefix = block_fqn + "."
+
+    def rel(name: str) -> str:
+        if name.startswith(ATTENTION_MARK):
+            return ATTENTION_MARK + rel(name[len(ATTENTION_MARK):])
+        return "" if name == block_fqn else name[len(prefix):] if name.startswith(prefix) else name
+
+    projections, inputs = {}, {}
+    for name, sources in probe.inputs.items():
+        local = rel(name)
+        found = _projection(block.get_submodule(local), orient)
+        if found is not None:
+            projections[local] = found
+            inputs[local] = frozenset(rel(n) for n in sources)
+    attention = [(rel(site), *(frozenset(rel(n) for n in src) for src in qkv)) for site, *qkv in probe.attention
+                 if site == block_fqn or site.startswith(prefix)]
+    return _BlockFlow(projections, inputs, attention)
+
+
+def _common_module(paths: list[str]) -> str:
+    """The innermost module containing every module at ``paths`` (relative to the block; "" is the block)."""
+    split = [p.split(".") if p else [] for p in paths]
+    common: list[str] = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _under(fqn: str, name: str) -> str:
+    """``name`` (relative to the block) relative to its ancestor module ``fqn``."""
+    return name[len(fqn) + 1:] if fqn else name
+
+
+def _attention_qkv(flow: _BlockFlow, site: str, sources: tuple[frozenset[str], ...], o: str,
+                   q_width: int) -> list[str] | None:
+    """[qkv] or [q, k, v]: the projections feeding the attention call at ``site``. SDPA: each of its q, k, v comes
+    from one projection (the same one when fused). A softmax (eager attention): the projections o reads through
+    softmax(q k^T) @ v, q the first called of the q width, k and v in call order."""
+    if any(sources):
+        if any(len(src) != 1 for src in sources):
+            return None
+        q, k, v = (next(iter(src)) for src in sources)
+        names = [q] if q == k == v else [q, k, v] if len({q, k, v}) == 3 else []
+    else:
+        order = list(flow.projections)
+        feeding = flow.inputs[o] - {ATTENTION_MARK + site}
+        names = sorted(feeding, key=lambda n: order.index(n) if n in flow.projections else -1)
+        if len(names) == 3:
+            q = next((n for n in names if flow.projections.get(n, Projection(0, 0)).out_features == q_width), names[0])
+            names = [q, *(n for n in names if n != q)]
+    if len(names) not in (1, 3) or any(n not in flow.projections for n in names):
+        return None
+    return names
+
+
+def _attention_from_flow(flow: _BlockFlow, block: nn.Module, hidden: int, heads: int, head_dim: int,
+                         kv_heads: int) -> AttentionInfo | None:
+    """Block 0's attention from the dataflow: o reads the first attention call's output; q/k/v (or one fused
+    qkv) feed it. None when the dataflow does not show a whole attention with the traced head geometry."""
+    if not flow.attention or not heads:
+        return None
+    site, *sources = flow.attention[0]
+    o = next((n for n, src in flow.inputs.items() if ATTENTION_MARK + site in src), None)
+    q_width, kv_width = heads * head_dim, kv_heads * head_dim
+    names = _attention_qkv(flow, site, tuple(sources), o, q_width) if o is not None else None
+    if names is None or o in names:
+        return None
+    proj = flow.projections
+    widths = [proj[n].out_features for n in names]
+    if proj[o].out_features != hidden or proj[o].in_features != q_width or any(
+            proj[n].in_features != hidden for n in names):
+        return None
+    if widths not in ([q_width + 2 * kv_width], [q_width, kv_width, kv_width]):
+        return None
+    fqn = _common_module([_parent(n) for n in (*names, o)] + [site])
+    info = AttentionInfo(fqn=fqn, heads=heads, kv_heads=kv_heads, head_dim=head_dim, o=_under(fqn, o))
+    if len(names) == 1:
+        info.qkv = _under(fqn, names[0])
+    else:
+        info.q, info.k, info.v = (_under(fqn, n) for n in names)
+    info.transposed = [_under(fqn, n) for n in (*names, o) if proj[n].transposed]
+    # head-count attributes on the modules from the attention module down to the one calling attention
+    path = _under(fqn, site) if site != fqn else ""
+    parts = path.split(".") if path else []
+    for depth in range(len(parts) + 1):
+        sub = ".".join(parts[:depth])
+        _head_attributes(info, block.get_submodule(_join(fqn, sub)), sub, heads, kv_heads)
     return info
+
+
+def _mlp_from_flow(flow: _BlockFlow, hidden: int, attention: set[str]) -> MLPInfo | None:
+    """Block 0's MLP from the dataflow: a down projection writing ``hidden`` whose input is computed from one
+    (up, or a fused gate/up of twice its width) or two (gate and up) projections reading ``hidden`` and nothing
+    else (no attention call, no other projection), none of them attention's. Inside a list (an expert of a
+    ModuleList) it is not the block's MLP."""
+    proj, order = flow.projections, list(flow.projections)
+    for down, sources in flow.inputs.items():
+        if down in attention or proj[down].out_features != hidden or not sources \
+                or any(n not in proj or n in attention or n == down for n in sources):
+            continue
+        ins = sorted(sources, key=order.index)
+        ffn = proj[down].in_features
+        widths = [proj[n].out_features for n in ins]
+        fqn = _common_module([_parent(n) for n in (*ins, down)])
+        if any(proj[n].in_features != hidden for n in ins) or any(p.isdigit() for p in fqn.split(".")):
+            continue
+        flipped = [_under(fqn, n) for n in (*ins, down) if proj[n].transposed]
+        rel = [_under(fqn, n) for n in ins]
+        if widths == [2 * ffn]:
+            return MLPInfo(fqn=fqn, up=rel[0], down=_under(fqn, down), ffn_hidden=ffn, gate_up=rel[0],
+                           transposed=flipped)
+        if widths == [ffn]:
+            return MLPInfo(fqn=fqn, up=rel[0], down=_under(fqn, down), ffn_hidden=ffn, transposed=flipped)
+        if widths == [ffn, ffn]:
+            # which of the two goes through the activation does not change the split: the usual names, else
+            # the first called
+            gate = next((n for n in rel if "gate" in n.rpartition(".")[2] or n.rpartition(".")[2] in ("w1", "fc_1")),
+                        rel[0])
+            return MLPInfo(fqn=fqn, up=next(n for n in rel if n != gate), down=_under(fqn, down), gate=gate,
+                           ffn_hidden=ffn, transposed=flipped)
+    return None
+
+
+def _fits(block: nn.Module, fqn: str, names: list[str | None], like: nn.Module) -> bool:
+    """Whether ``block`` has the projections ``names`` (below ``fqn``) with the shapes they have in ``like``
+    (block 0): blocks of one class can still differ (an MoE every other block)."""
+    for name in filter(None, names):
+        path = _join(fqn, name)
+        try:
+            mine, theirs = block.get_submodule(path), like.get_submodule(path)
+        except AttributeError:
+            return False
+        weight, ref = getattr(mine, "weight", None), getattr(theirs, "weight", None)
+        if not isinstance(weight, torch.Tensor) or not isinstance(ref, torch.Tensor) or weight.shape != ref.shape:
+            return False
+    return True
 
 
 def _top_k(*modules: nn.Module) -> int:
@@ -326,6 +514,8 @@ def plain_moe_layout(module: nn.Module, info: MoEInfo) -> bool:
 _VIEW_OPS = frozenset({"split", "split_with_sizes", "chunk", "tensor_split", "unbind", "__getitem__", "view", "reshape",
                        "transpose", "permute", "contiguous", "narrow", "unflatten"})
 _RIGHT_OPERAND = {"addmm": 2, "mm": 1, "matmul": 1, "__matmul__": 1}  # x @ W: the weight is stored [in, out]
+_SOFTMAX = (torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax)
+ATTENTION_MARK = "@attention:"  # a dataflow source: the output of an attention call in the module after it
 
 
 def _summary(value: Any) -> Any:
@@ -345,7 +535,10 @@ class _TraceRecorder(torch.overrides.TorchFunctionMode):
     * ``calls``: the innermost module calling attention and the (heads, kv_heads, head_dim) it uses;
     * ``orientation``: for each traced weight, whether the code multiplies ``x @ W`` (stored [in, out]);
     * ``consumers``: the ops applied to a projection's output (how a fused qkv is split into q, k and v);
-    * ``source(t)``: the projection a tensor is (a view of) the output of.
+    * ``source(t)``: the projection a tensor is (a view of) the output of;
+    * while block 0 runs (``flow_on``), the dataflow between its projections: ``flow_of(t)`` is the set of
+      projections (and attention calls, ``ATTENTION_MARK`` + the calling module) whose outputs reach ``t``
+      through any ops but another projection; ``attention_flow`` the sources of each attention call's q, k, v.
     """
 
     def __init__(self, stack: list[str], weights: dict[int, str] | None = None) -> None:
@@ -356,6 +549,9 @@ class _TraceRecorder(torch.overrides.TorchFunctionMode):
         self.orientation: dict[str, bool] = {}
         self.sources: dict[int, tuple[torch.Tensor, str, bool]] = {}  # id -> (tensor, projection, direct output)
         self.consumers: dict[str, list[tuple[str, tuple[int, ...], Any, Any]]] = {}
+        self.flow_on = False
+        self.flow: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}  # id -> (tensor, its sources)
+        self.attention_flow: list[tuple[str, frozenset[str], frozenset[str], frozenset[str]]] = []
 
     def tag(self, tensor: Any, name: str, direct: bool = True) -> None:
         if isinstance(tensor, torch.Tensor):
@@ -367,6 +563,39 @@ class _TraceRecorder(torch.overrides.TorchFunctionMode):
     def source(self, tensor: Any) -> tuple[str, bool] | None:
         entry = self.sources.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
         return (entry[1], entry[2]) if entry is not None and entry[0] is tensor else None
+
+    def flow_of(self, value: Any) -> frozenset[str]:
+        """The projections and attention calls whose outputs reach the tensors in ``value`` (nested)."""
+        if isinstance(value, torch.Tensor):
+            entry = self.flow.get(id(value))
+            return entry[1] if entry is not None and entry[0] is value else frozenset()
+        if isinstance(value, (list, tuple)):
+            return frozenset().union(*(self.flow_of(v) for v in value))
+        if isinstance(value, dict):
+            return self.flow_of(list(value.values()))
+        return frozenset()
+
+    def mark(self, value: Any, sources: frozenset[str]) -> None:
+        if isinstance(value, torch.Tensor):
+            self.flow[id(value)] = (value, sources)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                self.mark(v, sources)
+
+    def _follow(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
+        """Dataflow of one op inside block 0: an attention call (SDPA, or a 4-D softmax of eager attention)
+        records where its q, k, v come from and marks its output as attention's; any other op passes its
+        inputs' sources on."""
+        sources = self.flow_of((args, kwargs))
+        site = ATTENTION_MARK + (self.stack[-1] if self.stack else "")
+        if func is torch.nn.functional.scaled_dot_product_attention and len(args) >= 3:
+            self.attention_flow.append((site[len(ATTENTION_MARK):], *(self.flow_of(a) for a in args[:3])))
+            sources = frozenset({site})
+        elif func in _SOFTMAX and isinstance(args[0], torch.Tensor) and args[0].dim() == 4:
+            self.attention_flow.append((site[len(ATTENTION_MARK):], frozenset(), frozenset(), frozenset()))
+            sources = sources | {site}  # with q and k: eager attention's o reads probs @ v
+        if sources:
+            self.mark(result, sources)
 
     def _weight_use(self, name: str, args: tuple) -> None:
         if name == "linear" and len(args) > 1 and id(args[1]) in self.weights:
@@ -381,7 +610,7 @@ class _TraceRecorder(torch.overrides.TorchFunctionMode):
             q, k = args[0], args[1]
             if q.dim() == 4:
                 self.calls.append((self.stack[-1] if self.stack else "", q.shape[1], k.shape[1], q.shape[-1]))
-        elif func in (torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax) and args:
+        elif func in _SOFTMAX and args:
             x = args[0]
             if isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[-1] == x.shape[-2]:
                 self.calls.append((self.stack[-1] if self.stack else "", x.shape[1], x.shape[1], 0))
@@ -389,6 +618,8 @@ class _TraceRecorder(torch.overrides.TorchFunctionMode):
         if self.weights:
             self._weight_use(name, args)
         result = func(*args, **kwargs)
+        if self.flow_on and args:
+            self._follow(func, args, kwargs, result)
         origin = self.source(args[0]) if args and self.sources else None
         if origin is not None:
             if origin[1]:
@@ -424,6 +655,10 @@ class _Probe:
     calls: dict[str, tuple[tuple, dict]] = field(default_factory=dict)  # module -> (args, kwargs)
     out_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     norm_inputs: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # norm -> (projection, width, weight)
+    # dataflow (``_TraceRecorder.flow_of``): projection -> the sources of its input, in call order; and each
+    # attention call's (calling module, sources of q, of k, of v) -- all empty for a softmax
+    inputs: dict[str, frozenset[str]] = field(default_factory=dict)
+    attention: list[tuple[str, frozenset[str], frozenset[str], frozenset[str]]] = field(default_factory=list)
 
 
 def _stateless(value: Any) -> Any:
@@ -447,21 +682,26 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 
 def _probe_hooks(model: nn.Module, block0: str, recorder: _TraceRecorder, probe: _Probe) -> list[Any]:
-    """Hooks on block 0's modules: record each first call, tag projection outputs, note norms of them."""
+    """Hooks on block 0 and its modules: record each first call, tag projection outputs, note norms of them;
+    follow the dataflow between its projections while it runs."""
     handles = []
     for name, mod in model.named_modules():
-        if not name.startswith(block0 + "."):
+        if name == block0:
+            handles += _flow_switch(mod, recorder)
+        if not (name == block0 or name.startswith(block0 + ".")):
             continue
         weight = getattr(mod, "weight", None)
         is_proj = isinstance(weight, torch.Tensor) and weight.dim() == 2 and not list(mod.children())
         is_norm = isinstance(weight, torch.Tensor) and weight.dim() == 1 and not list(mod.children())
 
-        def pre(mod, args, kwargs, name=name, is_norm=is_norm):
+        def pre(mod, args, kwargs, name=name, is_norm=is_norm, is_proj=is_proj):
             if name not in probe.calls:
                 probe.calls[name] = (_stateless(args), _stateless(kwargs))
             origin = recorder.source(args[0]) if is_norm and args else None
             if origin is not None:
                 probe.norm_inputs.setdefault(name, (origin[0], args[0].shape[-1], mod.weight.numel()))
+            if is_proj and args and recorder.flow_on:
+                probe.inputs.setdefault(name, recorder.flow_of(args[0]))
 
         def post(mod, args, out, name=name, is_proj=is_proj):
             first = _first_tensor(out)
@@ -469,10 +709,26 @@ def _probe_hooks(model: nn.Module, block0: str, recorder: _TraceRecorder, probe:
                 probe.out_shapes.setdefault(name, tuple(first.shape))
             if is_proj and isinstance(out, torch.Tensor):
                 recorder.tag(out, name)
+                if recorder.flow_on:
+                    recorder.mark(out, frozenset({name}))
 
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post))
     return handles
+
+
+def _flow_switch(block: nn.Module, recorder: _TraceRecorder) -> list[Any]:
+    """Follow the dataflow only while ``block`` (block 0) runs: what happens after it is not needed, and
+    following every op of the whole model would slow the trace down."""
+
+    def on(mod: nn.Module, args: tuple) -> None:
+        recorder.flow_on = True
+
+    def off(mod: nn.Module, args: tuple, out: Any) -> None:
+        recorder.flow_on = False
+        recorder.flow.clear()
+
+    return [block.register_forward_pre_hook(on), block.register_forward_hook(off, always_call=True)]
 
 
 @contextmanager
@@ -510,9 +766,32 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}"
 
 
-def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns: list[str]) -> dict[str, Any]:
+Example = tuple[tuple, dict]  # (args, kwargs) of a real call of the model
+
+
+def _meta_example(example: Example, batch: int) -> Example:
+    """The example call's tensors cut to ``batch`` rows (dim 0) and moved to the meta device; the rest as is."""
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return (value[:batch] if value.dim() else value).detach().to("meta")
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+            return type(value)(*(convert(v) for v in value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(convert(v) for v in value)
+        if isinstance(value, dict):
+            return {k: convert(v) for k, v in value.items()}
+        return value
+
+    args, kwargs = example
+    return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+
+
+def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns: list[str],
+              example: Example | None = None) -> dict[str, Any]:
     """Forward + backward on meta tensors: per-block FLOPs, saved bytes, the attention call sites, how each
-    projection uses its weight, and block 0's calls (``_Probe``)."""
+    projection uses its weight, and block 0's calls (``_Probe``). The forward gets ``example`` (a real call's
+    arguments, e.g. a ViT's pixel values) when given, else token ids of shape (batch, seq_len)."""
     from torch.func import functional_call
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -551,7 +830,8 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
     probe = _Probe()
     if block_fqns:
         handles += _probe_hooks(model, block_fqns[0], recorder, probe)
-    idx = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    args, kwargs = ((torch.zeros(batch, seq_len, dtype=torch.long, device="meta"),), {}) if example is None \
+        else _meta_example(example, batch)
     stood_in: list[str] = []
     try:
         with ExitStack() as es:
@@ -560,12 +840,13 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
             es.enter_context(recorder)
             es.enter_context(_meta_friendly_experts(model))
             es.enter_context(blocks_stand_in_on_failure([model.get_submodule(f) for f in block_fqns], stood_in))
-            out = functional_call(model, {**params, **buffers}, (idx,), strict=False, tie_weights=True)
+            out = functional_call(model, {**params, **buffers}, args, kwargs, strict=False, tie_weights=True)
             logits = out if isinstance(out, torch.Tensor) else (out.logits if hasattr(out, "logits") else out[0])
             logits.float().sum().backward()
     finally:
         for h in handles:
             h.remove()
+    probe.attention = list(recorder.attention_flow)
     counts = counter.get_flop_counts()
     root = type(model).__name__
     block_flops = {f: float(sum(counts.get(f"{root}.{f}", {}).values())) for f in block_fqns}
@@ -746,24 +1027,30 @@ def local_width_attributes(unit: nn.Module, shards: Shards, tp: int) -> list[tup
 
 
 def divide_attributes(module: nn.Module, paths: list[str], tp: int) -> Any:
-    """Divide the integer attributes at ``paths`` ("n_heads", "config.n_head") by ``tp``; a ``config.`` path goes
-    to the module's own shallow copy of its config (never the config other modules share). Returns a callable
-    that undoes it."""
-    import copy
-
-    saved: dict[str, Any] = {}
-    if any(p.startswith("config.") for p in paths):
-        saved["config"] = module.config
-        module.config = copy.copy(module.config)
+    """Divide the integer attributes at ``paths`` by ``tp``: "n_heads", "config.n_head", or below a submodule
+    ("self.num_attention_heads", "self.config.num_attention_heads": HF BERT's heads sit in ``attention.self``
+    while TP treats ``attention`` as the attention module). A ``config`` step goes to the owning module's own
+    shallow copy of its config (never the config other modules share). Returns a callable that undoes it."""
+    undo: list[tuple[Any, str, Any]] = []
+    copied: set[int] = set()
     for path in paths:
-        owner, attr = (module.config, path[len("config."):]) if path.startswith("config.") else (module, path)
-        if owner is module:
-            saved[attr] = getattr(module, attr)
+        *steps, attr = path.split(".")
+        owner: Any = module
+        for step in steps:
+            if step == "config" and isinstance(owner, nn.Module):
+                if id(owner) not in copied:
+                    undo.append((owner, "config", owner.config))
+                    owner.config = copy.copy(owner.config)
+                    copied.add(id(owner))
+                owner = owner.config
+            else:
+                owner = getattr(owner, step)
+        undo.append((owner, attr, getattr(owner, attr)))
         setattr(owner, attr, getattr(owner, attr) // tp)
 
     def restore() -> None:
-        for attr, value in saved.items():
-            setattr(module, attr, value)
+        for owner, attr, value in reversed(undo):
+            setattr(owner, attr, value)
 
     return restore
 
@@ -804,13 +1091,22 @@ MAX_DRY_RUNS = 64
 
 
 def _width_attributes(unit: nn.Module, values: set[int], exclude: set[int]) -> list[str]:
-    """Integer attributes of ``unit`` and of its ``config`` whose value is a head count or projection width."""
-    paths = [a for a, v in vars(unit).items() if isinstance(v, int) and not isinstance(v, bool)
-             and v in values and v not in exclude]
-    config = getattr(unit, "config", None)
-    if config is not None and hasattr(config, "__dict__"):
-        paths += [f"config.{a}" for a, v in vars(config).items() if isinstance(v, int) and not isinstance(v, bool)
-                  and v in values and v not in exclude]
+    """Integer attributes of ``unit``, of its submodules but the projections and other leaves with weights (an
+    nn.Linear's ``out_features`` is TP's business, not the code's) and of their ``config`` objects, whose value
+    is a head count or projection width; ``unit``'s own first."""
+
+    def wanted(owner: Any) -> list[str]:
+        return [a for a, v in vars(owner).items() if isinstance(v, int) and not isinstance(v, bool)
+                and v in values and v not in exclude]
+
+    paths: list[str] = []
+    for name, mod in unit.named_modules():
+        if name and isinstance(getattr(mod, "weight", None), torch.Tensor) and not list(mod.children()):
+            continue
+        paths += [_join(name, a) for a in wanted(mod)]
+        config = getattr(mod, "config", None)
+        if config is not None and hasattr(config, "__dict__"):
+            paths += [_join(name, "config", a) for a in wanted(config)]
     return paths
 
 
@@ -836,25 +1132,26 @@ def _search_attributes(unit: nn.Module, call: tuple[tuple, dict], out_shape: tup
 def _attention_tp(block0: str, attn_mod: nn.Module, info: AttentionInfo, traced: dict[str, Any], tp: int) -> None:
     """Fill ``info``'s TP fields: the fused layout, a structural refusal (q/k norm over the full width), and the
     attributes the dry run needs divided."""
-    site = f"{block0}.{info.fqn}"
+    site = _join(block0, info.fqn)
     q_width, kv_width = info.heads * info.head_dim, info.kv_heads * info.head_dim
     probe: _Probe = traced["probe"]
     projections = [p for p in (info.q, info.k, info.v, info.qkv) if p]
     for norm, (source, width, numel) in probe.norm_inputs.items():
         if norm.startswith(site + ".") and source in {f"{site}.{p}" for p in projections} \
                 and numel == width and width > info.head_dim:
-            info.tp_refusal = (f"{info.fqn}.{norm[len(site) + 1:]} is a q/k norm over the full projection width "
+            info.tp_refusal = (f"{_join(info.fqn, norm[len(site) + 1:])} is a q/k norm over the full projection width "
                                f"({width}): on a TP rank's local heads its statistics would differ")
             return
     if info.qkv:
         found = fused_layout(traced["consumers"].get(f"{site}.{info.qkv}", []), q_width + 2 * kv_width, 3,
                              info.kv_heads, info.heads // max(info.kv_heads, 1) + 2)
         if found is None:
-            info.tp_refusal = f"{info.fqn}.{info.qkv}: how the model splits this fused qkv output was not recognised"
+            info.tp_refusal = f"{_join(info.fqn, info.qkv)}: how the model splits this fused qkv output was not " \
+                              "recognised"
             return
         info.qkv_layout, info.qkv_pieces = found
         if info.qkv_layout == "sequential" and info.qkv_pieces != [q_width, kv_width, kv_width]:
-            info.tp_refusal = f"{info.fqn}.{info.qkv}: fused pieces {info.qkv_pieces} are not q, k, v"
+            info.tp_refusal = f"{_join(info.fqn, info.qkv)}: fused pieces {info.qkv_pieces} are not q, k, v"
             return
         # GQA's unequal [q | k | v]: parallel.tensor stores the weight row-permuted (RowOrder), so no refusal
     if site not in probe.calls or site not in probe.out_shapes:
@@ -862,7 +1159,7 @@ def _attention_tp(block0: str, attn_mod: nn.Module, info: AttentionInfo, traced:
     transposed = set(info.transposed)
     shards: Shards = {p: ("col", p in transposed) for p in projections}
     shards[info.o] = ("row", info.o in transposed)
-    expected = [(h // tp, kvh // tp, hd) for s, h, kvh, hd in traced["attn"] if s == site]
+    expected = [(h // tp, kvh // tp, hd) for s, h, kvh, hd in traced["attn"] if s == site or s.startswith(site + ".")]
     values = {info.heads, info.kv_heads, q_width, kv_width}
     candidates = _width_attributes(attn_mod, values, {info.head_dim})
     attrs, error = _search_attributes(attn_mod, probe.calls[site], probe.out_shapes[site], shards, candidates, tp,
@@ -876,7 +1173,7 @@ def _attention_tp(block0: str, attn_mod: nn.Module, info: AttentionInfo, traced:
 
 def _mlp_tp(block0: str, mlp_mod: nn.Module, info: MLPInfo, traced: dict[str, Any], tp: int) -> None:
     """Fill the MLP's TP refusal: a fused gate_up must be cut in [gate | up]; its code must run on local widths."""
-    site = f"{block0}.{info.fqn}" if info.fqn else block0
+    site = _join(block0, info.fqn)
     probe: _Probe = traced["probe"]
     if info.gate_up:
         found = fused_layout(traced["consumers"].get(f"{site}.{info.gate_up}", []), 2 * info.ffn_hidden, 2)
@@ -913,7 +1210,8 @@ def _tp_feasibility(blocks: nn.Module, infos: list[BlockInfo], traced: dict[str,
     attn, mlp = first.attention, first.mlp
     if not traced:
         if attn is not None and attn.qkv:
-            attn.tp_refusal = f"{attn.fqn}.{attn.qkv}: the layout of a fused qkv needs the meta trace, which failed"
+            attn.tp_refusal = f"{_join(attn.fqn, attn.qkv)}: the layout of a fused qkv needs the meta trace, which " \
+                              "failed"
         if mlp is not None and mlp.gate_up:
             mlp.tp_refusal = f"{_join(mlp.fqn, mlp.gate_up)}: the layout of a fused gate/up needs the meta trace, " \
                              "which failed"
@@ -967,7 +1265,12 @@ def _relative(traced: dict[str, Any], prefix: str) -> dict[str, Any]:
     cut = len(prefix) + 1
 
     def rel(name: str) -> str:
+        if name.startswith(ATTENTION_MARK):
+            return ATTENTION_MARK + rel(name[len(ATTENTION_MARK):])
         return name[cut:] if name.startswith(prefix + ".") else name
+
+    def rels(names: frozenset[str]) -> frozenset[str]:
+        return frozenset(rel(n) for n in names)
 
     probe: _Probe = traced["probe"]
     return {**traced,
@@ -978,14 +1281,18 @@ def _relative(traced: dict[str, Any], prefix: str) -> dict[str, Any]:
             "consumers": {rel(k): v for k, v in traced["consumers"].items() if k.startswith(prefix + ".")},
             "probe": _Probe(calls={rel(k): v for k, v in probe.calls.items()},
                             out_shapes={rel(k): v for k, v in probe.out_shapes.items()},
-                            norm_inputs={rel(k): (rel(src), w, n) for k, (src, w, n) in probe.norm_inputs.items()})}
+                            norm_inputs={rel(k): (rel(src), w, n) for k, (src, w, n) in probe.norm_inputs.items()},
+                            inputs={rel(k): rels(v) for k, v in probe.inputs.items()},
+                            attention=[(rel(site), *(rels(v) for v in qkv)) for site, *qkv in probe.attention])}
 
 
 def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace: bool = True,
-            runner: nn.Module | None = None) -> ModelAnalysis:
-    """Analyse a decoder-style model. ``trace=False`` skips the meta forward (structure from shapes only).
-    ``runner``: a module containing ``model``, whose innermost part with a forward is run for the trace when
-    ``model`` has none of its own (a container of the blocks and embeddings, as litgpt's)."""
+            runner: nn.Module | None = None, example: Example | None = None) -> ModelAnalysis:
+    """Analyse a model with a stack of blocks. ``trace=False`` skips the meta forward (structure from shapes
+    only). ``runner``: a module containing ``model``, whose innermost part with a forward is run for the trace
+    when ``model`` has none of its own (a container of the blocks and embeddings, as litgpt's). ``example``:
+    (args, kwargs) of a real call of the module the trace runs (``model``, or that part of ``runner``), used
+    instead of token ids (a vision model's pixel values), its tensors cut to ``batch`` rows."""
     found = find_block_list(model)
     if found is None:
         raise ValueError(f"{type(model).__name__}: no repeated blocks found (need an nn.ModuleList or nn.Sequential "
@@ -1013,11 +1320,12 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
         # a model bounded below the default length (litgpt's block_size, no position embedding to read it from)
         # is traced again on a short sequence: the structure is the same, only the FLOPs are for that length
         failure: Exception | None = None
-        for traced_seq in dict.fromkeys((seq_len, min(seq_len, SHORT_TRACE_SEQ))):
+        lengths = (seq_len,) if example is not None else (seq_len, min(seq_len, SHORT_TRACE_SEQ))
+        for traced_seq in dict.fromkeys(lengths):
             try:
                 prefix, module = _traced_module(model, runner)
                 names = [f"{prefix}.{f}" if prefix else f for f in block_fqns]
-                traced = _relative(_meta_run(module, batch, traced_seq, vocab, names), prefix)
+                traced = _relative(_meta_run(module, batch, traced_seq, vocab, names, example), prefix)
                 break
             except Exception as err:  # structure alone still serves the planner and TP
                 failure = failure or err
@@ -1054,17 +1362,30 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
                 and 0 < fused[0] // head_dim - heads < 2 * heads and (fused[0] // head_dim - heads) % 2 == 0:
             kv_heads = (fused[0] // head_dim - heads) // 2  # one fused qkv of (heads + 2 * kv_heads) heads
 
+    # block 0's attention and MLP from the traced dataflow (None without a trace, or where it shows none: then
+    # from the structure of the modules, as before)
+    flow = _block_flow(traced, block_fqns[0], blocks[0], orient)
+    flow_attn = _attention_from_flow(flow, blocks[0], hidden, heads, head_dim, kv_heads) if flow else None
+    attn_parts = [] if flow_attn is None else [flow_attn.q, flow_attn.k, flow_attn.v, flow_attn.qkv, flow_attn.o]
+    flow_mlp = _mlp_from_flow(flow, hidden, {_join(flow_attn.fqn, n) for n in attn_parts if n}) if flow else None
+    mlp_parts = [] if flow_mlp is None else [flow_mlp.up, flow_mlp.gate, flow_mlp.down]
+    skipped = [attn_site] if attn_site is not None else []
+    if flow_attn is not None and flow_attn.fqn:
+        skipped.append(flow_attn.fqn)
+
     infos: list[BlockInfo] = []
     ffn_hidden, ffn_kind, experts, top_k, moe_every_hits, replayed = 0, "gelu", 0, 0, [], False
     for i, block in enumerate(blocks):
         info = BlockInfo(index=i, fqn=block_fqns[i], params=_param_count(block),
                          flops=traced.get("flops", {}).get(block_fqns[i], 0.0),
                          activation_bytes=traced.get("saved", {}).get(block_fqns[i], 0.0))
-        if attn_site is not None and heads:
+        if flow_attn is not None and _fits(block, flow_attn.fqn, attn_parts, blocks[0]):
+            info.attention = copy.deepcopy(flow_attn)
+        elif attn_site is not None and heads:
             info.attention = _classify_attention(attn_site, block.get_submodule(attn_site), hidden, heads,
                                                  head_dim, kv_heads, orient)
         for name, mod in block.named_modules():
-            if attn_site is not None and (name == attn_site or name.startswith(attn_site + ".")):
+            if any(name == s or name.startswith(s + ".") for s in skipped):
                 continue
             if info.moe is None and (moe := _classify_moe(name, mod, hidden, orient)) is not None:
                 replayed = replayed or plain_moe_layout(mod, moe)
@@ -1076,7 +1397,10 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
                     ffn_kind = "swiglu" if moe.gated else ffn_kind
             if info.mlp is None and info.moe is None and (mlp := _classify_mlp(name, mod, hidden, orient)) is not None:
                 info.mlp = mlp
-                ffn_hidden, ffn_kind = mlp.ffn_hidden, ("swiglu" if mlp.gate or mlp.gate_up else "gelu")
+        if info.moe is None and flow_mlp is not None and _fits(block, flow_mlp.fqn, mlp_parts, blocks[0]):
+            info.mlp = copy.deepcopy(flow_mlp)
+        if info.mlp is not None:
+            ffn_hidden, ffn_kind = info.mlp.ffn_hidden, ("swiglu" if info.mlp.gate or info.mlp.gate_up else "gelu")
         if i == 0:
             if info.attention is None or (info.attention.o is None) or not (info.attention.q or info.attention.qkv):
                 unclassified.append(f"{info.fqn}: attention projections")

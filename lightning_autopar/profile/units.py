@@ -618,16 +618,24 @@ class UnitModelAnalysis(ModelAnalysis):
         return "; ".join(parts)
 
 
-def _transformer(model: nn.Module, runner: nn.Module | None) -> ModelAnalysis | None:
-    """The transformer analysis when the model has repeated blocks with attention in block 0, else None."""
+def _transformer(model: nn.Module, runner: nn.Module | None,
+                 example: tuple[tuple, dict] | None) -> ModelAnalysis | None:
+    """The transformer analysis (traced on ``example`` when given) when the model has repeated blocks with
+    attention in block 0, else None."""
     if find_block_list(model) is None:
         return None
-    try:  # the one place the example would reach the transformer analysis, once ``analyze`` takes it
-        found = analyze(model, trace=True, runner=runner)
+    try:
+        found = analyze(model, trace=True, runner=runner, example=example)
     except Exception:  # noqa: BLE001 -- not a transformer it can describe (no hidden width, ...): units serve
         return None
-    attention = found.blocks[0].attention if found.blocks else None
-    return found if attention is not None and attention.heads > 0 else None
+    return found if is_transformer(found) else None
+
+
+def is_transformer(analysis: ModelAnalysis) -> bool:
+    """Planned and split as a transformer (TP, EP, the block-stack pipeline): repeated blocks with attention
+    found in the first; anything else is a model in unit form."""
+    attention = analysis.blocks[0].attention if analysis.blocks and not analysis.spec.unit_form else None
+    return attention is not None and attention.heads > 0
 
 
 def analyze_model(model: nn.Module, example: tuple[tuple, dict] | None,
@@ -636,7 +644,7 @@ def analyze_model(model: nn.Module, example: tuple[tuple, dict] | None,
     blocks, otherwise the unit form (``UnitModelAnalysis``) from one meta forward of ``example``. A unit-form
     model whose forward cannot run on meta tensors is refused in one line: units without FLOPs would price every
     plan wrong."""
-    found = _transformer(model, runner)
+    found = _transformer(model, runner, example)
     if found is not None:
         return found
     if example is None:

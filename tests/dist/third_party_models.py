@@ -1,9 +1,10 @@
 """The third-party model matrix (issue 12): tiny random-init models written by others, each in a LightningModule.
 
-Every model is the library's own class, used unchanged (Hugging Face GPT-2, Llama, Mixtral, Qwen2, Phi-3, OLMoE;
-litgpt's GPT dense and MoE), written here the way its authors write it (a nanoGPT-style model with one fused
+Every model is the library's own class, used unchanged (Hugging Face GPT-2, Llama, Mixtral, Qwen2, Phi-3, OLMoE,
+BERT, ViT; litgpt's GPT dense and MoE), written here the way its authors write it (a nanoGPT-style model with one fused
 c_attn and tied wte/lm_head), or the plain-loop MoE of the expert-parallel tests (plain_moe.py). Shapes follow
-tests/dist/common.py: hidden 32, 2 layers, 4 heads, vocab 64, seq 16; MoE: 4 experts, top-2; fp32. Seed
+tests/dist/common.py: hidden 32, 2 layers, 4 heads, vocab 64, seq 16 (ViT: the 16 ids of a row as a 4x4 image);
+MoE: 4 experts, top-2; fp32. Seed
 (``L.seed_everything``) before calling a factory: the weights come from the global RNG, so the single-process
 reference and every rank build the same model.
 """
@@ -277,6 +278,35 @@ def make_bert(**_: object) -> L.LightningModule:
     return LitMaskedLM(tf.BertForMaskedLM(config))
 
 
+# ------------------------------------------------------------------------------------------- a vision transformer
+
+
+IMAGE, PATCH, CHANNELS, LABELS = 4, 2, 1, 4  # a token row (SEQ = 16 ids) is one 4x4 one-channel image
+
+
+class LitImageClassifier(LitLM):
+    """A Hugging Face image classifier on the shared token data read as images: the SEQ token ids of a row are one
+    IMAGE x IMAGE image (scaled to [-1, 1)), the row's last target token modulo LABELS its label -- random images
+    and labels, the same on every rank and in the single-process reference. Cross-entropy on the logits."""
+
+    def loss(self, batch) -> torch.Tensor:
+        idx, targets = batch
+        pixels = (idx.float() * (2.0 / VOCAB) - 1.0).view(-1, CHANNELS, IMAGE, IMAGE)
+        return F.cross_entropy(self.model(pixel_values=pixels).logits, targets[:, -1] % LABELS)
+
+
+def make_vit(**_: object) -> L.LightningModule:
+    """ViTForImageClassification: a Conv2d patch embedding, CLS token and position embeddings as plain
+    parameters (no nn.Embedding), q/k/v/o and a two-linear MLP per layer, a linear classifier on the CLS token."""
+    import transformers as tf
+
+    config = tf.ViTConfig(image_size=IMAGE, patch_size=PATCH, num_channels=CHANNELS, hidden_size=HIDDEN,
+                          num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN,
+                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=LABELS,
+                          attn_implementation="sdpa")
+    return LitImageClassifier(tf.ViTForImageClassification(config))
+
+
 # ------------------------------------------------------------------------------------------- the matrix
 
 
@@ -307,4 +337,5 @@ MODELS: dict[str, ThirdPartyModel] = {
     "nanogpt": ThirdPartyModel(make_nanogpt, tied=True),
     "plain_moe": ThirdPartyModel(make_plain_moe, moe=True),
     "bert": ThirdPartyModel(make_bert, tied=True),
+    "vit": ThirdPartyModel(make_vit),
 }

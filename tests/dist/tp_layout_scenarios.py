@@ -1,6 +1,7 @@
 """Tensor parallelism on the layouts the analysis finds from what the code does: attention whose head count is
 only in a ``view(b, s, -1, head_dim)``, GPT-2 (Conv1D, fused ``c_attn``), litgpt (fused ``qkv``; with GQA its
-unequal [q | k | v], stored row-permuted) and Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``; with GQA too).
+unequal [q | k | v], stored row-permuted), Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``; with GQA too) and a
+BERT-style encoder (the attention's o and the MLP's halves in sibling modules, heads in a submodule's attributes).
 Each trains at tp=2 under strategy="autopar"; results are compared with the single-process loop
 (tests/test_tp_layouts.py).
 
@@ -56,6 +57,88 @@ class NanoAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
+class EncoderSelfAttention(nn.Module):
+    """Hugging Face BERT's self-attention as written before transformers 4.48: q/k/v only (the output projection
+    sits in a sibling module), eager softmax attention, heads and widths taken from its own attributes
+    (``num_attention_heads``, ``all_head_size``), which TP must divide on this submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_attention_heads = HIDDEN // HEAD_DIM
+        self.attention_head_size = HEAD_DIM
+        self.all_head_size = self.num_attention_heads * self.attention_head_size
+        self.query, self.key, self.value = (nn.Linear(HIDDEN, self.all_head_size) for _ in range(3))
+
+    def transpose_for_scores(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(x.size()[:-1] + (self.num_attention_heads, self.attention_head_size))
+        return x.permute(0, 2, 1, 3)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = (self.transpose_for_scores(p(hidden_states)) for p in (self.query, self.key, self.value))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / self.attention_head_size ** 0.5
+        context = torch.matmul(scores.softmax(dim=-1), v).permute(0, 2, 1, 3).contiguous()
+        return context.view(context.size()[:-2] + (self.all_head_size,))
+
+
+class EncoderOutput(nn.Module):
+    """BERT's ``SelfOutput`` / ``Output``: a projection back to the hidden width, the residual add, LayerNorm."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.dense, self.LayerNorm = nn.Linear(width, HIDDEN), nn.LayerNorm(HIDDEN)
+
+    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(hidden_states) + input_tensor)
+
+
+class EncoderAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self, self.output = EncoderSelfAttention(), EncoderOutput(HIDDEN)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(hidden_states), hidden_states)
+
+
+class EncoderIntermediate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Linear(HIDDEN, 2 * HIDDEN)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.dense(hidden_states))
+
+
+class EncoderLayer(nn.Module):
+    """BERT's layer: attention (q/k/v in ``attention.self``, o in ``attention.output``), then an MLP spanning two
+    sibling modules (``intermediate.dense`` -> ``output.dense``), post-norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention, self.intermediate, self.output = EncoderAttention(), EncoderIntermediate(), \
+            EncoderOutput(2 * HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attention(x)
+        return self.output(self.intermediate(x), x)
+
+
+class EncoderLM(nn.Module):
+    """A BERT-style masked LM (token and position embeddings, post-norm layers, a linear decoder)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(SEQ, HIDDEN)
+        self.layer = nn.ModuleList(EncoderLayer() for _ in range(LAYERS))
+        self.decoder = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for layer in self.layer:
+            x = layer(x)
+        return self.decoder(x)
+
+
 class Block(nn.Module):
     def __init__(self, attention: type) -> None:
         super().__init__()
@@ -88,6 +171,10 @@ def view_model() -> nn.Module:
 
 def nano_model() -> nn.Module:
     return TinyLM(NanoAttention)
+
+
+def encoder_model() -> nn.Module:
+    return EncoderLM()
 
 
 def gpt2_model() -> nn.Module:
@@ -131,7 +218,7 @@ def phi3_gqa_model() -> nn.Module:
 
 
 MODELS = {"view": view_model, "gpt2": gpt2_model, "litgpt": litgpt_model, "phi3": phi3_model,
-          "litgpt_gqa": litgpt_gqa_model, "phi3_gqa": phi3_gqa_model}
+          "litgpt_gqa": litgpt_gqa_model, "phi3_gqa": phi3_gqa_model, "encoder": encoder_model}
 
 
 def make(name: str):
