@@ -304,7 +304,7 @@ class AutoParallelMixin:
         return int(global_batch), int(seq_len or transformer_seq or 1)
 
     def _model_call(self, trainer: Any) -> Any:
-        """The user's call of its model (``profile.units.ModelCall``): the step of the stage being run, on one row
+        """The user's call of its model (``profile.units.ModelCall``): the step of the stage being run, on two rows
         of the plan DataLoader's first batch, stopped at its first module call (logs discarded)."""
         from functools import partial
 
@@ -321,7 +321,9 @@ class AutoParallelMixin:
         hook = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}.get(stage,
                                                                                                  "training_step")
         with self._recording_logs(_LogRecorder()):
-            return find_model_call(module, partial(getattr(module, hook), _slice_batch(first, 0, 1, total), 0))
+            # two rows where there are: torch.export (the traced pipeline) would specialise a batch of one
+            rows = min(2, total)
+            return find_model_call(module, partial(getattr(module, hook), _slice_batch(first, 0, rows, total), 0))
 
     def _analyse(self, trainer: Any) -> tuple[nn.Module, Any, tuple[tuple, dict] | None]:
         """(the model the plan applies to, its analysis, the user's call of it or None). A transformer (repeated
@@ -367,34 +369,33 @@ class AutoParallelMixin:
         restrict.update(self._restrict)
         return restrict
 
-    def _unit_restrictions(self, analysis: Any) -> dict[str, list[Any]]:
-        """The plan space of a model in unit form: data parallelism (zero 0-3, dp_shard), mbs, recompute per unit,
-        precision; tp, ep, cp and pp stay 1 (``parallel.apply.UNIT_FORM_LIMITS``, reasons in the report). With
-        BatchNorm, one micro-batch per step: its statistics are per micro-batch; a grad_accum the user fixes is
-        kept, with one warning."""
-        from lightning_autopar.parallel.apply import UNIT_FORM_LIMITS
+    def _unit_restrictions(self, analysis: Any, model: nn.Module, example: tuple[tuple, dict]) -> dict[str, list[Any]]:
+        """The runtime's limits for a model in unit form (the planner itself keeps tp = cp = ep = 1 and, with
+        BatchNorm, grad_accum = 1 unless fixed): pp where its stages can be traced (``check_unit_pipeline``, the
+        reason in the report otherwise). A grad_accum the user fixes on a BatchNorm model gets one warning."""
+        from lightning_autopar.parallel.apply import check_unit_pipeline
         from lightning_autopar.parallel.batchnorm import batchnorm_modules
 
         restrict: dict[str, list[Any]] = {k: list(v) for k, v in RUNTIME_SUPPORT.items()}
         self.excluded = {}
-        for name, (why, _) in UNIT_FORM_LIMITS.items():
-            self._exclude(restrict, name, [1], why)
         if not self._automatic_optimization():
             self._exclude(restrict, "grad_accum", [1], "the user's loop runs backward (manual optimization)")
-        elif batchnorm_modules(self.lightning_module):
-            fixed = self._fix.get("grad_accum")
-            if fixed is None:
-                self._exclude(restrict, "grad_accum", [1], "BatchNorm statistics are per micro-batch: with "
-                              "accumulation they would cover fewer rows than one device running the batch")
-            elif fixed > 1 and self.global_rank == 0:
-                warnings.warn(f"autopar: grad_accum={fixed} is fixed and {analysis.spec.name} has BatchNorm: its "
-                              "statistics (and running buffers) are per micro-batch, as on one device running "
-                              f"{fixed} micro-batches per step, not the whole batch at once", stacklevel=2)
+            self._exclude(restrict, "pp", [1], "pipeline parallelism runs backward itself; manual optimization cannot")
+        else:
+            try:
+                check_unit_pipeline(self.lightning_module, model, analysis, example, 2)
+            except ConfigError as err:
+                self._exclude(restrict, "pp", [1], str(err))
+        fixed = self._fix.get("grad_accum")
+        if batchnorm_modules(model) and fixed is not None and fixed > 1 and self.global_rank == 0:
+            warnings.warn(f"autopar: grad_accum={fixed} is fixed and {analysis.spec.name} has BatchNorm: its "
+                          "statistics (and running buffers) are per micro-batch, as on one device running "
+                          f"{fixed} micro-batches per step, not the whole batch at once", stacklevel=2)
         restrict.update(self._restrict)
         return restrict
 
     def _plan_and_apply(self, trainer: Any) -> None:
-        from lightning_autopar.parallel.apply import apply_plan, check_unit_form
+        from lightning_autopar.parallel.apply import apply_plan
         from lightning_autopar.parallel.precision import plan_precision
         from lightning_autopar.parallel.tensor import check_tp
         from lightning_autopar.planner.search import plan as make_plan
@@ -408,12 +409,10 @@ class AutoParallelMixin:
         self._global_batch = global_batch
         analysis.spec.seq_len = seq_len
         precision = plan_precision(trainer.precision)
-        if unit_form:
-            check_unit_form(analysis, self._fix)
-        elif "tp" in self._fix:
+        if "tp" in self._fix and not unit_form:  # unit form: the planner refuses tp > 1 (check_unit_fix)
             check_tp(analysis, self._fix["tp"])
         started = time.perf_counter()
-        restrict = (self._unit_restrictions(analysis) if unit_form
+        restrict = (self._unit_restrictions(analysis, transformer, example) if unit_form
                     else self._restrictions(trainer, analysis, precision))
         self.report = make_plan(
             analysis.spec, self._cluster_spec(), global_batch=global_batch, seq_len=seq_len, fix=self._fix,

@@ -32,7 +32,7 @@ from test_strategy import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL  # noqa: E402
 from lightning_autopar.errors import ConfigError  # noqa: E402
 
 WORLD = 4
-REFUSED = {"cnn__tp2"}
+REFUSED = {"cnn__tp2", "cnn__pp2"}
 NOT_A_FIT = REFUSED | {"batchnorm__uneven"}
 
 
@@ -69,7 +69,7 @@ def test_equal_to_one_device(outputs, cell):
         if item:
             key, value = item.split("=")
             assert str(plan[key]) == value, f"{cell}: plan {plan} ignores {item}"
-    assert (plan["tp"], plan["pp"], plan["ep"], plan["cp"]) == (1, 1, 1, 1)
+    assert (plan["tp"], plan["ep"], plan["cp"]) == (1, 1, 1)
     ref_losses, ref_state = _reference(cell.split("__")[0], plan)
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0)
     state = result["state"]
@@ -84,7 +84,9 @@ def test_own_plan_shows_its_limits(outputs, model):
     """The planner's own plan: data parallelism only, with the reason for every field kept at 1 in the report;
     BatchNorm models keep one micro-batch per step (their statistics are per micro-batch)."""
     result = _result(outputs, f"{model}__auto")
-    assert {"tp", "ep", "cp", "pp"} <= set(result["excluded"]), result["excluded"]
+    assert {"tp", "ep", "cp"} <= set(result["excluded"]), result["excluded"]
+    # pp: stages traced from the model's call, except where BatchNorm would see micro-batches apart
+    assert ("pp" in result["excluded"]) == MODELS[model].batchnorm, result["excluded"]
     if MODELS[model].batchnorm:
         assert result["plan"]["grad_accum"] == 1
         assert "BatchNorm" in result["excluded"]["grad_accum"]
@@ -105,9 +107,12 @@ def test_synced_batchnorm_count_weighted(outputs):
     assert all(d < 1e-5 for d in diffs.values()), diffs
 
 
-def test_forced_tp_refused_in_one_line(outputs):
+def test_forced_splits_refused_in_one_line(outputs):
+    """Through the strategy: tp=2 (nothing to split) and pp=2 (BatchNorm) on the CNN, one line each."""
     error = _result(outputs, "cnn__tp2")["error"]
-    assert "\n" not in error and error.startswith("plan.tp: PlainCNN") and "fix: use tp=1" in error, error
+    assert "\n" not in error and error.startswith("fix.tp: PlainCNN is in unit form") and "fix: use tp=1" in error
+    error = _result(outputs, "cnn__pp2")["error"]
+    assert "\n" not in error and error.startswith("plan.pp: PlainCNN: BatchNorm") and "fix: use pp=1" in error
 
 
 # ------------------------------------------------------------------------------------------- no launch
@@ -119,20 +124,37 @@ def _unit_analysis(model: torch.nn.Module, example: torch.Tensor):
     return analyze_model(model, ((example,), {}), runner=None)
 
 
-@pytest.mark.parametrize("field,value", [("tp", 2), ("pp", 2), ("ep", 2), ("cp", 2)])
+@pytest.mark.parametrize("field,value", [("tp", 2), ("ep", 2), ("cp", 2)])
 def test_unit_form_refuses_what_it_cannot_split(field, value):
-    """A forced tp / pp / ep / cp on a model in unit form: one line naming the field, the model and the fix."""
-    from lightning_autopar.parallel.apply import check_unit_form
+    """A forced tp / ep / cp on a model in unit form: one line naming the field, the model and the fix."""
+    from lightning_autopar.planner.space import check_unit_fix
 
     analysis = _unit_analysis(PlainCNN(), torch.randn(1, 3, 8, 8))
     assert analysis.spec.unit_form
     with pytest.raises(ConfigError) as info:
-        check_unit_form(analysis, {field: value, "dp": 2})
+        check_unit_fix(analysis.spec, {field: value, "dp": 2})
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(f"plan.{field}: PlainCNN (model in unit form): {field}={value}:")
+    assert message.startswith(f"fix.{field}: PlainCNN is in unit form") and f"{field}={value}" in message
     assert message.endswith(f"fix: use {field}=1")
-    check_unit_form(analysis, {"dp": 4, "zero": 3})  # data parallelism is always applicable
+    check_unit_fix(analysis.spec, {"dp": 4, "zero": 3})  # data parallelism is always applicable
+
+
+def test_pipeline_refusals_name_the_part():
+    """pp on a model in unit form: refused in one line for BatchNorm (per-micro-batch statistics) and for a
+    parameter outside the called model; a GroupNorm U-Net passes the check (its stages trace)."""
+    from lightning_autopar.parallel.apply import check_unit_pipeline
+
+    cnn, image = PlainCNN(), torch.randn(2, 3, 8, 8)
+    with pytest.raises(ConfigError, match=r"^plan\.pp: PlainCNN: BatchNorm \('.*'\) in a pipeline stage"):
+        check_unit_pipeline(cnn, cnn, _unit_analysis(cnn, image), ((image,), {}), 2)
+    unet, volume = UNet3d(), torch.randn(2, 1, 4, 4, 4)
+    analysis = _unit_analysis(unet, volume)
+    check_unit_pipeline(unet, unet, analysis, ((volume,), {}), 2)
+    holder = torch.nn.Module()
+    holder.model, holder.extra = unet, torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"^plan\.pp: Module\.extra\.weight is outside the model"):
+        check_unit_pipeline(holder, unet, analysis, ((volume,), {}), 2)
 
 
 def test_units_become_data_parallel_units():

@@ -1,17 +1,19 @@
 """Apply a plan to a model in the one canonical order:
 
-    PP split -> TP/SP -> EP -> recompute -> FSDP/DP -> precision
+    PP split -> TP/SP -> EP -> BatchNorm sync -> recompute -> FSDP/DP -> precision
 
-1. PP split (``pipeline``): this rank keeps its chunks' blocks (original names) and the pieces it owns.
+1. PP split (``pipeline``): this rank keeps its chunks' blocks (original names) and the pieces it owns. A model in
+   unit form is split by ``pipeline_traced`` (torch.export of the user's call, cut at unit boundaries).
 2. TP (``tensor``): DTensor layouts on the remaining blocks (all experts still present, each split inside).
 3. EP (``experts``): remote experts removed, MoE forwards routed through all-to-all; with data parallelism alone
    (ep=1) the MoE forward is replaced too, so the balance loss covers the global micro-batch.
-   BatchNorm (``batchnorm``): with data parallelism every BatchNorm layer computes its statistics over the dp
+3b. BatchNorm (``batchnorm``): with data parallelism every BatchNorm layer computes its statistics over the dp
    group (count-weighted, running buffers as one device). After the split and the layouts (it needs the modules
    this rank keeps), before recompute (whose re-run forward must find the synchronised layer, which then skips
    the running-stat update) and before FSDP/DDP (which wrap the module whose class it swaps).
 4. Recompute (``recompute``): composable checkpoint hooks per block (outside FSDP, as torchtitan does); for a
-   model in unit form (any ``nn.Module``: CNNs, U-Nets; ``analysis.spec.unit_form``) per unit of the analysis.
+   model in unit form (any ``nn.Module``: CNNs, U-Nets; ``analysis.spec.unit_form``) per unit of the analysis,
+   or per pipeline chunk when its stages are traced graphs (``pipeline_traced``: the unit modules no longer run).
 5. FSDP/DP (``fsdp``): experts on the expert-data-parallel mesh first, then blocks, then the modules owning
    the rest (or, with PP, each chunk) on the data-parallel mesh; zero=0 with data parallelism alone: DDP
    (``replicate``). The units are chosen (``units.choose_units``) before step 1, from one meta forward of the
@@ -56,27 +58,30 @@ class Applied:
         return {id(p) for layer in self.experts if not layer.fused for e in layer.experts for p in e.parameters()}
 
 
-# What the runtime cannot split in a model in unit form (no transformer found): field -> (why, fix). The strategy
-# shows the reasons in the plan report; ``check_plan`` refuses a forced value with them.
-UNIT_FORM_LIMITS: dict[str, tuple[str, str]] = {
-    "tp": ("no attention or MLP found, so tensor parallelism has nothing to split", "use tp=1"),
-    "ep": ("no MoE layers found", "use ep=1"),
-    "cp": ("no attention found, so context parallelism has no sequence to split", "use cp=1"),
-    "pp": ("pipeline stages need a block stack; models in unit form train on DP/FSDP", "use pp=1"),
-}
-
-
-def check_unit_form(analysis: ModelAnalysis, plan: Any) -> None:
-    """Raise one ConfigError naming the model and the fix when ``plan`` (a Plan or a mapping of fixed fields)
-    asks a model in unit form for a split the runtime cannot apply to it."""
+def check_unit_pipeline(root: nn.Module, model: nn.Module, analysis: ModelAnalysis, example: tuple[tuple, dict] | None,
+                        pp: int, vpp: int = 1, layers_per_stage: Sequence[int] | None = None) -> None:
+    """Raise one ConfigError ("plan.pp") when a model in unit form cannot run as ``pp`` pipeline stages: stages
+    come from torch.export of the user's call split at unit boundaries (``parallel.pipeline_traced``), which needs
+    that call (``example``), every parameter of ``root`` inside ``model``, and no BatchNorm -- a pipeline runs
+    micro-batches, and a BatchNorm in a stage would normalise each apart (and not over the data-parallel ranks:
+    the traced stages run the graph's batch-norm ops, not the synchronised modules)."""
     from lightning_autopar.errors import ConfigError
+    from lightning_autopar.parallel.batchnorm import batchnorm_modules
+    from lightning_autopar.parallel.pipeline_traced import check_traced_pipeline
 
-    get = plan.get if isinstance(plan, dict) else lambda name, default: getattr(plan, name, default)
-    for name, (why, fix) in UNIT_FORM_LIMITS.items():
-        value = get(name, 1)
-        if value != 1:
-            raise ConfigError(f"plan.{name}", f"{analysis.spec.name} (model in unit form): {name}={value}: {why}",
-                              fix)
+    name = analysis.spec.name
+    if example is None:
+        raise ConfigError("plan.pp", f"{name}: no call of the model was captured to trace its stages", "use pp=1")
+    norms = batchnorm_modules(model)
+    if norms:
+        raise ConfigError("plan.pp", f"{name}: BatchNorm ('{norms[0][0]}') in a pipeline stage would normalise each "
+                          "micro-batch apart, not the batch one device sees", "use pp=1 (or GroupNorm/LayerNorm)")
+    inside = {id(p) for p in model.parameters()}
+    outside = next((n for n, p in root.named_parameters() if id(p) not in inside), None)
+    if outside is not None:
+        raise ConfigError("plan.pp", f"{type(root).__name__}.{outside} is outside the model its step calls "
+                          f"({name}), so no pipeline stage would own it", "use pp=1, or move it into the model")
+    check_traced_pipeline(model, example, [b.fqn for b in analysis.blocks], pp, vpp, layers_per_stage)
 
 
 def present_blocks(analysis: ModelAnalysis, transformer: nn.Module) -> ModelAnalysis:
@@ -110,14 +115,18 @@ def pipeline_split(root: nn.Module, transformer: nn.Module, analysis: ModelAnaly
     return split, (analysis if split is transformer else analyze(split, trace=False))
 
 
-def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer: nn.Module) -> None:
+def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer: nn.Module,
+               example: tuple[tuple, dict] | None = None) -> None:
     """Raise one ConfigError for what the runtime cannot apply to this model."""
     from lightning_autopar.parallel.experts import check_ep
     from lightning_autopar.parallel.pipeline import check_pipeline
     from lightning_autopar.parallel.tensor import check_tp
+    from lightning_autopar.planner.space import check_unit_fix
 
     if analysis.spec.unit_form:
-        check_unit_form(analysis, plan)
+        check_unit_fix(analysis.spec, {"tp": plan.tp, "cp": plan.cp, "ep": plan.ep})
+        if plan.pp > 1:
+            check_unit_pipeline(root, transformer, analysis, example, plan.pp, plan.vpp)
         return
     check_tp(analysis, plan.tp)
     if plan.pp > 1:
@@ -137,12 +146,13 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     from lightning_autopar.parallel.fsdp import (apply_data_parallel, apply_data_parallel_chunks, apply_replicate,
                                                  shard_experts)
     from lightning_autopar.parallel.pipeline import Pipeline
+    from lightning_autopar.parallel.pipeline_traced import TracedPipeline
     from lightning_autopar.parallel.recompute import apply_recompute
     from lightning_autopar.parallel.tensor import apply_tensor_parallel
     from lightning_autopar.parallel.units import check_applied, choose_units, tie_groups
     from lightning_autopar.topology.mesh import expert_meshes
 
-    check_plan(plan, analysis, root, transformer)
+    check_plan(plan, analysis, root, transformer, example)
     ties = tie_groups(root)
     units = None
     if plan.pp == 1:  # chosen on the untouched model: TP and EP below change its parameters
@@ -155,9 +165,15 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
         schedule = plan.schedule
         if schedule == "1f1b" and plan.grad_accum < plan.pp:
             schedule = "gpipe"  # 1F1B with fewer micro-batches than stages is GPipe's order (torch rejects it)
-        split, split_analysis = pipeline_split(root, transformer, analysis)
-        pipeline = Pipeline(split, split_analysis, layout["pp"], schedule, plan.vpp, plan.grad_accum, device,
-                            loss_fn, layers_per_stage)
+        if analysis.spec.unit_form:  # stages traced from the user's call, split at unit boundaries
+            split = transformer
+            pipeline = TracedPipeline(split, example, [b.fqn for b in analysis.blocks], layout["pp"], schedule,
+                                      plan.grad_accum, device, loss_fn, vpp=plan.vpp,
+                                      layers_per_stage=layers_per_stage)
+        else:
+            split, split_analysis = pipeline_split(root, transformer, analysis)
+            pipeline = Pipeline(split, split_analysis, layout["pp"], schedule, plan.vpp, plan.grad_accum, device,
+                                loss_fn, layers_per_stage)
     local = present_blocks(analysis, transformer)
     apply_tensor_parallel(transformer, local, layout["tp"])  # 2. TP
     experts, meshes = [], {}
@@ -168,15 +184,18 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
                                         ep_mesh=meshes.get("ep"))
     if plan.dp > 1 and batchnorm_modules(root):  # BatchNorm statistics over the dp group (module doc, step 3)
         sync_batchnorm(root, layout["dp_flat"].get_group())
+    traced = isinstance(pipeline, TracedPipeline)  # its stages run traced graphs, not the user's unit modules
     blocks = {b.fqn: transformer.get_submodule(b.fqn) for b in local.blocks}  # 4. recompute
     attention_of = {blocks[b.fqn]: blocks[b.fqn].get_submodule(b.attention.fqn) if b.attention else blocks[b.fqn]
                     for b in local.blocks if b.moe is not None}
-    apply_recompute(blocks.values(), plan.recompute, attention_of)
+    apply_recompute(pipeline.recompute_modules if traced else blocks.values(), plan.recompute, attention_of)
     if meshes:  # 5. FSDP / DP
         shard_experts([e for layer in experts for e in layer.experts], meshes["edp"], plan.zero, plan.dp,
                       plan.precision)
     if pipeline is not None:
         roots = apply_data_parallel_chunks(pipeline.chunks, dp_mesh, plan.zero, plan.precision)
+        if traced:
+            pipeline.rebind_parameters()  # the sharded parameters back under the user's names
     elif plain_ddp(plan, local):
         roots = apply_replicate(root, units, layout["dp_flat"].get_group())
     else:

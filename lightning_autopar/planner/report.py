@@ -72,8 +72,11 @@ class PlanReport:
                       f"{self.search_seconds:.3f} s" + (f"; rejected: {rejected}" if rejected else ""))
         for line in self.explanation:
             console.print(f"- {line}", highlight=False)
-        for name, reason in self.excluded.items():
-            console.print(f"- not offered for this model: other {name} values ({reason})", highlight=False)
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in self.excluded.items():  # fields kept for one reason share a line
+            by_reason.setdefault(reason, []).append(name)
+        for reason, names in by_reason.items():
+            console.print(f"- not offered for this model: other {', '.join(names)} values ({reason})", highlight=False)
 
     def save_png(self, path: str | os.PathLike) -> Path:
         """Stacked time terms per candidate and memory per device against capacity; written atomically."""

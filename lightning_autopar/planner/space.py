@@ -195,7 +195,7 @@ def unit_form_restrict(model: ModelSpec, fix: Mapping[str, Any],
     attention (elsewhere it is priced as none: a duplicate); grad_accum 1 when a unit holds BatchNorm, so the
     SyncBatchNorm statistics cover each rank's whole batch as on one device, unless the user fixes grad_accum."""
     out: dict[str, Sequence] = {**restrict, "tp": [1], "cp": [1], "ep": [1], "sp": [False]}
-    why = {"tp/cp/ep/sp": "a model in unit form has no attention/MLP or sequence the runtime can split"}
+    why = dict.fromkeys(("tp", "cp", "ep", "sp"), "a model in unit form has no attention, MLP or sequence to split")
     out["schedule"] = [s for s in restrict.get("schedule", SCHEDULES) if s != "interleaved"]
     why["schedule"] = "interleaved needs identical blocks; each pipeline rank holds one contiguous run of units"
     if not any("attention" in u.kinds for u in model.units) and "recompute" not in fix:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from any_model_models import GLOBAL_BATCH, MODELS, STEPS, VisionCase  # noqa: E402
-from scenarios import LossCollector, full_state, record  # noqa: E402
+from pp_scenarios import gathered_state  # noqa: E402
+from scenarios import LossCollector, record  # noqa: E402
 
 import lightning.pytorch as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -33,8 +34,12 @@ PLANS: dict[str, str | None] = {
     "recompute": "dp=4,zero=2,recompute=full",
 }
 # more cells; cnn__fabric: the same CNN in a plain Fabric loop at the planner's own plan
+# unet__pp2*: pipeline stages traced from the U-Net's call, its skip connection crossing the split; cnn__pp2:
+# refused (BatchNorm would normalise each micro-batch apart)
 EXTRA = {"cnn__zero1": "dp=4,zero=1", "cnn__hsdp": "dp=4,zero=3,dp_shard=2", "cnn__tp2": "tp=2,dp=2",
-         "resnet__selective": "dp=4,zero=3,recompute=selective", "cnn__fabric": None}
+         "resnet__selective": "dp=4,zero=3,recompute=selective", "cnn__fabric": None,
+         "unet__pp2": "pp=2,dp=2,grad_accum=2", "unet__pp2z3": "pp=2,dp=2,zero=3,grad_accum=2", "unet__pp2rc": "pp=2,dp=2,grad_accum=2,recompute=full",
+         "cnn__pp2": "pp=2,dp=2"}
 
 
 def cells() -> list[str]:
@@ -149,7 +154,7 @@ def run(out: Path, cell: str) -> None:
             record(out, cell, error=str(err))
             return
     said = [str(w.message) for w in caught if str(w.message).startswith("autopar")]
-    record(out, cell, losses=losses, state=full_state(module), plan=plan, warnings=said,
+    record(out, cell, losses=losses, state=gathered_state(module), plan=plan, warnings=said,
            excluded=dict(strategy.report.excluded))
 
 

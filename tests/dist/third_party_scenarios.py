@@ -33,8 +33,9 @@ PLANS: dict[str, str | None] = {
     "tp2": "tp=2,dp=2",
     "ep2": "ep=2,dp=4",
     "pp2": "pp=2,dp=2",
+    "ga2": "dp=4,zero=0,grad_accum=2",  # two micro-batches per step (a balance loss: the reference runs them too)
 }
-PLAN_FIELD = {"zero3": "zero", "tp2": "tp", "ep2": "ep", "pp2": "pp"}  # the field a column exercises
+PLAN_FIELD = {"zero3": "zero", "tp2": "tp", "ep2": "ep", "pp2": "pp", "ga2": "grad_accum"}  # a column's field
 
 
 def cells() -> list[str]:
