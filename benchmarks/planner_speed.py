@@ -1,5 +1,6 @@
 """Planner speed: candidates priced per second for a 1T GPT on 3072 A100s, a Mixtral-like MoE, ResNet-152 in unit
-form and BERT-Large on 64 devices (issue 13: planning < 1 s each).
+form and BERT-Large on 64 devices (issue 13: planning < 1 s each), and the analysis of a ResNet-152-size and a
+BERT-Large-size model on meta tensors (issue 13: < 2 s each).
 
     python benchmarks/planner_speed.py [--repeat 3] [--cli]
 
@@ -42,6 +43,36 @@ def bench(model: str, cluster: str, nodes: int, global_batch: int, repeat: int) 
             "mfu": report.best.mfu, "step_s": report.best.step_time_s}
 
 
+def analysis_cases() -> list[tuple[str, object, tuple[tuple, dict]]]:
+    """(label, model built on the meta device, its example call): Hugging Face ResNet-152 at 224x224 and a
+    BERT-Large-size BertForMaskedLM (24 layers, hidden 1024, seq 512)."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    from lightning_autopar.models.vision import resnet152
+
+    with torch.device("meta"):
+        resnet = resnet152()
+        bert = BertForMaskedLM(BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                          intermediate_size=4096, max_position_embeddings=512))
+    images = torch.zeros(1, 3, 224, 224, device="meta")
+    tokens = torch.zeros(1, 512, dtype=torch.long, device="meta")
+    return [("analysis: ResNet-152 (HF, 224x224)", resnet, ((), {"pixel_values": images})),
+            ("analysis: BERT-Large MLM (seq 512)", bert, ((), {"input_ids": tokens}))]
+
+
+def bench_analysis(model: object, example: tuple[tuple, dict], repeat: int) -> dict:
+    from lightning_autopar.profile.units import analyze_model
+
+    times, found = [], None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        found = analyze_model(model, example)
+        times.append(time.perf_counter() - start)
+    form = f"{len(found.spec.units)} units" if found.spec.unit_form else f"transformer, {len(found.blocks)} blocks"
+    return {"best_s": min(times), "median_s": statistics.median(times), "form": form}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
@@ -60,6 +91,9 @@ def main() -> None:
             subprocess.run(cmd, check=True, capture_output=True)
             print(f"  autopar plan end to end (fresh interpreter, imports included): "
                   f"{time.perf_counter() - start:.2f} s")
+    for label, model, example in analysis_cases():
+        r = bench_analysis(model, example, args.repeat)
+        print(f"{label}: {r['form']}, {r['best_s']:.2f} s best / {r['median_s']:.2f} s median wall")
 
 
 if __name__ == "__main__":

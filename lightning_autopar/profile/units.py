@@ -643,14 +643,16 @@ def analyze_model(model: nn.Module, example: tuple[tuple, dict] | None,
     """The analysis the strategy plans with: the transformer analysis (unchanged) for a stack of attention
     blocks, otherwise the unit form (``UnitModelAnalysis``) from one meta forward of ``example``. A unit-form
     model whose forward cannot run on meta tensors is refused in one line: units without FLOPs would price every
-    plan wrong."""
-    found = _transformer(model, runner, example)
+    plan wrong. With an example the unit trace runs first: a model with no attention anywhere skips the
+    transformer analysis (its trace and TP dry runs)."""
+    detail = analyze_units(model, example) if example is not None else None
+    attention = detail is None or detail.failure or any("attention" in u.kinds for u in detail.units)
+    found = _transformer(model, runner, example) if attention else None
     if found is not None:
         return found
-    if example is None:
+    if detail is None:
         raise ConfigError("model", f"{type(model).__name__} has no attention blocks and no example input to trace",
                           "pass an example batch (the strategy takes it from the first training_step)")
-    detail = analyze_units(model, example)
     spec = detail.spec(type(model).__name__)
     by_name = {u.name: u for u in detail.units}
     blocks = []
