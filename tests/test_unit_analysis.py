@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.models.unet import ConvBlock3d
 from lightning_autopar.profile.analyze import ModelAnalysis
 from lightning_autopar.profile.units import (REST, UnitModelAnalysis, analyze_model, analyze_units, describe_units,
                                              find_model_call, flop_formulas)
@@ -38,26 +39,16 @@ class PlainCNN(nn.Module):
         return self.fc(x.flatten(1))
 
 
-class DoubleConv(nn.Module):
-    def __init__(self, cin: int, cout: int) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Conv3d(cin, cout, 3, padding=1), nn.GroupNorm(2, cout), nn.ReLU(),
-                                 nn.Conv3d(cout, cout, 3, padding=1), nn.GroupNorm(2, cout), nn.ReLU())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
 class UNet3D(nn.Module):
     """Two levels: skip connections joined by torch.cat in the root forward."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.enc1, self.enc2 = DoubleConv(1, 4), DoubleConv(4, 8)
+        self.enc1, self.enc2 = ConvBlock3d(1, 4, groups=2), ConvBlock3d(4, 8, groups=2)
         self.pool = nn.MaxPool3d(2)
-        self.bottom = DoubleConv(8, 16)
-        self.up2, self.dec2 = nn.ConvTranspose3d(16, 8, 2, stride=2), DoubleConv(16, 8)
-        self.up1, self.dec1 = nn.ConvTranspose3d(8, 4, 2, stride=2), DoubleConv(8, 4)
+        self.bottom = ConvBlock3d(8, 16, groups=2)
+        self.up2, self.dec2 = nn.ConvTranspose3d(16, 8, 2, stride=2), ConvBlock3d(16, 8, groups=2)
+        self.up1, self.dec1 = nn.ConvTranspose3d(8, 4, 2, stride=2), ConvBlock3d(8, 4, groups=2)
         self.head = nn.Conv3d(4, 2, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

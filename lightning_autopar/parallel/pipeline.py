@@ -590,18 +590,13 @@ def _stage_class() -> type:
     return Stage
 
 
-class Pipeline:
-    """This rank's chunks, their stages and the schedule; runs training steps and forward-only passes.
+class StagedPipeline:
+    """What both pipelines share once their chunks exist: this rank's place in the pp group, the schedule over
+    its stages, the training step, the forward-only pass in stage order and the broadcast from the last stage.
+    Subclasses set ``chunks`` (with ``index``, ``num_chunks``, ``is_first``/``is_last``, ``mb_index``,
+    ``rebuild``) and call ``_build_schedule``."""
 
-    Construction splits ``transformer`` in place; TP, EP, recompute and FSDP are then applied to the chunks by
-    the caller (the strategy's order), which the stages and the schedule only use from the first step on.
-    """
-
-    def __init__(self, transformer: nn.Module, analysis: ModelAnalysis, pp_mesh: DeviceMesh, schedule: str, vpp: int,
-                 n_microbatches: int, device: torch.device, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-                 layers_per_stage: Sequence[int] | None = None) -> None:
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
+    def _join(self, pp_mesh: DeviceMesh, device: torch.device, n_microbatches: int) -> None:
         self.pp_mesh = pp_mesh
         self.group = pp_mesh.get_group()
         self.pp = pp_mesh.size()
@@ -609,25 +604,19 @@ class Pipeline:
         self.device = device
         self.inputs: list[tuple[tuple, dict]] = []
         self.n_microbatches = n_microbatches
-        self.sizes = chunk_sizes(len(analysis.blocks), self.pp, vpp, layers_per_stage)
-        self.chunks = split_model(transformer, analysis, self.pp_rank, self.pp, vpp, self.sizes, self.input_of)
-        Stage = self._stage_cls = _stage_class()
-        self.stages = [Stage(c, c.index, c.num_chunks, device, group=self.group) for c in self.chunks]
-        user_loss = loss_fn
 
-        def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
-            loss = user_loss(output, target)
-            # every received MoE value gets a gradient (zero where the user's loss does not read it), so the
-            # stages before always have one to send back
-            for value in self.last_chunk.received_values:
-                loss = loss + (value * 0).sum()
-            return loss
+    def _build_schedule(self, stage_cls: type, schedule: str,
+                        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+        self._stage_cls = stage_cls
+        self.stages = [stage_cls(c, c.index, c.num_chunks, self.device, group=self.group) for c in self.chunks]
         if schedule == "interleaved" or len(self.stages) > 1:
-            self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+            self.schedule = ScheduleInterleaved1F1B(self.stages, self.n_microbatches, loss_fn=loss_fn,
+                                                    scale_grads=False)
         else:
             kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-            self.schedule = kind(self.stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+            self.schedule = kind(self.stages[0], self.n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
     @property
     def inferring(self) -> bool:
@@ -639,7 +628,7 @@ class Pipeline:
         return any(c.is_last for c in self.chunks)
 
     @property
-    def last_chunk(self) -> PipelineChunk:
+    def last_chunk(self) -> Any:
         return next(c for c in self.chunks if c.is_last)
 
     def input_of(self, mb_index: int) -> tuple[tuple, dict]:
@@ -663,16 +652,23 @@ class Pipeline:
             self.schedule.step(*args, target=index if self.has_last else None, return_outputs=False)
         finally:
             self.inputs = []
+            self._after_step()
+
+    def _after_step(self) -> None:
+        """Hook run after every training step, also a failed one."""
 
     def forward_only(self, inputs: tuple[tuple, dict]) -> Any:
         """One micro-batch forward through all chunks in stage order without gradients (validation); returns
         the model output on the rank holding the last chunk, else None."""
+        return self._forward_chunks(self.chunks, inputs)
+
+    def _forward_chunks(self, chunks: Sequence[Any], inputs: tuple[tuple, dict]) -> Any:
         import torch.distributed as dist
 
         self.inputs = [inputs]
         ranks = self.pp_mesh.mesh.flatten().tolist()
-        by_index = {c.index: c for c in self.chunks}
-        num_chunks = self.chunks[0].num_chunks
+        by_index = {c.index: c for c in chunks}
+        num_chunks = chunks[0].num_chunks
         received: tuple[torch.Tensor, ...] = ()
         out = None
         try:
@@ -702,15 +698,16 @@ class Pipeline:
                             dist.send(tensor.contiguous(), dst=ranks[nxt], group=self.group)
         finally:
             self.inputs = []
-            self._reshard()
+            self._reshard(chunks)
         return out
 
-    def _reshard(self) -> None:
+    @staticmethod
+    def _reshard(chunks: Sequence[nn.Module]) -> None:
         """Free parameters FSDP kept gathered after a forward without backward (the next step gathers the
         updated ones; stale gathered copies would otherwise survive the optimizer step)."""
         from torch.distributed.fsdp import FSDPModule
 
-        for chunk in self.chunks:
+        for chunk in chunks:
             for module in chunk.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
@@ -722,6 +719,32 @@ class Pipeline:
         box = [obj]
         dist.broadcast_object_list(box, src=self.last_rank(), group=self.group)
         return box[0]
+
+
+class Pipeline(StagedPipeline):
+    """This rank's chunks of a block stack, their stages and the schedule (``StagedPipeline``).
+
+    Construction splits ``transformer`` in place; TP, EP, recompute and FSDP are then applied to the chunks by
+    the caller (the strategy's order), which the stages and the schedule only use from the first step on.
+    """
+
+    def __init__(self, transformer: nn.Module, analysis: ModelAnalysis, pp_mesh: DeviceMesh, schedule: str, vpp: int,
+                 n_microbatches: int, device: torch.device, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                 layers_per_stage: Sequence[int] | None = None) -> None:
+        self._join(pp_mesh, device, n_microbatches)
+        self.sizes = chunk_sizes(len(analysis.blocks), self.pp, vpp, layers_per_stage)
+        self.chunks = split_model(transformer, analysis, self.pp_rank, self.pp, vpp, self.sizes, self.input_of)
+        user_loss = loss_fn
+
+        def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+            loss = user_loss(output, target)
+            # every received MoE value gets a gradient (zero where the user's loss does not read it), so the
+            # stages before always have one to send back
+            for value in self.last_chunk.received_values:
+                loss = loss + (value * 0).sum()
+            return loss
+
+        self._build_schedule(_stage_class(), schedule, loss_fn)
 
 
 # ------------------------------------------------------------------------------------------- the user's step

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
-from lightning_autopar.parallel.pipeline import _stage_class, chunk_sizes
+from lightning_autopar.parallel.pipeline import StagedPipeline, _stage_class, chunk_sizes
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -499,7 +499,7 @@ def _prune(module: nn.Module, keep: set[int]) -> None:
                     store[key] = None
 
 
-class TracedPipeline:
+class TracedPipeline(StagedPipeline):
     """This rank's chunks of a traced split, their stages and the schedule: the interface of
     ``parallel.pipeline.Pipeline`` that the strategy drives (train_step, forward_only, has_last, last_chunk,
     broadcast_from_last, inferring, chunks), for any model torch.export can trace.
@@ -514,17 +514,10 @@ class TracedPipeline:
                  schedule: str, n_microbatches: int, device: torch.device,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], vpp: int = 1,
                  layers_per_stage: Sequence[int] | None = None) -> None:
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
         from torch.distributed.pipelining._IR import _modify_graph_op_device
 
         self.module = module
-        self.pp_mesh = pp_mesh
-        self.group = pp_mesh.get_group()
-        self.pp = pp_mesh.size()
-        self.pp_rank = pp_mesh.get_local_rank()
-        self.device = device
-        self.inputs: list[Example] = []
-        self.n_microbatches = n_microbatches
+        self._join(pp_mesh, device, n_microbatches)
         chunks = self.pp * vpp
         if len(unit_fqns) < chunks:
             raise ConfigError("plan.pp", f"{type(module).__name__}: pp*vpp={chunks} exceeds its {len(unit_fqns)} "
@@ -533,7 +526,6 @@ class TracedPipeline:
         self.split = trace_split(module, example, unit_fqns, self.sizes, train=True)
         eval_split = trace_split(module, example, unit_fqns, self.sizes, train=False)
         self.eval_split = None if _same_program(self.split, eval_split) else eval_split
-        Stage = self._stage_cls = _traced_stage_class()
         mine = [j for j in range(chunks) if j % self.pp == self.pp_rank]
         self.chunks = [TracedChunk(self.split, j, self.input_of) for j in mine]
         self.eval_chunks = ([TracedChunk(self.eval_split, j, self.input_of) for j in mine]
@@ -548,28 +540,7 @@ class TracedPipeline:
         self.split.pipe = None  # the other ranks' stage modules (and their tensors) can go
         if self.eval_split is not None:
             self.eval_split.pipe = None
-        self.stages = [Stage(c, c.index, c.num_chunks, device, group=self.group) for c in self.chunks]
-        if schedule == "interleaved" or len(self.stages) > 1:
-            self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
-        else:
-            kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-            self.schedule = kind(self.stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
-
-    @property
-    def inferring(self) -> bool:
-        """True while the schedule infers shapes (a real forward/backward whose loss must not be recorded)."""
-        return self._stage_cls.inferring
-
-    @property
-    def has_last(self) -> bool:
-        return any(c.is_last for c in self.chunks)
-
-    @property
-    def last_chunk(self) -> TracedChunk:
-        return next(c for c in self.chunks if c.is_last)
-
-    def input_of(self, mb_index: int) -> Example:
-        return self.inputs[mb_index]
+        self._build_schedule(_traced_stage_class(), schedule, loss_fn)
 
     @property
     def recompute_modules(self) -> list[nn.Module]:
@@ -577,10 +548,6 @@ class TracedPipeline:
         chunk itself reads its micro-batch's inputs by index, which a recompute run during another micro-batch's
         backward -- 1F1B interleaves them -- would read wrong)."""
         return [c.stage for c in self.chunks]
-
-    def last_rank(self) -> int:
-        """Global rank of the last stage in this rank's pipeline group."""
-        return int(self.pp_mesh.mesh.flatten()[(self.chunks[0].num_chunks - 1) % self.pp].item())
 
     def rebind_parameters(self) -> None:
         """After something replaced parameters on the chunks (FSDP's ``fully_shard``): put the chunks' current
@@ -596,72 +563,17 @@ class TracedPipeline:
                     if value is not None and fqn in current:
                         sub._parameters[key] = current[fqn]
 
-    def train_step(self, inputs: list[Example]) -> None:
-        """Forward and backward of all micro-batches through the schedule. ``inputs[i]`` are the (args, kwargs)
-        of the model call for micro-batch i; the loss function given at construction runs on the last stage
-        with the micro-batch index as its target."""
-        if len(inputs) != self.n_microbatches:
-            raise RuntimeError(f"pipeline: {len(inputs)} micro-batches, planned {self.n_microbatches}")
-        self.inputs = inputs
-        index = torch.arange(self.n_microbatches, device=self.device)
-        args = (index,) if self.chunks[0].is_first else ()
-        try:
-            self.schedule.step(*args, target=index if self.has_last else None, return_outputs=False)
-        finally:
-            self.inputs = []
-            for stage in self.stages:  # a forward-only inference (no backward to restore after) ends here
-                stage.restore_buffers()
+    def _after_step(self) -> None:
+        for stage in self.stages:  # a forward-only inference (no backward to restore after) ends here
+            stage.restore_buffers()
 
     def forward_only(self, inputs: Example) -> Any:
         """One micro-batch forward through all chunks in stage order without gradients (validation), with the
         eval-mode trace when the user's module is in eval mode; returns the model output on the rank holding
         the last chunk, else None."""
-        import torch.distributed as dist
-
         chunks = self.chunks if self.module.training else self.eval_chunks
         if chunks is not self.chunks and any(_is_dtensor(p) for c in chunks for p in c.parameters()):
             raise ConfigError("plan.pp", f"{self.split.module_name}: validation runs the eval-mode trace (the model "
                               "has BatchNorm or dropout), whose chunks cannot run on the parameters data "
                               "parallelism sharded", "use dp=1 with pp>1, or pp=1")
-        self.inputs = [inputs]
-        ranks = self.pp_mesh.mesh.flatten().tolist()
-        by_index = {c.index: c for c in chunks}
-        num_chunks = chunks[0].num_chunks
-        received: tuple[torch.Tensor, ...] = ()
-        out = None
-        try:
-            with torch.no_grad():
-                for j in range(num_chunks):
-                    owner, prev = j % self.pp, (j - 1) % self.pp
-                    if owner != self.pp_rank:
-                        continue
-                    chunk = by_index[j]
-                    if j > 0 and prev != self.pp_rank:
-                        meta: list[Any] = [None]
-                        dist.recv_object_list(meta, src=ranks[prev], group=self.group)
-                        received = tuple(torch.empty(s, dtype=d, device=self.device) for s, d in meta[0])
-                        for tensor in received:
-                            dist.recv(tensor, src=ranks[prev], group=self.group)
-                    chunk.mb_index = 0
-                    result = chunk(*received)
-                    if chunk.is_last:
-                        out = chunk.rebuild(result)
-                        break
-                    received = result if isinstance(result, tuple) else (result,)
-                    nxt = (j + 1) % self.pp
-                    if nxt != self.pp_rank:
-                        meta = [[(tuple(t.shape), t.dtype) for t in received]]
-                        dist.send_object_list(meta, dst=ranks[nxt], group=self.group)
-                        for tensor in received:
-                            dist.send(tensor.contiguous(), dst=ranks[nxt], group=self.group)
-        finally:
-            self.inputs = []
-        return out
-
-    def broadcast_from_last(self, obj: Any) -> Any:
-        """``obj`` as given on the last stage's rank, on every rank of the pipeline group."""
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.last_rank(), group=self.group)
-        return box[0]
+        return self._forward_chunks(chunks, inputs)

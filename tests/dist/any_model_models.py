@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from lightning_autopar.models.unet import ConvBlock3d
+
 GLOBAL_BATCH = 8
 BATCHES_PER_EPOCH = 2
 STEPS = 4
@@ -33,25 +35,15 @@ class PlainCNN(nn.Module):
         return self.head(self.body(self.stem(x)))
 
 
-class DoubleConv3d(nn.Module):
-    def __init__(self, cin: int, cout: int) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Conv3d(cin, cout, 3, padding=1), nn.GroupNorm(2, cout), nn.ReLU(),
-                                 nn.Conv3d(cout, cout, 3, padding=1), nn.GroupNorm(2, cout), nn.ReLU())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
 class UNet3d(nn.Module):
     """Two levels: the encoder's first output is concatenated into the decoder (a skip connection)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.enc1 = DoubleConv3d(1, 4)
-        self.enc2 = DoubleConv3d(4, 8)
+        self.enc1 = ConvBlock3d(1, 4, groups=2)
+        self.enc2 = ConvBlock3d(4, 8, groups=2)
         self.up = nn.ConvTranspose3d(8, 4, 2, stride=2)
-        self.dec1 = DoubleConv3d(8, 4)
+        self.dec1 = ConvBlock3d(8, 4, groups=2)
         self.out = nn.Conv3d(4, 2, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,27 +107,10 @@ MODELS: dict[str, VisionCase] = {
 
 
 def reference_run(name: str, steps: int = STEPS, micro_batches: int = 1, dp: int = 1, seed: int = 0):
-    """The plain single-process loop: (losses per step, state dict incl. buffers). ``micro_batches > 1``: each
-    step accumulates that many micro-batches, micro-batch m being the m-th slice of every one of ``dp``
-    data-parallel slices (the strategy's split), so BatchNorm normalises over the same rows as under the plan."""
-    L.seed_everything(seed, verbose=False)
+    """The plain single-process loop (``common.reference_run``) for ``name``: (losses per step, state dict incl.
+    buffers). With ``micro_batches > 1`` it takes the strategy's micro-batches, so BatchNorm normalises over the
+    same rows as under the plan."""
+    from common import reference_run as loop
+
     case = MODELS[name]
-    module = case.make()
-    opt = module.configure_optimizers()
-    data = case.data()
-    losses = []
-    rows = GLOBAL_BATCH // (dp * micro_batches)
-    for step in range(steps):
-        i = step % BATCHES_PER_EPOCH
-        x, y = data[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH]
-        loss = 0.0
-        for m in range(micro_batches):
-            picked = torch.cat([torch.arange(r * GLOBAL_BATCH // dp + m * rows, r * GLOBAL_BATCH // dp + (m + 1) * rows)
-                                for r in range(dp)])
-            part = module.loss((x[picked], y[picked])) / micro_batches
-            part.backward()
-            loss = loss + part.detach()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return loop(steps, seed=seed, micro_batches=micro_batches, dp=dp, make=case.make, data=case.data())

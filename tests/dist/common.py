@@ -34,9 +34,10 @@ def make_data() -> TensorDataset:
 
 
 def reference_run(steps: int = STEPS, clip: float | None = None, seed: int = 0, micro_batches: int = 1, dp: int = 1,
-                  make=None, **overrides):
+                  make=None, data=None, **overrides):
     """The plain single-process loop: same model (``make(**overrides)``, default our GPT with ``overrides`` of its
-    config), data, seed and optimizer. Returns (losses, state dict).
+    config), data (``data``, default the token windows of ``make_data``), seed and optimizer. Returns (losses,
+    state dict, buffers included).
 
     ``micro_batches > 1``: each step accumulates that many micro-batches, micro-batch m being the m-th slice of
     every one of ``dp`` data-parallel slices (the strategy's split). Only an MoE model's balance loss, which is
@@ -46,11 +47,11 @@ def reference_run(steps: int = STEPS, clip: float | None = None, seed: int = 0, 
     L.seed_everything(seed, verbose=False)
     module = (make or make_module)(**overrides)
     opt = module.configure_optimizers()
-    data = make_data()
+    data = make_data() if data is None else data
     losses = []
     rows = GLOBAL_BATCH // (dp * micro_batches)
     for step in range(steps):
-        i = step % BATCHES_PER_EPOCH
+        i = step % (len(data) // GLOBAL_BATCH)  # the batches of an unshuffled epoch, in order
         x, y = data[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH]
         loss = 0.0
         for m in range(micro_batches):
