@@ -16,6 +16,8 @@ from torch.utils.data import TensorDataset
 
 from lightning_autopar.models.unet import ConvBlock3d
 
+from common import LitLM  # noqa: E402  (tests/dist is on the path of whatever imports this file)
+
 GLOBAL_BATCH = 8
 BATCHES_PER_EPOCH = 2
 STEPS = 4
@@ -60,26 +62,18 @@ def hf_resnet() -> nn.Module:
     return ResNetForImageClassification(config)
 
 
-class LitVision(L.LightningModule):
-    """A user's plain LightningModule: the model, a cross-entropy loss, SGD with momentum. ``call`` maps the
-    model and the input to logits (Hugging Face takes ``pixel_values=`` and returns an output object)."""
+class LitVision(LitLM):
+    """A user's plain LightningModule (``common.LitLM``'s step and SGD with momentum) with a cross-entropy loss on
+    images. ``call`` maps the model and the input to logits (Hugging Face takes ``pixel_values=`` and returns an
+    output object)."""
 
     def __init__(self, model: nn.Module, call: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
-        self.model = model
+        super().__init__(model)
         self.call = call
 
     def loss(self, batch) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(self.call(self.model, x), y)
-
-    def training_step(self, batch, batch_idx):
-        loss = self.loss(batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
 @dataclass(frozen=True)
