@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from lightning_autopar.files import atomic_file, fsync_dir  # noqa: F401  (the callbacks import them from here)
+from lightning_autopar.files import atomic_file
 
 
 def write_json(path: str | os.PathLike, data: Any) -> None:

@@ -48,7 +48,8 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 
-from lightning_autopar.callbacks._io import fsync_dir, write_json
+from lightning_autopar.callbacks._io import write_json
+from lightning_autopar.files import fsync_dir
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from typing import Any, Iterable
 import torch
 import lightning.pytorch as L
 
-from lightning_autopar.callbacks._io import atomic_file
+from lightning_autopar.files import atomic_file
 
 GIB = float(2**30)
 _COMM_PREFIXES = ("gloo:", "nccl:", "hccl:", "mpi:", "ucc:")

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Iterable
 
 import torch
 from torch import nn
