@@ -186,6 +186,7 @@ class AutoParallelMixin:
 
         assert self.accelerator is not None
         worker.share_cpu_threads(self.num_processes)
+        worker.destroy_at_exit()  # whichever path creates the group below (worker.destroy_at_exit says why)
         if worker.uses_shared_agent_store():
             self.accelerator.setup_device(self.root_device)
             device_id = self.root_device if self.root_device.type != "cpu" else None

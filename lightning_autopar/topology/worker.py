@@ -85,9 +85,22 @@ def init_process_group(backend: str, timeout: timedelta, **kwargs: Any) -> bool:
                           timeout=timeout)
     dist.init_process_group(backend, store=attempt_store(store), rank=rank, world_size=world, timeout=timeout,
                             **kwargs)
-    if backend == "nccl":  # as Lightning does for the groups it creates: torch warns about an undestroyed one
-        atexit.register(_destroy_process_group)
+    destroy_at_exit()
     return True
+
+
+def destroy_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, whoever created it and for every backend
+    (Lightning does it for NCCL only): torch warns about an undestroyed NCCL group, and an undestroyed gloo group's
+    threads can abort the exit ("terminate called without an active exception", exit code -6, which torchrun
+    reports as a failed run) -- seen here in about one of fifteen two-process runs. Registered once."""
+    global _DESTROY_REGISTERED
+    if not _DESTROY_REGISTERED:
+        atexit.register(_destroy_process_group)
+        _DESTROY_REGISTERED = True
+
+
+_DESTROY_REGISTERED = False
 
 
 def _destroy_process_group() -> None:
