@@ -286,9 +286,10 @@ class AutoParallelMixin:
         self._first_of = (loader, first)
         return first
 
-    def _batch_geometry(self, trainer: Any, transformer_seq: int | None) -> tuple[int, int]:
+    def _batch_geometry(self, trainer: Any, transformer_seq: int | None, traced: bool = False) -> tuple[int, int]:
         """(global batch, sequence length) from the training DataLoader, as on one device. A model in unit form
-        has no sequence: a sample is one batch row (seq 1)."""
+        has no sequence: a sample is one batch row (seq 1); a transformer traced on the user's call (``traced``:
+        a ViT on pixels) has the length its attention saw, not the batch's second dimension."""
         global_batch, seq_len = self._global_batch_arg, None
         loader = self._plan_loader(trainer)
         if loader is not None and global_batch is None:
@@ -302,6 +303,8 @@ class AutoParallelMixin:
             global_batch = self.world_size
         if self.analysis is not None and self.analysis.spec.unit_form:
             seq_len = 1
+        elif traced and transformer_seq:
+            seq_len = transformer_seq
         return int(global_batch), int(seq_len or transformer_seq or 1)
 
     def _model_call(self, trainer: Any) -> Any:
@@ -406,7 +409,7 @@ class AutoParallelMixin:
         transformer, analysis, example = self._analyse(trainer)
         self.analysis = analysis
         unit_form = analysis.spec.unit_form
-        global_batch, seq_len = self._batch_geometry(trainer, analysis.spec.seq_len)
+        global_batch, seq_len = self._batch_geometry(trainer, analysis.spec.seq_len, traced=example is not None)
         self._global_batch = global_batch
         analysis.spec.seq_len = seq_len
         precision = plan_precision(trainer.precision)

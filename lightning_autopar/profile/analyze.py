@@ -545,6 +545,7 @@ class _TraceRecorder(torch.overrides.TorchFunctionMode):
         super().__init__()
         self.stack = stack
         self.calls: list[tuple[str, int, int, int]] = []
+        self.attn_seq = 0  # the query length of the first attention call: the model's sequence (a ViT's patches)
         self.weights = weights or {}
         self.orientation: dict[str, bool] = {}
         self.sources: dict[int, tuple[torch.Tensor, str, bool]] = {}  # id -> (tensor, projection, direct output)
@@ -610,10 +611,12 @@ class _TraceRecorder(torch.overrides.TorchFunctionMode):
             q, k = args[0], args[1]
             if q.dim() == 4:
                 self.calls.append((self.stack[-1] if self.stack else "", q.shape[1], k.shape[1], q.shape[-1]))
+                self.attn_seq = self.attn_seq or int(q.shape[-2])
         elif func in _SOFTMAX and args:
             x = args[0]
             if isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[-1] == x.shape[-2]:
                 self.calls.append((self.stack[-1] if self.stack else "", x.shape[1], x.shape[1], 0))
+                self.attn_seq = self.attn_seq or int(x.shape[-2])
         name = getattr(func, "__name__", "")
         if self.weights:
             self._weight_use(name, args)
@@ -851,6 +854,7 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
     root = type(model).__name__
     block_flops = {f: float(sum(counts.get(f"{root}.{f}", {}).values())) for f in block_fqns}
     return {"flops": block_flops, "total": float(counter.get_total_flops()), "saved": saved, "attn": recorder.calls,
+            "attn_seq": recorder.attn_seq,
             "orientation": recorder.orientation, "consumers": recorder.consumers, "probe": probe,
             "stood_in": list(dict.fromkeys(stood_in))}
 
@@ -1332,6 +1336,8 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
         if not traced and failure is not None:
             unclassified.append(f"meta forward failed ({first_line(failure)})")
             traced_seq = seq_len
+        if example is not None and traced.get("attn_seq"):  # the user's call sets the length (a ViT: its patches)
+            seq_len = traced_seq = traced["attn_seq"]
         for why in traced.get("stood_in", []):  # their FLOPs and saved bytes are missing from the trace
             unclassified.append(f"a block ran only up to a data-dependent op on meta tensors ({why})")
 
