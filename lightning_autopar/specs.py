@@ -267,6 +267,40 @@ class ClusterSpec:
         return self.links[-1]
 
 
+# --------------------------------------------------------------------------------------------- measurements
+
+
+@dataclass
+class BlockMeasure:
+    """Measured time and activation memory of one block kind at one (mbs, seq_len, precision), tp=1."""
+
+    fwd_s: float
+    bwd_s: float
+    activation_bytes: float = 0.0
+
+
+@dataclass
+class Measured:
+    """What profile/measure.py found on the live device; the planner scales it to each plan by the analytic ratio.
+    A spec like the others: profile/ writes it, planner/ reads it, neither imports the other."""
+
+    mbs: int
+    seq_len: int
+    precision: str
+    blocks: dict[str, BlockMeasure] = field(default_factory=dict)  # "dense", "moe", "embedding", "head"
+    device: str = ""
+
+    @staticmethod
+    def coerce(value: Any) -> "Measured | None":
+        if value is None or isinstance(value, Measured):
+            return value
+        if isinstance(value, Mapping):
+            blocks = {k: v if isinstance(v, BlockMeasure) else BlockMeasure(**v) for k, v in value.get("blocks", {}).items()}
+            return Measured(int(value["mbs"]), int(value["seq_len"]), str(value["precision"]), blocks,
+                            str(value.get("device", "")))
+        raise TypeError(f"measured= expects a Measured or a mapping, got {type(value).__name__}")
+
+
 # --------------------------------------------------------------------------------------------- plan
 
 PLAN_INT_FIELDS = ("dp", "zero", "dp_shard", "tp", "pp", "vpp", "ep", "cp", "mbs", "grad_accum")

@@ -9,7 +9,7 @@ from lightning_autopar.models import GPT, GPTConfig
 from lightning_autopar.planner import cost as C
 from lightning_autopar.planner.search import estimate, plan
 from lightning_autopar.profile.measure import measure_blocks, measure_device
-from lightning_autopar.specs import ModelSpec, load_cluster_spec
+from lightning_autopar.specs import Measured, ModelSpec, load_cluster_spec
 
 
 def test_measure_device_small() -> None:
@@ -39,4 +39,4 @@ def test_measure_blocks_feeds_the_planner() -> None:
 
 def test_measured_mapping_is_validated() -> None:
     with pytest.raises(TypeError):
-        C.Measured.coerce(3.0)
+        Measured.coerce(3.0)

@@ -11,7 +11,8 @@ from lightning_autopar.errors import ConfigError
 from lightning_autopar.specs import ClusterSpec, DeviceSpec, LinkSpec, PeakTflops
 from lightning_autopar.topology import discover as dc
 from lightning_autopar.topology.probe import spec_yaml
-from lightning_autopar.topology.ranktable import Device, RankTable, Server, table_from_records
+from lightning_autopar.topology.discover import table_from_records
+from lightning_autopar.topology.ranktable import Device, RankTable, Server
 
 H100 = "NVIDIA H100 80GB HBM3"
 VERSIONS = {"torch": "2.13.0", "python": "3.11.9", "cuda": "12.8", "nccl": "2.27.3", "driver": "570.1"}

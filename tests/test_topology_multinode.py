@@ -33,7 +33,8 @@ WORKER = textwrap.dedent('''
     from lightning_autopar.topology import discover, probe
     from lightning_autopar.topology.mesh import build_mesh, group_ranks, groups_crossing_nodes, \\
         init_process_group_with_timeout
-    from lightning_autopar.topology.ranktable import Device, RankTable, atomic_write, read_table
+    from lightning_autopar.files import atomic_write
+    from lightning_autopar.topology.ranktable import Device, RankTable, read_table
 
     out = sys.argv[1]
     rank = int(os.environ["RANK"])

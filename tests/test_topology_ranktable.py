@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from lightning_autopar import cli
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.files import atomic_write
 from lightning_autopar.topology import ranktable as rt
 
 
@@ -239,7 +240,7 @@ def test_fuzz_malformed_tables_exit_2_with_one_line(capsys, tmp_path, text):
 
 def test_atomic_write_never_leaves_half_a_file(tmp_path, monkeypatch):
     target = tmp_path / "t.json"
-    rt.atomic_write(target, "old\n")
+    atomic_write(target, "old\n")
     assert target.read_text() == "old\n" and oct(target.stat().st_mode & 0o777) != "0o600"
 
     def boom(src, dst):
@@ -247,8 +248,8 @@ def test_atomic_write_never_leaves_half_a_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(OSError):
-        rt.atomic_write(target, "new\n")
+        atomic_write(target, "new\n")
     assert target.read_text() == "old\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]  # the temp file is gone
     with pytest.raises(ConfigError, match="cannot write"):
-        rt.atomic_write(tmp_path / "missing-dir" / "t.json", "x")
+        atomic_write(tmp_path / "missing-dir" / "t.json", "x")

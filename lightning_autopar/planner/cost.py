@@ -7,8 +7,8 @@ source on one line. Constants that are not datasheet figures are first-principle
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -695,36 +695,6 @@ def memory_total(states: Any, activations: Any, buffers: Any, hw: Hardware) -> A
 
 
 # ============================================================================================ measurements
-
-
-@dataclass
-class BlockMeasure:
-    """Measured time and activation memory of one block kind at one (mbs, seq_len, precision), tp=1."""
-
-    fwd_s: float
-    bwd_s: float
-    activation_bytes: float = 0.0
-
-
-@dataclass
-class Measured:
-    """What profile/measure.py found on the live device; the planner scales it to each plan by the analytic ratio."""
-
-    mbs: int
-    seq_len: int
-    precision: str
-    blocks: dict[str, BlockMeasure] = field(default_factory=dict)  # "dense", "moe", "embedding", "head"
-    device: str = ""
-
-    @staticmethod
-    def coerce(value: Any) -> "Measured | None":
-        if value is None or isinstance(value, Measured):
-            return value
-        if isinstance(value, Mapping):
-            blocks = {k: v if isinstance(v, BlockMeasure) else BlockMeasure(**v) for k, v in value.get("blocks", {}).items()}
-            return Measured(int(value["mbs"]), int(value["seq_len"]), str(value["precision"]), blocks,
-                            str(value.get("device", "")))
-        raise TypeError(f"measured= expects a Measured or a mapping, got {type(value).__name__}")
 
 
 def scaled_measure(measured_s: float, analytic_now: Any, analytic_ref: float) -> Any:

@@ -18,8 +18,10 @@ from lightning_autopar.planner.report import PlanReport, explain
 from lightning_autopar.planner.space import Space, enumerate_space, space_from_plans, unit_form_restrict
 from lightning_autopar.specs import (
     PRECISIONS,
+    BlockMeasure,
     Breakdown,
     ClusterSpec,
+    Measured,
     ModelSpec,
     Plan,
     PricedPlan,
@@ -211,7 +213,7 @@ def _stage_reps(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, fused:
 
 
 def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq: int,
-          measured: C.Measured | None = None, fused: bool = True, detail: bool = True) -> dict[str, np.ndarray]:
+          measured: Measured | None = None, fused: bool = True, detail: bool = True) -> dict[str, np.ndarray]:
     """Price every candidate: step time, memory per device and (``detail``) the breakdown, as arrays.
 
     Terms are computed on the smallest factor table they depend on (space.Space) and combined per candidate
@@ -224,7 +226,7 @@ def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq
     return _assemble(hw, space, mid, dpc, detail)
 
 
-def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measured: C.Measured | None,
+def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measured: Measured | None,
                        fused: bool) -> tuple[dict[str, list], dict[str, list]]:
     """Per representative rank: mid-level (time, memory per recompute mode) and dpc-level (DP traffic, states) terms."""
     m = model
@@ -311,7 +313,7 @@ def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int,
     return mid, dpc
 
 
-def _unit_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measured: C.Measured | None,
+def _unit_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measured: Measured | None,
                 fused: bool) -> tuple[dict[str, list], dict[str, list]]:
     """Unit form: per representative rank, the sums over its units of time, saved activations and parameters.
 
@@ -375,7 +377,7 @@ def _unit_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measur
     return mid, dpc
 
 
-def _apply_measured_units(meas: C.Measured, model: ModelSpec, u: C.UnitArrays, hw: C.Hardware, uf: np.ndarray,
+def _apply_measured_units(meas: Measured, model: ModelSpec, u: C.UnitArrays, hw: C.Hardware, uf: np.ndarray,
                           ub: np.ndarray, act: list) -> tuple[np.ndarray, np.ndarray, list]:
     """Unit form: measured blocks named like units replace those units' terms, scaled by the analytic ratio."""
     ref_prec = PRECISIONS.index(meas.precision)
@@ -502,7 +504,7 @@ def slot_of(a: np.ndarray, b: np.ndarray, d: np.ndarray, f_sm: float = 0.0) -> n
             + C.overlapped_exposed(d[..., 2], tb, d[..., 3], f_sm))
 
 
-def _apply_measured(meas: C.Measured, m: ModelSpec, hw: C.Hardware, seq: int, fused: bool, dense, moe,
+def _apply_measured(meas: Measured, m: ModelSpec, hw: C.Hardware, seq: int, fused: bool, dense, moe,
                     emb_f, emb_b, head_f, head_b, act, act_moe):
     """Replace analytic block terms by measured ones, scaled to each key by the analytic ratio (cost.scaled_measure)."""
     ref_prec = PRECISIONS.index(meas.precision)
@@ -511,7 +513,7 @@ def _apply_measured(meas: C.Measured, m: ModelSpec, hw: C.Hardware, seq: int, fu
     blocks = meas.blocks
     ref_dense = C.dense_block_time(hw, m, b, s, 1, 1, False, peak, elem, fused)
 
-    def scale_block(now: C.BlockTimes, ref: C.BlockTimes, got: C.BlockMeasure | None) -> C.BlockTimes:
+    def scale_block(now: C.BlockTimes, ref: C.BlockTimes, got: BlockMeasure | None) -> C.BlockTimes:
         if got is None:
             return now
         f = C.scaled_measure(got.fwd_s, now.fwd, float(ref.fwd))
@@ -609,7 +611,7 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
         raise ConfigError("memory_fraction", f"must be in (0, 1], got {memory_fraction}")
     fixed = parse_fix(fix)
     precisions = resolve_precisions(clus, precision)
-    meas = C.Measured.coerce(measured)
+    meas = Measured.coerce(measured)
     space = enumerate_space(spec, clus.world_size, global_batch, seq, precisions, fixed, restrict)
     if space.size == 0:
         reasons = ", ".join(f"{k} ({v})" for k, v in space.rejected.most_common(3)) or "restrict leaves no values"
@@ -650,7 +652,7 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
 
 
 def _priced(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: Space, idx: np.ndarray, global_batch: int,
-            seq: int, limit: float, meas: C.Measured | None) -> list[PricedPlan]:
+            seq: int, limit: float, meas: Measured | None) -> list[PricedPlan]:
     """PricedPlans (with the breakdown) for candidates ``idx``, in that order."""
     sub = space.subset(np.asarray(idx, dtype=np.int64))
     costs = price(model, hw, sub, global_batch, seq, meas, detail=True)
@@ -658,7 +660,7 @@ def _priced(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: Space
 
 
 def _runner_up(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: Space, costs: dict, ok: np.ndarray,
-               best: int, global_batch: int, seq: int, limit: float, meas: C.Measured | None) -> PricedPlan | None:
+               best: int, global_batch: int, seq: int, limit: float, meas: Measured | None) -> PricedPlan | None:
     """Fastest feasible plan whose layout (tp, pp, cp, ep, hence dp) differs from the winner's."""
     layout = space.keys["layout"][space.mids["key"]][space.cands["mid"]]
     mask = ok & (layout != layout[best])
@@ -669,7 +671,7 @@ def _runner_up(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: Sp
 
 
 def _what_if(model: ModelSpec, cluster: ClusterSpec, space: Space, costs: dict, global_batch: int, seq: int,
-             meas: C.Measured | None, memory_fraction: float, reprice: bool) -> tuple[Plan, float] | None:
+             meas: Measured | None, memory_fraction: float, reprice: bool) -> tuple[Plan, float] | None:
     """Best (plan, step) on a what-if cluster: a memory-only change reuses the times, a link change re-prices."""
     hw = C.Hardware.from_cluster(cluster)
     idx = np.flatnonzero(costs["memory"] <= hw.capacity * memory_fraction)
@@ -718,5 +720,5 @@ def estimate(model: Any, cluster: Any, plan: Plan | Mapping | str, global_batch:
     check_fix(spec, clus.world_size, gb, seq, p.to_dict())
     hw = C.Hardware.from_cluster(clus)
     space = space_from_plans([p])
-    costs = price(spec, hw, space, gb, seq, C.Measured.coerce(measured))
+    costs = price(spec, hw, space, gb, seq, Measured.coerce(measured))
     return priced_plan(spec, clus, hw, space, costs, 0, gb, seq, hw.capacity * memory_fraction)

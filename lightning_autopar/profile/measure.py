@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from lightning_autopar.planner.cost import BlockMeasure, Measured
+from lightning_autopar.specs import BlockMeasure, Measured
 
 DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.specs import ClusterSpec, DeviceSpec, LinkSpec, PeakTflops, load_cluster_spec
+from lightning_autopar.topology.ranktable import Device, RankTable, Server, device_ip_for, read_table
 
 # Local process count per node as launchers spell it (torchrun, SLURM, Open MPI, MPICH/Intel MPI, MVAPICH, LSF).
 LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
@@ -455,7 +456,22 @@ def discover_cluster(probe_file: str | None = None, check_versions: bool = True,
     table_path = rank_table_file or os.environ.get("RANK_TABLE_FILE")
     table = None
     if table_path:
-        from lightning_autopar.topology.ranktable import read_table
 
         table = read_table(table_path)
     return cluster_from_records(records, probe=probe_file, rank_table=table, versions=check_versions)
+
+
+def table_from_records(records: Sequence[Any], device_ip_base: str | None = None) -> RankTable:
+    """The rank table of discovered ranks: one server per node, devices in rank order."""
+    layout = node_layout(records)
+    by_rank = {r.rank: r for r in records}
+    servers = []
+    for ranks, host, address in zip(layout.nodes, layout.hosts, layout.addresses):
+        devices = []
+        for local, rank in enumerate(ranks):
+            rec = by_rank[rank]
+            device_id = rec.device_index if rec.device_index is not None else rec.local_rank
+            devices.append(Device(device_id=device_id, rank_id=rank,
+                                  device_ip=device_ip_for(device_ip_base, rank, rec.device_ip or address)))
+        servers.append(Server(server_id=address, devices=devices, host=host))
+    return RankTable(servers=servers, kind="discovered").validate()

@@ -1,0 +1,101 @@
+"""The package's import structure: no module imports its importer (a cycle), counting imports inside functions,
+and the planner and the model analysis stay light (no Lightning, no distributed runtime)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "lightning_autopar"
+
+
+def module_names() -> dict[str, Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def imported(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package's modules ``module`` imports anywhere in its source (top level or inside functions): for
+    ``from a.b import c`` the module ``a.b.c`` when it is one, else ``a.b``. Parent packages, which Python imports
+    on the way, are not counted (they are not the importer's choice)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                pkg = pkg[: len(pkg) - node.level + 1]
+                base = ".".join(pkg + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        found |= {t for t in targets if t in known and t != module and not module.startswith(t + ".")}
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    known = module_names()
+    graph = {m: imported(m, p, known) for m, p in known.items()}
+    assert len(graph) > 40  # the whole package was read
+    assert any("lightning_autopar.planner.search" in deps for deps in graph.values())  # imports were resolved
+    assert cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_planner_and_analysis_load_no_lightning_and_no_distributed_runtime():
+    """In a fresh interpreter: what ``import lightning_autopar.planner, lightning_autopar.profile.analyze`` loads
+    beyond ``import torch`` holds no Lightning module and no torch.distributed module (``import torch`` itself
+    loads the ``torch.distributed`` package in torch 2.13; nothing of its runtime -- process groups, DeviceMesh,
+    FSDP, DTensor, pipelining -- may come on top)."""
+    code = ("import sys, torch; before = set(sys.modules); "
+            "import lightning_autopar.planner, lightning_autopar.profile.analyze; "
+            "print('\\n'.join(sorted(set(sys.modules) - before)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "lightning_autopar.planner.search" in out and "lightning_autopar.profile.analyze" in out
+    heavy = [m for m in out if m.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric")
+             or m.startswith("torch.distributed")]
+    assert heavy == []
