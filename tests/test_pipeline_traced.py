@@ -1,4 +1,4 @@
-"""Pipeline parallelism through torch's tracer for models that are not a block stack (parallel.pipeline_traced).
+"""Pipeline parallelism through torch's tracer for models that are not a block stack (parallel.pipeline.trace, parallel.pipeline.traced).
 
 One torchrun launch of world 2 (pp=2) runs every scenario of tests/dist/pipeline_traced_scenarios.py: a plain CNN
 (BatchNorm, residuals across the split), a 3D U-Net (GroupNorm, encoder outputs concatenated across one split,
@@ -19,8 +19,7 @@ from conftest import run_scenarios
 from pipeline_traced_scenarios import MODELS, SCENARIOS, STEPS, UNET_UNITS, UNet3D, build, reference
 
 from lightning_autopar.errors import ConfigError
-from lightning_autopar.parallel.pipeline_traced import (TracedChunk, check_traced_pipeline, flatten_inputs,
-                                                         trace_split)
+from lightning_autopar.parallel.pipeline import TracedChunk, check_traced_pipeline, flatten_inputs, trace_split
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -3,7 +3,7 @@
     PP split -> TP/SP -> EP -> BatchNorm sync -> recompute -> FSDP/DP -> precision
 
 1. PP split (``pipeline``): this rank keeps its chunks' blocks (original names) and the pieces it owns. A model in
-   unit form is split by ``pipeline_traced`` (torch.export of the user's call, cut at unit boundaries).
+   unit form is split by ``pipeline.traced`` (torch.export of the user's call, cut at unit boundaries).
 2. TP (``tensor``): DTensor layouts on the remaining blocks (all experts still present, each split inside).
 3. EP (``experts``): remote experts removed, MoE forwards routed through all-to-all; with data parallelism alone
    (ep=1) the MoE forward is replaced too, so the balance loss covers the global micro-batch.
@@ -13,7 +13,7 @@
    the running-stat update) and before FSDP/DDP (which wrap the module whose class it swaps).
 4. Recompute (``recompute``): composable checkpoint hooks per block (outside FSDP, as torchtitan does); for a
    model in unit form (any ``nn.Module``: CNNs, U-Nets; ``analysis.spec.unit_form``) per unit of the analysis,
-   or per pipeline chunk when its stages are traced graphs (``pipeline_traced``: the unit modules no longer run).
+   or per pipeline chunk when its stages are traced graphs (``pipeline.traced``: the unit modules no longer run).
 5. FSDP/DP (``fsdp``): experts on the expert-data-parallel mesh first, then blocks, then the modules owning
    the rest (or, with PP, each chunk) on the data-parallel mesh; zero=0 with data parallelism alone: DDP
    (``replicate``). The units are chosen (``units.choose_units``) before step 1, from one meta forward of the
@@ -61,13 +61,13 @@ class Applied:
 def check_unit_pipeline(root: nn.Module, model: nn.Module, analysis: ModelAnalysis, example: tuple[tuple, dict] | None,
                         pp: int, vpp: int = 1, layers_per_stage: Sequence[int] | None = None) -> None:
     """Raise one ConfigError ("plan.pp") when a model in unit form cannot run as ``pp`` pipeline stages: stages
-    come from torch.export of the user's call split at unit boundaries (``parallel.pipeline_traced``), which needs
+    come from torch.export of the user's call split at unit boundaries (``parallel.pipeline.trace``), which needs
     that call (``example``), every parameter of ``root`` inside ``model``, and no BatchNorm -- a pipeline runs
     micro-batches, and a BatchNorm in a stage would normalise each apart (and not over the data-parallel ranks:
     the traced stages run the graph's batch-norm ops, not the synchronised modules)."""
     from lightning_autopar.errors import ConfigError
     from lightning_autopar.parallel.batchnorm import batchnorm_modules
-    from lightning_autopar.parallel.pipeline_traced import check_traced_pipeline
+    from lightning_autopar.parallel.pipeline import check_traced_pipeline
 
     name = analysis.spec.name
     if example is None:
@@ -145,8 +145,7 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     from lightning_autopar.parallel.experts import apply_expert_parallel
     from lightning_autopar.parallel.fsdp import (apply_data_parallel, apply_data_parallel_chunks, apply_replicate,
                                                  shard_experts)
-    from lightning_autopar.parallel.pipeline import Pipeline
-    from lightning_autopar.parallel.pipeline_traced import TracedPipeline
+    from lightning_autopar.parallel.pipeline import Pipeline, TracedPipeline
     from lightning_autopar.parallel.recompute import apply_recompute
     from lightning_autopar.parallel.tensor import apply_tensor_parallel
     from lightning_autopar.parallel.units import check_applied, choose_units, tie_groups

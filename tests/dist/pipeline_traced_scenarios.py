@@ -1,4 +1,4 @@
-"""Traced pipeline scenarios (parallel.pipeline_traced), run under torchrun: models that are not a block stack.
+"""Traced pipeline scenarios (parallel.pipeline.traced), run under torchrun: models that are not a block stack.
 
 Usage: torchrun --nproc-per-node 2 tests/dist/pipeline_traced_scenarios.py OUT_DIR name[,name...]
 Each scenario builds a ``TracedPipeline`` (pp = world size) and drives it the way the strategy drives a
@@ -155,7 +155,7 @@ def run(name: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_autopar.parallel.pipeline_traced import TracedPipeline
+    from lightning_autopar.parallel.pipeline import TracedPipeline
 
     model, schedule, vpp, layers = SCENARIOS[name]
     spec = MODELS[model]

@@ -1,0 +1,36 @@
+"""Pipeline parallelism: split the user's model into chunks and run them with torch.distributed.pipelining.
+
+Two ways to split, one runtime. A transformer (a stack of blocks between embeddings and a final norm / LM head)
+is split by swapping its blocks, and every chunk runs the user's own ``forward``; any other model that
+``torch.export`` can trace is split in its traced graph at unit boundaries. Both run through the same schedule
+and step (``StagedPipeline``). The strategy captures the user's model call per micro-batch and hands it to the
+chunks; the user's ``training_step`` is not rewritten.
+
+Modules, one concern each:
+
+* ``partition``: what is split (``pipeline_root``), whether it can be (``check_pipeline``), blocks per chunk;
+* ``standins``: parameter-free modules in place of what a chunk does not own (names stay the user's);
+* ``moe``: MoE load-balancing values carried across stages to the user's loss on the last stage;
+* ``chunks``: the block-stack chunks (``PipelineChunk``) and the split of the model (``split_model``);
+* ``stage``: every use of torch's private pipelining API (the ``PipelineStage`` overrides, the graph splitter),
+  with the torch version it was checked against;
+* ``runtime``: the schedule, training step, forward-only pass and broadcast (``StagedPipeline``, ``Pipeline``);
+* ``capture``: the user's model call, captured or answered (``capture_model_call``, ``model_call_replaced``);
+* ``trace`` and ``traced``: models that are not a block stack (``trace_split``, ``TracedPipeline``).
+"""
+
+from lightning_autopar.parallel.pipeline.capture import capture_model_call, model_call_replaced
+from lightning_autopar.parallel.pipeline.chunks import PipelineChunk, split_model
+from lightning_autopar.parallel.pipeline.moe import MoESource, moe_sources, router_recorder
+from lightning_autopar.parallel.pipeline.partition import check_pipeline, chunk_sizes, pipeline_root
+from lightning_autopar.parallel.pipeline.runtime import Pipeline, StagedPipeline
+from lightning_autopar.parallel.pipeline.standins import StageBlocks, ZeroEmbedding, stand_in_module
+from lightning_autopar.parallel.pipeline.trace import TracedSplit, check_traced_pipeline, flatten_inputs, trace_split
+from lightning_autopar.parallel.pipeline.traced import TracedChunk, TracedPipeline
+
+__all__ = [
+    "MoESource", "Pipeline", "PipelineChunk", "StageBlocks", "StagedPipeline", "TracedChunk", "TracedPipeline",
+    "TracedSplit", "ZeroEmbedding", "capture_model_call", "check_pipeline", "check_traced_pipeline", "chunk_sizes",
+    "flatten_inputs", "model_call_replaced", "moe_sources", "pipeline_root", "router_recorder", "split_model",
+    "stand_in_module", "trace_split",
+]

@@ -1,0 +1,239 @@
+"""The block-stack pipeline's chunks: this rank's part of the user's transformer, each run by the user's own
+``forward`` with the chunk's pieces swapped in.
+
+* a non-first chunk gets zeros from its embedding stand-ins, and its first block receives the activation sent
+  by the previous stage instead (whatever the model computes before the blocks is discarded);
+* a non-last chunk stops at the final norm (it raises the block output out of the forward), so the norm, the
+  head and anything after them (e.g. a loss inside a Hugging Face model) never run there;
+* the last chunk returns the model's output (a tensor, a tuple, or a ``ModelOutput``: flattened to tensors for
+  the schedule and rebuilt before the user's loss code sees it).
+
+Every chunk calls the model with the arguments the user's step passed for its micro-batch (``capture``):
+positions and masks derived from the inputs are right on every stage.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from lightning_autopar.parallel.pipeline.moe import (MoESource, hand_over_targets, install_recorders, moe_sources,
+                                                     router_recorder)
+from lightning_autopar.parallel.pipeline.standins import (ChunkRun, ExitStage, InjectReceived, StageOutput,
+                                                          ZeroEmbedding, blocks_container, replace_submodule)
+
+if TYPE_CHECKING:
+    from lightning_autopar.profile.analyze import ModelAnalysis
+
+
+class PipelineChunk(nn.Module):
+    """One pipeline chunk (stage) of the user's transformer, as torch.distributed.pipelining's stage module.
+
+    Its registered children are what the chunk owns (its blocks; embeddings, final norm, head when first / last),
+    so FSDP units and ``parameters()`` are per chunk; the forward runs the user's transformer with the chunk's
+    pieces swapped in. The chunk is not a child of the LightningModule: parameter names stay the user's.
+    """
+
+    def __init__(self, index: int, num_chunks: int, transformer: nn.Module, analysis: ModelAnalysis,
+                 block_items: list[tuple[str, nn.Module]], owned: dict[str, nn.Module],
+                 stand_ins: dict[str, nn.Module], inputs: Callable[[int], tuple[tuple, dict]],
+                 own: Sequence[MoESource] = (), before: Sequence[MoESource] = (),
+                 replay_targets: Sequence[nn.Module] = ()) -> None:
+        super().__init__()
+        self.index, self.num_chunks = index, num_chunks
+        self.blocks = nn.ModuleList(m for _, m in block_items)
+        self.owned = nn.ModuleList(owned.values())
+        self.__dict__["_transformer"] = transformer
+        self.__dict__["_inputs"] = inputs
+        self._blocks_fqn = analysis.blocks_fqn
+        self._block_items = block_items
+        self._run = ChunkRun()
+        self.mb_index = 0
+        self.out_spec: Any = None
+        self._non_tensor: list[tuple[int, Any]] = []
+        # MoE values: what arrives with the activation (earlier chunks' layers, in order), what this chunk adds,
+        # and (last chunk) the modules that hand the received ones to the user's loss
+        self._before, self._own = list(before), list(own)
+        self._replay_targets = list(replay_targets)
+        self.received_values: tuple[torch.Tensor, ...] = ()
+        self._recorded: dict[int, torch.Tensor] = {}
+        self._recording = False
+        for source in self._own:
+            if source.index is not None:
+                source.module.register_forward_hook(self._recorder(source))
+        if index == num_chunks - 1 and any(s.index is not None for s in self._before):
+            self._run.replay = self._replay_recorded
+        # the pieces' modules while this chunk runs
+        first, last = index == 0, index == num_chunks - 1
+        self._pieces: dict[str, nn.Module] = {}
+        for fqn in (analysis.token_embedding, analysis.position_embedding):
+            if fqn:
+                self._pieces[fqn] = owned[fqn] if first else ZeroEmbedding(stand_ins[fqn].dim, self._run)
+        exit_at = analysis.final_norm or analysis.lm_head
+        for fqn in (analysis.final_norm, analysis.lm_head):
+            if fqn:
+                self._pieces[fqn] = owned[fqn] if last else (ExitStage() if fqn == exit_at else nn.Identity())
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def carries_moe_values(self) -> bool:
+        """Whether this chunk's activation travels with MoE values (earlier or its own layers')."""
+        return bool(self._before or self._own)
+
+    def _recorder(self, source: MoESource) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._recording:  # this chunk's forward, not a recompute in backward
+                self._recorded[id(source)] = output[source.index] if isinstance(output, tuple) else output
+        return hook
+
+    def _own_values(self) -> list[torch.Tensor]:
+        values = []
+        for source in self._own:
+            if source.attr is not None:
+                # a 1-element copy: p2p of a 0-dim tensor is avoided, and FSDP warns on outputs that are views
+                values.append(getattr(source.module, source.attr).reshape(1).clone())
+            elif id(source) in self._recorded:
+                values.append(self._recorded[id(source)])
+            else:
+                raise RuntimeError(f"pipeline: the router {type(source.module).__name__} of block {source.block} "
+                                   "did not run in its stage's forward")
+        return values
+
+    def _hand_over(self, received: tuple[torch.Tensor, ...]) -> None:
+        """Last chunk: give the user's loss the earlier layers' values of this micro-batch."""
+        self.received_values = received
+        for source, target, value in zip(self._before, self._replay_targets, received):
+            if source.attr is not None:
+                setattr(target, source.attr, value.reshape(()))
+            else:  # a copy: it becomes part of the model output, and FSDP warns on outputs that are views
+                target.forward.value = value.clone()
+
+    def _replay_recorded(self) -> None:
+        for source, target in zip(self._before, self._replay_targets):
+            if source.index is not None:
+                target()
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_chunks - 1
+
+    @contextmanager
+    def _active(self, received: torch.Tensor | None) -> Iterator[None]:
+        transformer = self.__dict__["_transformer"]
+        blocks = transformer.get_submodule(self._blocks_fqn)
+        items = list(self._block_items)
+        if not self.is_first:
+            items[0] = (items[0][0], InjectReceived(items[0][1], self._run))
+        saved_blocks = blocks._modules
+        saved = {fqn: transformer.get_submodule(fqn) for fqn in self._pieces}
+        object.__setattr__(blocks, "_modules", OrderedDict(items))
+        for fqn, module in self._pieces.items():
+            replace_submodule(transformer, fqn, module)
+        self._run.received = received
+        try:
+            yield
+        finally:
+            self._run.received = None
+            object.__setattr__(blocks, "_modules", saved_blocks)
+            for fqn, module in saved.items():
+                replace_submodule(transformer, fqn, module)
+
+    def forward(self, *received: torch.Tensor) -> Any:
+        """First chunk: ``received`` is ignored (the micro-batch index comes from the stage); else the
+        activation of the previous chunk. Returns the activation, or (last chunk) the model output's tensors."""
+        from torch.utils._pytree import tree_flatten
+
+        args, kwargs = self.__dict__["_inputs"](self.mb_index)
+        hidden = None if self.is_first else received[0]
+        values = tuple(received[1:])
+        if len(values) != len(self._before):
+            raise RuntimeError(f"pipeline: chunk {self.index} received {len(values)} MoE values, expected "
+                               f"{len(self._before)}")
+        if self.is_last:
+            self._hand_over(values)
+        self._recorded, self._recording = {}, True
+        with self._active(hidden):
+            try:
+                out = self.__dict__["_transformer"](*args, **kwargs)
+            except StageOutput as stop:
+                if self.is_last:
+                    raise
+                if not self.carries_moe_values:
+                    return stop.value
+                # earlier layers' values pass through (a copy: an output must not be the received tensor)
+                return (stop.value, *(v.clone() for v in values), *self._own_values())
+            finally:
+                self._recording = False
+        if not self.is_last:
+            raise RuntimeError("pipeline: the forward finished without reaching the final norm / LM head")
+        leaves, self.out_spec = tree_flatten(out)
+        self._non_tensor = [(i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)]
+        tensors = tuple(v for v in leaves if isinstance(v, torch.Tensor))
+        return tensors[0] if len(tensors) == 1 else tensors
+
+    def rebuild(self, output: Any) -> Any:
+        """The model output (as the user's forward returned it) from what the last chunk returned."""
+        from torch.utils._pytree import tree_unflatten
+
+        tensors = list(output) if isinstance(output, (tuple, list)) else [output]
+        leaves: list[Any] = []
+        fixed = dict(self._non_tensor)
+        it = iter(tensors)
+        for i in range(self.out_spec.num_leaves):
+            leaves.append(fixed[i] if i in fixed else next(it))
+        return tree_unflatten(leaves, self.out_spec)
+
+
+def split_model(transformer: nn.Module, analysis: ModelAnalysis, pp_rank: int, pp: int, vpp: int,
+                sizes: Sequence[int], inputs: Callable[[int], tuple[tuple, dict]]) -> list[PipelineChunk]:
+    """Prune ``transformer`` in place to what pipeline rank ``pp_rank`` owns; return its chunks (stage order)."""
+    blocks = transformer.get_submodule(analysis.blocks_fqn)
+    all_items = list(blocks._modules.items())
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    num_chunks = pp * vpp
+    mine = [j for j in range(num_chunks) if j % pp == pp_rank]
+    run_stub = ChunkRun()
+    stand_ins: dict[str, nn.Module] = {}
+    for fqn in (analysis.token_embedding, analysis.position_embedding):
+        if fqn:
+            weight = transformer.get_submodule(fqn).weight
+            stand_ins[fqn] = ZeroEmbedding(int(weight.shape[-1]), run_stub)
+    for fqn in (analysis.final_norm, analysis.lm_head):
+        if fqn:
+            stand_ins[fqn] = nn.Identity()
+    originals = {fqn: transformer.get_submodule(fqn) for fqn in stand_ins}
+    if router_recorder(transformer) is not None:
+        install_recorders(transformer)
+    sources = [moe_sources(transformer, analysis, all_items[bounds[j]:bounds[j + 1]]) for j in range(num_chunks)]
+    local_keys = {key for j in mine for key, _ in all_items[bounds[j]:bounds[j + 1]]}
+    chunks = []
+    local_items: list[tuple[str, nn.Module]] = []
+    for j in mine:
+        items = all_items[bounds[j]:bounds[j + 1]]
+        local_items += items
+        owned = {}
+        if j == 0:
+            owned.update({f: originals[f] for f in (analysis.token_embedding, analysis.position_embedding) if f})
+        replay: list[nn.Module] = []
+        if j == num_chunks - 1:
+            owned.update({f: originals[f] for f in (analysis.final_norm, analysis.lm_head) if f})
+            replay = hand_over_targets([s for before in sources[:j] for s in before], local_keys, transformer,
+                                       analysis.blocks_fqn)
+        chunks.append(PipelineChunk(j, num_chunks, transformer, analysis, items, owned, stand_ins, inputs,
+                                    own=sources[j], before=[s for before in sources[:j] for s in before],
+                                    replay_targets=replay))
+    owned_here = {f for c in chunks for f in c._pieces if c._pieces[f] is originals.get(f)}
+    for fqn, stand_in in stand_ins.items():
+        if fqn not in owned_here:
+            replace_submodule(transformer, fqn, stand_in)
+    replace_submodule(transformer, analysis.blocks_fqn, blocks_container(local_items, blocks))
+    return chunks

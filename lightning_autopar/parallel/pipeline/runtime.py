@@ -1,0 +1,179 @@
+"""Running the chunks: the schedule over this rank's stages, the training step, the forward-only pass in stage
+order (validation) and the broadcast from the last stage (``StagedPipeline``, shared by both pipelines), and the
+block-stack pipeline built on it (``Pipeline``).
+
+GPipe and 1F1B run one stage per rank; interleaved 1F1B (or more than one chunk per rank) runs ``vpp``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from lightning_autopar.parallel.pipeline.chunks import split_model
+from lightning_autopar.parallel.pipeline.partition import chunk_sizes
+from lightning_autopar.parallel.pipeline.stage import stage_class
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_autopar.profile.analyze import ModelAnalysis
+
+
+class StagedPipeline:
+    """What both pipelines share once their chunks exist: this rank's place in the pp group, the schedule over
+    its stages, the training step, the forward-only pass in stage order and the broadcast from the last stage.
+    Subclasses set ``chunks`` (with ``index``, ``num_chunks``, ``is_first``/``is_last``, ``mb_index``,
+    ``rebuild``) and call ``_build_schedule``."""
+
+    def _join(self, pp_mesh: DeviceMesh, device: torch.device, n_microbatches: int) -> None:
+        self.pp_mesh = pp_mesh
+        self.group = pp_mesh.get_group()
+        self.pp = pp_mesh.size()
+        self.pp_rank = pp_mesh.get_local_rank()
+        self.device = device
+        self.inputs: list[tuple[tuple, dict]] = []
+        self.n_microbatches = n_microbatches
+
+    def _build_schedule(self, stage_cls: type, schedule: str,
+                        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        self._stage_cls = stage_cls
+        self.stages = [stage_cls(c, c.index, c.num_chunks, self.device, group=self.group) for c in self.chunks]
+        if schedule == "interleaved" or len(self.stages) > 1:
+            self.schedule = ScheduleInterleaved1F1B(self.stages, self.n_microbatches, loss_fn=loss_fn,
+                                                    scale_grads=False)
+        else:
+            kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+            self.schedule = kind(self.stages[0], self.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    @property
+    def inferring(self) -> bool:
+        """True while the schedule infers shapes (a real forward/backward whose loss must not be recorded)."""
+        return self._stage_cls.inferring
+
+    @property
+    def has_last(self) -> bool:
+        return any(c.is_last for c in self.chunks)
+
+    @property
+    def last_chunk(self) -> Any:
+        return next(c for c in self.chunks if c.is_last)
+
+    def input_of(self, mb_index: int) -> tuple[tuple, dict]:
+        return self.inputs[mb_index]
+
+    def last_rank(self) -> int:
+        """Global rank of the last stage in this rank's pipeline group."""
+        num_chunks = self.chunks[0].num_chunks
+        return int(self.pp_mesh.mesh.flatten()[(num_chunks - 1) % self.pp].item())
+
+    def train_step(self, inputs: list[tuple[tuple, dict]]) -> None:
+        """Forward and backward of all micro-batches through the schedule. ``inputs[i]`` are the (args, kwargs)
+        of the model call for micro-batch i; the loss function given at construction runs on the last stage
+        with the micro-batch index as its target."""
+        if len(inputs) != self.n_microbatches:
+            raise RuntimeError(f"pipeline: {len(inputs)} micro-batches, planned {self.n_microbatches}")
+        self.inputs = inputs
+        index = torch.arange(self.n_microbatches, device=self.device)
+        args = (index,) if self.chunks[0].is_first else ()
+        try:
+            self.schedule.step(*args, target=index if self.has_last else None, return_outputs=False)
+        finally:
+            self.inputs = []
+            self._after_step()
+
+    def _after_step(self) -> None:
+        """Hook run after every training step, also a failed one."""
+
+    def forward_only(self, inputs: tuple[tuple, dict]) -> Any:
+        """One micro-batch forward through all chunks in stage order without gradients (validation); returns
+        the model output on the rank holding the last chunk, else None."""
+        return self._forward_chunks(self.chunks, inputs)
+
+    def _forward_chunks(self, chunks: Sequence[Any], inputs: tuple[tuple, dict]) -> Any:
+        import torch.distributed as dist
+
+        self.inputs = [inputs]
+        ranks = self.pp_mesh.mesh.flatten().tolist()
+        by_index = {c.index: c for c in chunks}
+        num_chunks = chunks[0].num_chunks
+        received: tuple[torch.Tensor, ...] = ()
+        out = None
+        try:
+            with torch.no_grad():
+                for j in range(num_chunks):
+                    owner, prev = j % self.pp, (j - 1) % self.pp
+                    if owner != self.pp_rank:
+                        continue
+                    chunk = by_index[j]
+                    if j > 0 and prev != self.pp_rank:  # the activation (and MoE values) of the chunk before
+                        meta: list[Any] = [None]
+                        dist.recv_object_list(meta, src=ranks[prev], group=self.group)
+                        received = tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in meta[0])
+                        for tensor in received:
+                            dist.recv(tensor, src=ranks[prev], group=self.group)
+                    chunk.mb_index = 0
+                    result = chunk(*received)
+                    if chunk.is_last:
+                        out = chunk.rebuild(result)
+                        break
+                    received = result if isinstance(result, tuple) else (result,)
+                    nxt = (j + 1) % self.pp
+                    if nxt != self.pp_rank:
+                        meta = [[(tuple(t.shape), t.dtype) for t in received]]
+                        dist.send_object_list(meta, dst=ranks[nxt], group=self.group)
+                        for tensor in received:
+                            dist.send(tensor.contiguous(), dst=ranks[nxt], group=self.group)
+        finally:
+            self.inputs = []
+            self._reshard(chunks)
+        return out
+
+    @staticmethod
+    def _reshard(chunks: Sequence[nn.Module]) -> None:
+        """Free parameters FSDP kept gathered after a forward without backward (the next step gathers the
+        updated ones; stale gathered copies would otherwise survive the optimizer step)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for chunk in chunks:
+            for module in chunk.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    def broadcast_from_last(self, obj: Any) -> Any:
+        """``obj`` as given on the last stage's rank, on every rank of the pipeline group."""
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.last_rank(), group=self.group)
+        return box[0]
+
+
+class Pipeline(StagedPipeline):
+    """This rank's chunks of a block stack, their stages and the schedule (``StagedPipeline``).
+
+    Construction splits ``transformer`` in place; TP, EP, recompute and FSDP are then applied to the chunks by
+    the caller (the strategy's order), which the stages and the schedule only use from the first step on.
+    """
+
+    def __init__(self, transformer: nn.Module, analysis: ModelAnalysis, pp_mesh: DeviceMesh, schedule: str, vpp: int,
+                 n_microbatches: int, device: torch.device, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                 layers_per_stage: Sequence[int] | None = None) -> None:
+        self._join(pp_mesh, device, n_microbatches)
+        self.sizes = chunk_sizes(len(analysis.blocks), self.pp, vpp, layers_per_stage)
+        self.chunks = split_model(transformer, analysis, self.pp_rank, self.pp, vpp, self.sizes, self.input_of)
+        user_loss = loss_fn
+
+        def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+            loss = user_loss(output, target)
+            # every received MoE value gets a gradient (zero where the user's loss does not read it), so the
+            # stages before always have one to send back
+            for value in self.last_chunk.received_values:
+                loss = loss + (value * 0).sum()
+            return loss
+
+        self._build_schedule(stage_class(), schedule, loss_fn)

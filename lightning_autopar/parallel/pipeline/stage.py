@@ -1,0 +1,139 @@
+"""Every use of ``torch.distributed.pipelining``'s private API, in one module.
+
+Checked against torch 2.13.0 (``torch.__version__`` of the project's environment). A torch upgrade that
+changes any of these breaks the pipelines here, and nowhere else. ``torch.distributed.pipelining`` is
+imported inside the functions: importing the planner or the profiler must not load ``torch.distributed``.
+
+Overrides of ``PipelineStage`` methods the schedules call (``stage_class``, both pipelines):
+
+* ``forward_one_chunk`` (public name, internal to the schedules): tells the chunk the micro-batch it runs, so
+  the chunk reads that micro-batch's captured model call (the schedule only passes the activation).
+* ``_prepare_forward_infra`` / ``_prepare_backward_infra``: the stage's shape inference runs a real forward
+  and backward; ``Stage.inferring`` is set meanwhile so the loss function does not record that loss, and the
+  forward runs micro-batch 0's inputs.
+* ``_to_tensor``: the inference makes tensors from metadata, uninitialised by default; ranks of a TP group
+  could then route MoE tokens differently and their collectives would no longer match. Zeros are the same
+  everywhere.
+
+The traced pipeline (``traced_stage_class``, ``split_points``, ``split_traced``, ``graph_to_device``):
+
+* ``_prepare_forward_infra`` / ``_prepare_backward_infra`` again: the inference forward updates BatchNorm
+  running statistics in place; the buffers are saved before it and restored after the inference backward.
+* ``_IR.annotate_split_points``: marks a split before a unit by replacing its ``forward`` (instance attributes
+  ``forward`` and ``_orig_forward``), which ``split_points`` removes again after the trace.
+* ``_IR.Pipe._from_traced``: the public ``pipeline()`` runs its own ``torch.export`` (no dynamic batch
+  dimension, its diagnostics on the console); we export ourselves and hand the program to the splitter. The
+  ``Pipe`` it returns is read through ``split_gm`` (the root graph and the stage graphs) and
+  ``replicated_params`` (parameters the split copied).
+* ``_IR._modify_graph_op_device``: the traced graphs hard-code the example's device in factory ops
+  (``torch.zeros(device=...)``); it rewrites them to this rank's device.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
+
+
+def stage_class() -> type:
+    """A fresh ``PipelineStage`` subclass for one pipeline (its ``inferring`` flag is per pipeline)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        """Tells its chunk which micro-batch it runs, and flags the shape-inference pass."""
+
+        inferring = False
+
+        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self.submod.mb_index = fwd_chunk_id
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+        def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            self.submod.mb_index = 0
+            Stage.inferring = True
+            try:
+                return super()._prepare_forward_infra(*args, **kwargs)
+            finally:
+                Stage.inferring = False
+
+        def _to_tensor(self, arg: Any) -> torch.Tensor:
+            # zeros, not uninitialised memory: see the module doc
+            out = super()._to_tensor(arg)
+            if not isinstance(arg, torch.Tensor):
+                with torch.no_grad():
+                    out.zero_()
+            return out
+
+        def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            Stage.inferring = True
+            try:
+                return super()._prepare_backward_infra(*args, **kwargs)
+            finally:
+                Stage.inferring = False
+
+    return Stage
+
+
+def traced_stage_class() -> type:
+    """The traced pipeline's stage class, restoring the chunk's buffers after the schedule's shape inference: a
+    real forward and backward on zeros that must not count as a step (BatchNorm running statistics). Restored
+    after the inference backward, not before it: autograd saved those buffers and checks they were not
+    modified."""
+    base = stage_class()
+
+    class TracedStage(base):  # type: ignore[misc, valid-type]
+        _saved: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+        def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            self._saved = [(b, b.detach().clone()) for _, b in self.submod.named_buffers()]
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+        def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super()._prepare_backward_infra(*args, **kwargs)
+            finally:
+                self.restore_buffers()
+
+        def restore_buffers(self) -> None:
+            saved, self._saved = self._saved, None
+            with torch.no_grad():
+                for buf, value in saved or []:
+                    buf.copy_(value)
+
+    return TracedStage
+
+
+@contextmanager
+def split_points(module: nn.Module, starts: Sequence[str]) -> Iterator[None]:
+    """Mark a split before each module in ``starts`` (torch's annotation), removed again afterwards."""
+    from torch.distributed.pipelining import SplitPoint
+    from torch.distributed.pipelining._IR import annotate_split_points
+
+    annotate_split_points(module, {fqn: SplitPoint.BEGINNING for fqn in starts})
+    try:
+        yield
+    finally:
+        for fqn in starts:
+            unit = module.get_submodule(fqn)
+            unit.__dict__.pop("forward", None)
+            unit.__dict__.pop("_orig_forward", None)
+
+
+def split_traced(module: nn.Module, program: ExportedProgram) -> Any:
+    """torch's ``Pipe`` of ``program`` (an export of ``module`` with split points), cut at those points."""
+    from torch.distributed.pipelining._IR import Pipe
+
+    return Pipe._from_traced(module, program)
+
+
+def graph_to_device(graph_module: nn.Module, device: torch.device) -> None:
+    """Make the factory ops of a stage graph (and its subgraphs) create their tensors on ``device``."""
+    from torch.distributed.pipelining._IR import _modify_graph_op_device
+
+    _modify_graph_op_device(graph_module, device)
