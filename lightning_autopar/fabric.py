@@ -1,6 +1,6 @@
 """The autopar strategy for Lightning Fabric: ``Fabric(strategy="autopar")``.
 
-The same planner and apply layer as the Trainer strategy (it *is* ``AutoParallelMixin``, over Fabric's
+The same planner and apply layer as the Trainer strategy (``runtime.planning.PlanningMixin``, over Fabric's
 ``ModelParallelStrategy`` instead of the Trainer's), so a plan means the same thing in both::
 
     fabric = Fabric(strategy="autopar", accelerator="cpu", devices=4)   # or AutoParallelFabricStrategy(fix="tp=2")
@@ -45,16 +45,21 @@ out and name the strategy in the code: ``fabric run examples/fabric_gpt.py --acc
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections import defaultdict
+from contextlib import AbstractContextManager
 from typing import Any, Iterator
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.runtime import lightning_private as private
+from lightning_autopar.runtime.batches import leading_size, micro_batches, tree_leaves
+from lightning_autopar.runtime.planning import PlanningMixin
 from lightning_autopar.specs import Plan, PricedPlan
-from lightning_autopar.strategy import AutoParallelMixin, register_flavours
+from lightning_autopar.strategy import register_flavours
 
 
 def _unused_parallelize(module: nn.Module, mesh: Any) -> nn.Module:  # Fabric's parallelize_fn: setup_module plans
@@ -81,19 +86,17 @@ class _GlobalBatchSlices:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        from lightning_autopar.strategy import _leading_size
-
         for batch in self.loader:
             if self.strategy.plan is None:
                 raise ConfigError("fabric.setup", "the data was iterated before the model was set up, so there is "
                                   "no plan to slice the batch with", "call fabric.setup(model, ...) first")
-            rows, dp = _leading_size(batch), self.strategy.plan.dp
+            rows, dp = leading_size(batch), self.strategy.plan.dp
             if rows is not None and rows % dp:
                 # unequal slices would weight the ranks' mean losses unequally: not the single-device gradient
                 raise ConfigError("DataLoader.drop_last", f"a batch of {rows} rows does not split evenly over "
                                   f"the {dp} data-parallel ranks", "use drop_last=True and a batch size divisible "
                                   f"by {dp}")
-            yield next(self.strategy._micro_batches(batch, 1))[0]
+            yield micro_batches(batch, 1, *self.strategy._step_env.group.rank_and_size())[0].batch
 
 
 class _NoBackwardSync:
@@ -117,7 +120,7 @@ class _NoBackwardSync:
         return blocked()
 
 
-class FabricAutoParallelMixin(AutoParallelMixin):
+class FabricAutoParallelMixin(PlanningMixin):
     """Fabric's side of the strategy: setup_module plans and applies; the data is sliced per dp rank."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -128,32 +131,40 @@ class FabricAutoParallelMixin(AutoParallelMixin):
         self._backward_sync_control = _NoBackwardSync()
 
     @property
+    @override
     def lightning_module(self) -> nn.Module | None:  # what the shared planning code analyses
         return self._autopar_module
 
     def _automatic_optimization(self) -> bool:
         return False  # the user's loop runs backward: one micro-batch per step, no pipeline schedule
 
-    def _plan_loader(self, trainer: Any) -> Any:
+    def _plan_loader(self) -> Any:
         return self._loader
 
-    def _model_call(self, trainer: Any) -> Any:
+    def _train_context(self) -> AbstractContextManager[Any]:
+        return self.precision.forward_context()
+
+    def _eval_context(self) -> AbstractContextManager[Any]:
+        return self.precision.forward_context()
+
+    def _loss_scaler(self) -> Any:
+        return getattr(self.precision, "scaler", None)
+
+    def _model_call(self) -> Any:
         """The call a model in unit form is traced on: the model itself, on one row of the first tensor of the
         loader's first batch (the user's loop calls ``model(x)``; Fabric has no training_step to capture)."""
-        import torch
-
         from lightning_autopar.profile.units import ModelCall
-        from lightning_autopar.strategy import _tree_leaves
 
         module = self._autopar_module
-        first = self._first_batch(trainer)
-        x = next((t for t in _tree_leaves(first) if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
+        first = self._first_batch()
+        x = next((t for t in tree_leaves(first) if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
         if x is None:
             raise ConfigError("fabric.setup", f"{type(module).__name__} has no transformer blocks, so it is analysed "
                               "by tracing it on a batch, and no DataLoader with tensors was set up before it",
                               "call fabric.setup_dataloaders(...) before fabric.setup(model, ...)")
         return ModelCall("", module, (x[:1],), {})
 
+    @override
     def setup_environment(self) -> None:
         # Fabric's base: set the device, then the process group; the mesh waits for the plan (setup_module).
         # _worker_setup: this process's CPU thread share, and per-attempt keys under torchrun's shared store
@@ -162,6 +173,7 @@ class FabricAutoParallelMixin(AutoParallelMixin):
         self._worker_setup()
         self._setup_distributed()
 
+    @override
     def process_dataloader(self, dataloader: Any) -> Any:
         if self._loader is None:
             self._loader = dataloader
@@ -172,7 +184,7 @@ class FabricAutoParallelMixin(AutoParallelMixin):
     def _settle_batch(self) -> None:
         """The first DataLoader after ``fabric.setup``: re-price the applied layout for its global batch and
         sequence length (``settle_global_batch``); the plan and ``report.best`` become that priced plan."""
-        global_batch, seq_len = self._batch_geometry(None, self.report.seq_len)
+        global_batch, seq_len = self._batch_geometry(self.report.seq_len)
         priced = settle_global_batch(self.report, self.plan, global_batch, seq_len)
         self.plan, self.report.best, self._global_batch = priced.plan, priced, global_batch
         self.report.global_batch, self.report.seq_len = global_batch, seq_len
@@ -182,9 +194,8 @@ class FabricAutoParallelMixin(AutoParallelMixin):
                   f"(layout planned at fabric.setup), predicted {priced.step_time_s:.4g} s/step, "
                   f"{priced.memory_gib_per_device:.3g} GiB per device", flush=True)
 
+    @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        from lightning.fabric.utilities.init import _materialize_distributed_module
-
         from lightning_autopar.parallel.precision import ShardedGradScaler
 
         if self.plan is not None:
@@ -194,16 +205,15 @@ class FabricAutoParallelMixin(AutoParallelMixin):
         # one sequence per device) and settle the batch-dependent fields when the loader comes (_settle_batch)
         self._batch_assumed = self._global_batch_arg is None and self._loader is None
         self._autopar_module = module
-        _materialize_distributed_module(module, self.root_device)
-        # the shared planning code takes the Trainer; of it, only .precision is read here (the loader comes
-        # from _plan_loader, the optimization mode from _automatic_optimization)
-        self._plan_and_apply(types.SimpleNamespace(precision=self.precision.precision))
+        private.materialize_distributed_module(module, self.root_device)
+        self._plan_and_apply(self.precision.precision)
         module.to(self.root_device)
         scaler = getattr(self.precision, "scaler", None)
         if scaler is not None and not isinstance(scaler, ShardedGradScaler):
             self.precision.scaler = ShardedGradScaler(device=self.root_device.type)
         return module
 
+    @override
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
                                     scheduler: Any = None) -> tuple[nn.Module, list[Optimizer], Any]:
         names = {id(p): name for name, p in module.named_parameters()}
@@ -214,6 +224,7 @@ class FabricAutoParallelMixin(AutoParallelMixin):
         self._keep_optimizer_layouts(optimizers, module)
         return module, optimizers, scheduler
 
+    @override
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> Any:
         from lightning_autopar.parallel.clip import clip_grad_norm_

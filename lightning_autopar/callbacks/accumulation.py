@@ -1,6 +1,7 @@
 """Gradient accumulation: the plan's micro-batches inside one DataLoader batch, and Lightning's
 ``accumulate_grad_batches`` around it. There is no callback to add: this module documents the interplay and
-holds the one decision the strategy's ``training_step`` takes from Lightning.
+holds the one decision the strategy's ``training_step`` takes from Lightning (``runtime.step.Accumulation``
+carries it into the micro-batch loop).
 
 * ``plan.grad_accum`` (chosen by the planner): each DataLoader batch is the global batch of one step; the
   strategy gives every data-parallel rank a contiguous slice and cuts it into ``grad_accum`` micro-batches of
@@ -24,7 +25,9 @@ from typing import Any
 def lightning_accumulation(trainer: Any) -> tuple[int, bool]:
     """(k, stepping): Lightning's ``accumulate_grad_batches`` and whether the optimizer steps after the current
     batch (call during ``training_step``)."""
+    from lightning_autopar.runtime.lightning_private import should_accumulate
+
     k = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
     if k == 1:
         return 1, True
-    return k, not trainer.fit_loop._should_accumulate()
+    return k, not should_accumulate(trainer)

@@ -15,8 +15,8 @@ marker and renames the folder to its final name: readers see a whole checkpoint 
 Resume: when ``fit()`` is called without ``ckpt_path`` and ``dirpath`` holds a complete checkpoint, the newest
 one is restored. Lightning restores a ``ModelParallelStrategy`` checkpoint after ``strategy.setup`` (which
 plans for the live world size), from the ``ckpt_path`` that ``fit()`` resolved before any callback runs;
-``setup()`` therefore wraps the trainer's ``_checkpoint_connector.resume_start`` so that a missing path
-becomes the newest complete checkpoint. DCP reshards to the new plan, so a run saved on 4 processes
+``setup()`` therefore wraps the trainer's checkpoint connector's ``resume_start`` (``runtime.lightning_private``)
+so that a missing path becomes the newest complete checkpoint. DCP reshards to the new plan, so a run saved on 4 processes
 continues on 2. A checkpoint that fails verification (no marker, a missing or truncated file) or fails to
 load is skipped with a warning and the previous one is used.
 
@@ -50,6 +50,7 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from lightning_autopar.callbacks._io import write_json
 from lightning_autopar.files import fsync_dir
+from lightning_autopar.runtime import lightning_private as private
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +297,7 @@ class AutoCheckpoint(Checkpoint):
                 candidates = [str(p) for p in complete_checkpoints(self.dirpath)]
         self._candidates = strategy.broadcast(candidates)
         self._unpatch()  # from a fit that ended without teardown
-        self._patch(trainer._checkpoint_connector, "resume_start", self._resume_start(trainer))
+        self._patch(private.checkpoint_connector(trainer), "resume_start", self._resume_start(trainer))
         self._patch(strategy, "process_dataloader", self._process_dataloader(trainer))
         self._last_save_time = time.monotonic()
         if self.async_save and self._async_group is None and _distributed():
@@ -309,7 +310,7 @@ class AutoCheckpoint(Checkpoint):
         setattr(obj, name, replacement)
 
     def _resume_start(self, trainer: Any) -> Any:
-        original = trainer._checkpoint_connector.resume_start
+        original = private.checkpoint_connector(trainer).resume_start
 
         def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
             if checkpoint_path is not None or trainer.state.fn != "fit" or not self._candidates:
@@ -426,7 +427,7 @@ class AutoCheckpoint(Checkpoint):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = trainer.strategy
-        if isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint:
+        if isinstance(strategy, ModelParallelStrategy) and private.saves_distributed_checkpoint(strategy):
             return True
         warnings.warn("autopar: async_save needs a strategy that saves distributed checkpoints; saving "
                       "synchronously", stacklevel=2)
@@ -435,15 +436,14 @@ class AutoCheckpoint(Checkpoint):
 
     def _save_async(self, trainer: Any, tmp: Path) -> Any:
         import torch.distributed.checkpoint as dcp
-        from lightning.fabric.strategies.fsdp import _METADATA_FILENAME
 
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = private.dump_checkpoint(trainer)
         # the layout ModelParallelStrategy.save_checkpoint writes (and load_checkpoint reads)
         shards = {"state_dict": checkpoint.pop("state_dict")}
         shards.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         future = dcp.async_save(shards, checkpoint_id=tmp, process_group=self._async_group)
         if trainer.is_global_zero:
-            torch.save(checkpoint, tmp / _METADATA_FILENAME)
+            torch.save(checkpoint, tmp / private.metadata_filename())
         return future
 
     def _publish_async(self, trainer: Any) -> None:

@@ -35,6 +35,7 @@ import torch
 import lightning.pytorch as L
 
 from lightning_autopar.files import atomic_file
+from lightning_autopar.runtime.lightning_private import batches_that_stepped
 
 GIB = float(2**30)
 _COMM_PREFIXES = ("gloo:", "nccl:", "hccl:", "mpi:", "ucc:")
@@ -284,7 +285,7 @@ class StepMonitor(L.Callback):
     def _log(self, trainer: Any, rec: StepRecord) -> None:
         metrics = {f"autopar/{k}": float(v) for k, v in asdict(rec).items()
                    if v is not None and k not in ("step", "plan")}
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = batches_that_stepped(trainer)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 

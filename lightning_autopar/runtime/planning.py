@@ -1,0 +1,348 @@
+"""Planning shared by the Trainer and Fabric strategies: analyse the user's model, read the global batch and
+sequence length from the plan's DataLoader, restrict the search to what the runtime can apply, plan, build the
+DeviceMesh, apply the plan (``parallel.apply``) and set up the step runtime over it (``runtime.step``,
+``runtime.pipeline_step``). Each framework's strategy supplies, through the small methods at the top of
+``PlanningMixin``, where the DataLoader, the user's model call and the precision's contexts come from.
+
+The constructor arguments are the strategies' (``AutoParallelStrategy(fix=..., cluster=...)``).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import Any, Mapping
+
+from torch import nn
+
+from lightning_autopar.errors import ConfigError, install_excepthook
+from lightning_autopar.runtime.analysis import analyse, sequence_length
+from lightning_autopar.runtime.batches import leading_size
+from lightning_autopar.runtime.group import DataParallelGroup, broadcast_module, dp_mesh
+from lightning_autopar.runtime.lightning_private import set_module_device_mesh
+from lightning_autopar.runtime.pipeline_step import PipelineSteps
+from lightning_autopar.runtime.step import StepEnv
+from lightning_autopar.specs import ClusterSpec, Plan, parse_fix
+
+# What the runtime can apply today; the planner searches only inside it unless the user fixes a field.
+# pp and ep are further restricted per model in _restrictions (a splittable stack of blocks; MoE layers).
+RUNTIME_SUPPORT: dict[str, list[Any]] = {"cp": [1], "sp": [False], "schedule": ["gpipe", "1f1b", "interleaved"],
+                                         "recompute": ["none", "selective", "full"]}
+
+
+class PlanningMixin(ABC):
+    """The strategies' shared state and planning, independent of which framework provides the base class."""
+
+    strategy_name = "autopar"
+
+    def __init__(
+        self,
+        fix: str | Mapping[str, Any] | None = None,
+        cluster: str | Mapping[str, Any] | ClusterSpec | None = None,
+        global_batch: int | None = None,
+        restrict: Mapping[str, list[Any]] | None = None,
+        top: int = 5,
+        print_plan: bool = True,
+        memory_fraction: float = 0.9,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = None,
+        save_distributed_checkpoint: bool = True,
+        moe_capacity_factor: float | None = None,
+    ) -> None:
+        from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+        install_excepthook()
+        super().__init__(
+            data_parallel_size=1,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout or default_pg_timeout,
+        )
+        self._fix = parse_fix(fix)  # bad keys and values fail here, before any process starts
+        self._cluster_arg = cluster
+        self._global_batch_arg = global_batch
+        self._restrict = dict(restrict or {})
+        self._top = top
+        self._print_plan = print_plan
+        self._memory_fraction = memory_fraction
+        self.plan: Plan | None = None
+        self.report: Any = None
+        self.mesh_layout: Any = None
+        self.analysis: Any = None
+        self.excluded: dict[str, str] = {}  # plan field -> why the runtime cannot apply its other values here
+        self._fsdp_roots: list[nn.Module] = []
+        self._global_batch = 0
+        self._capacity_factor = moe_capacity_factor  # None: no token dropped (parallel.experts)
+        self._applied: Any = None
+        self._applied_to: Any = None  # the LightningModule the plan was applied to
+        self._step_env: StepEnv | None = None  # what the step runtime runs with, once the plan is applied
+        self._pipeline_steps: PipelineSteps | None = None  # its pipeline steps (pipe None when pp == 1)
+        self._first_of: tuple[Any, Any] | None = None  # (plan DataLoader, its first batch)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Both frameworks' registries take the strategy under the same name (``Strategy.register_strategies``)."""
+        strategy_registry.register(cls.strategy_name, cls, description="Automatic parallelism planned by autopar")
+
+    # ------------------------------------------------------------------ what each framework supplies
+
+    @abstractmethod
+    def _plan_loader(self) -> Any:
+        """The DataLoader whose batches the plan is for (None without one)."""
+
+    @abstractmethod
+    def _model_call(self) -> Any:
+        """The user's call of its model (``profile.units.ModelCall``), for a model analysed in unit form."""
+
+    @abstractmethod
+    def _train_context(self) -> AbstractContextManager[Any]:
+        """The precision's context around a training step (autocast)."""
+
+    @abstractmethod
+    def _eval_context(self) -> AbstractContextManager[Any]:
+        """The precision's context around an evaluation step."""
+
+    @abstractmethod
+    def _loss_scaler(self) -> Any:
+        """The fp16 loss scaler of the framework's precision, or None."""
+
+    def _automatic_optimization(self) -> bool:
+        """Whether the strategy runs the micro-batches' backward itself (Fabric: no, the user's loop does)."""
+        return bool(getattr(self.lightning_module, "automatic_optimization", True))
+
+    # ------------------------------------------------------------------ environment
+
+    def _worker_setup(self) -> None:
+        from lightning_autopar.topology import worker
+
+        assert self.accelerator is not None
+        worker.share_cpu_threads(self.num_processes)
+        worker.destroy_at_exit()  # whichever path creates the group below (worker.destroy_at_exit says why)
+        if worker.uses_shared_agent_store():
+            self.accelerator.setup_device(self.root_device)
+            device_id = self.root_device if self.root_device.type != "cpu" else None
+            worker.init_process_group(self._get_process_group_backend(), self._timeout, device_id=device_id)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank reads the whole global batch and takes its slice in training_step.
+        return {"num_replicas": 1, "rank": 0}
+
+    @staticmethod
+    def _keep_optimizer_layouts(optimizers: list[Any], model: nn.Module) -> None:
+        """Optimizer states of TP weights stored in another row order show the single-device order in state dicts
+        (``parallel.tensor.keep_optimizer_row_order``), so optimizer checkpoints reshard across plans."""
+        from lightning_autopar.parallel.tensor import keep_optimizer_row_order
+
+        for optimizer in optimizers:
+            keep_optimizer_row_order(getattr(optimizer, "_optimizer", optimizer), model)
+
+    def _cluster_spec(self) -> ClusterSpec:
+        from lightning_autopar.specs import load_cluster_spec
+
+        if self._cluster_arg is not None:
+            return load_cluster_spec(self._cluster_arg, nodes=self.num_nodes, devices_per_node=self.num_processes)
+        from lightning_autopar.topology import discover
+
+        return discover.discover_cluster()
+
+    def _first_batch(self) -> Any:
+        """The first batch of the plan's DataLoader (None without one); read once per loader."""
+        loader = self._plan_loader()
+        if loader is None:
+            return None
+        cached = self._first_of
+        if cached is not None and cached[0] is loader:
+            return cached[1]
+        try:
+            first = next(iter(loader))
+        except (TypeError, StopIteration):
+            first = None
+        self._first_of = (loader, first)
+        return first
+
+    def _batch_geometry(self, transformer_seq: int | None, traced: bool = False) -> tuple[int, int]:
+        """(global batch, sequence length) from the training DataLoader, as on one device. A model in unit form
+        has no sequence: a sample is one batch row (seq 1); a transformer traced on the user's call (``traced``:
+        a ViT on pixels) has the length its attention saw, not the batch's second dimension."""
+        global_batch, seq_len = self._global_batch_arg, None
+        loader = self._plan_loader()
+        if loader is not None and global_batch is None:
+            global_batch = getattr(loader, "batch_size", None)
+        first = self._first_batch()
+        if first is not None:
+            global_batch = global_batch or leading_size(first)
+            seq_len = sequence_length(first)
+        if not global_batch:
+            global_batch = self.world_size
+        if self.analysis is not None and self.analysis.spec.unit_form:
+            seq_len = 1
+        elif traced and transformer_seq:
+            seq_len = transformer_seq
+        return int(global_batch), int(seq_len or transformer_seq or 1)
+
+
+    def _analyse(self) -> tuple[nn.Module, Any, tuple[tuple, dict] | None]:
+        """(the model the plan applies to, its analysis, the user's call of it or None): ``runtime.analysis``."""
+        return analyse(self.lightning_module, self._model_call)
+
+    def _exclude(self, restrict: dict[str, list[Any]], name: str, values: list[Any], reason: str) -> None:
+        """Narrow plan field ``name`` to ``values`` because the runtime cannot apply the others to this model;
+        ``reason`` is shown in the plan report (``PlanReport.excluded``), so nothing is dropped silently."""
+        restrict[name] = list(values)
+        self.excluded[name] = reason
+
+    def _restrictions(self, trainer: Any, analysis: Any, precision: str) -> dict[str, list[Any]]:
+        """The runtime's limits for a transformer (``trainer`` is not read; callers pass None)."""
+        from lightning_autopar.parallel.tensor import check_tp
+
+        restrict: dict[str, list[Any]] = {k: list(v) for k, v in RUNTIME_SUPPORT.items()}
+        self.excluded = {}
+        try:  # tp=2 is the smallest split: what refuses it refuses every tp > 1 for this model's structure
+            check_tp(analysis, 2, structure_only=True)
+        except ConfigError as err:
+            self._exclude(restrict, "tp", [1], str(err))
+        if not self._automatic_optimization():
+            # the user's own loop does backward: one micro-batch per step
+            self._exclude(restrict, "grad_accum", [1], "the user's loop runs backward (manual optimization)")
+        for name, (values, reason) in self._pipeline_expert_restrictions(analysis).items():
+            self._exclude(restrict, name, values, reason)
+        restrict.update(self._restrict)
+        return restrict
+
+    def _unit_restrictions(self, analysis: Any, model: nn.Module, example: tuple[tuple, dict]) -> dict[str, list[Any]]:
+        """The runtime's limits for a model in unit form (the planner itself keeps tp = cp = ep = 1 and, with
+        BatchNorm, grad_accum = 1 unless fixed): pp where its stages can be traced (``check_unit_pipeline``, the
+        reason in the report otherwise). A grad_accum the user fixes on a BatchNorm model gets one warning."""
+        from lightning_autopar.parallel.apply import check_unit_pipeline
+        from lightning_autopar.parallel.batchnorm import batchnorm_modules
+
+        restrict: dict[str, list[Any]] = {k: list(v) for k, v in RUNTIME_SUPPORT.items()}
+        self.excluded = {}
+        if not self._automatic_optimization():
+            self._exclude(restrict, "grad_accum", [1], "the user's loop runs backward (manual optimization)")
+            self._exclude(restrict, "pp", [1], "pipeline parallelism runs backward itself; manual optimization cannot")
+        else:
+            try:
+                check_unit_pipeline(self.lightning_module, model, analysis, example, 2)
+            except ConfigError as err:
+                self._exclude(restrict, "pp", [1], str(err))
+        fixed = self._fix.get("grad_accum")
+        if batchnorm_modules(model) and fixed is not None and fixed > 1 and self.global_rank == 0:
+            warnings.warn(f"autopar: grad_accum={fixed} is fixed and {analysis.spec.name} has BatchNorm: its "
+                          "statistics (and running buffers) are per micro-batch, as on one device running "
+                          f"{fixed} micro-batches per step, not the whole batch at once", stacklevel=2)
+        restrict.update(self._restrict)
+        return restrict
+
+    def _plan_and_apply(self, precision_name: str) -> None:
+        """Plan for the model and the plan DataLoader and apply the plan; ``precision_name`` is the framework's
+        precision setting ("bf16-mixed", ...)."""
+        from lightning_autopar.parallel.precision import plan_precision
+        from lightning_autopar.parallel.tensor import check_tp
+        from lightning_autopar.planner.search import plan as make_plan
+
+        transformer, analysis, example = self._analyse()
+        self.analysis = analysis
+        unit_form = analysis.spec.unit_form
+        global_batch, seq_len = self._batch_geometry(analysis.spec.seq_len, traced=example is not None)
+        self._global_batch = global_batch
+        analysis.spec.seq_len = seq_len
+        precision = plan_precision(precision_name)
+        if "tp" in self._fix and not unit_form:  # unit form: the planner refuses tp > 1 (check_unit_fix)
+            check_tp(analysis, self._fix["tp"])
+        started = time.perf_counter()
+        restrict = (self._unit_restrictions(analysis, transformer, example) if unit_form
+                    else self._restrictions(None, analysis, precision))
+        self.report = make_plan(
+            analysis.spec, self._cluster_spec(), global_batch=global_batch, seq_len=seq_len, fix=self._fix,
+            top=self._top, restrict=restrict, precision=precision, memory_fraction=self._memory_fraction,
+        )
+        # the planner's own exclusions (unit form) and the runtime's
+        self.report.excluded = {**self.report.excluded, **self.excluded}
+        plan = self.plan = self.report.best.plan
+        if self.global_rank == 0 and self._print_plan:
+            self.report.print_table()
+            print(f"autopar: planned in {time.perf_counter() - started:.2f}s for world {self.world_size}, "
+                  f"global batch {global_batch}, seq {seq_len}: {plan.short()}", flush=True)
+            from lightning_autopar.launch import print_env_hints
+
+            print_env_hints(plan, self.report.cluster)
+        self._apply(plan, transformer, analysis, example)
+
+    def _apply(self, plan: Plan, transformer: nn.Module, analysis: Any, example: tuple[tuple, dict] | None) -> None:
+        """The mesh for ``plan``, the plan applied to the module, and the step runtime over them."""
+        from lightning_autopar.parallel.apply import apply_plan
+        from lightning_autopar.topology.mesh import build_mesh
+
+        module = self.lightning_module
+        layout = self.mesh_layout = build_mesh(plan, self.root_device.type)
+        self._device_mesh = layout.mesh
+        set_module_device_mesh(module, layout.mesh)
+        if (plan.pp > 1 or plan.ep > 1) and not self._save_distributed_checkpoint:
+            raise ConfigError("save_distributed_checkpoint", "with pp>1 or ep>1 each rank holds different "
+                              "parameters, so a single-file checkpoint from rank 0 would miss them",
+                              "keep save_distributed_checkpoint=True")
+        if plan.pp > 1 and not module.automatic_optimization:
+            raise ConfigError("plan.pp", "pipeline parallelism runs forward and backward itself, which manual "
+                              "optimization cannot do", "use pp=1, or automatic optimization")
+        broadcast_module(module)
+        env = self._step_env = StepEnv(module, DataParallelGroup(layout["dp_flat"], self.root_device),
+                                       self._train_context, self._eval_context)
+        steps = self._pipeline_steps = PipelineSteps(env, self._loss_scaler)
+        applied = self._applied = apply_plan(
+            module, transformer, analysis, plan, layout, dp_mesh(layout, plan), self.root_device, loss_fn=steps.loss,
+            layers_per_stage=self.report.best.layers_per_stage, capacity_factor=self._capacity_factor,
+            example=example)
+        self._fsdp_roots = env.fsdp_roots = applied.fsdp_roots
+        steps.pipe, steps.model = applied.pipeline, applied.pipeline_root or transformer  # what the user's steps call
+        self._first_of = None  # the batch is not held for the whole run
+
+    def _pipeline_expert_restrictions(self, analysis: Any) -> dict[str, tuple[list[Any], str]]:
+        """pp and ep values the runtime can apply to this model: pp needs a splittable stack of blocks and
+        automatic optimization; ep needs MoE layers with a route() method, the fused layout of HF Mixtral or the
+        plain layout (parallel.experts). Field -> (allowed values, why the others are not)."""
+        from lightning_autopar.parallel.apply import has_moe, pipeline_split
+        from lightning_autopar.parallel.experts import moe_modules, supports_ep
+        from lightning_autopar.parallel.pipeline import check_pipeline
+        from lightning_autopar.profile.analyze import find_transformer
+
+        module = self.lightning_module
+        _, transformer = find_transformer(module)
+        out: dict[str, tuple[list[Any], str]] = {}
+        pipeline_refusal = ""
+        try:
+            split, split_analysis = pipeline_split(module, transformer, analysis)
+            check_pipeline(split_analysis, split, module, 2)
+            splittable = True
+        except ConfigError as err:
+            splittable, pipeline_refusal = False, str(err)
+        moe = has_moe(analysis)
+        if not splittable:
+            out["pp"] = ([1], pipeline_refusal)
+        elif not self._automatic_optimization():
+            out["pp"] = ([1], "pipeline parallelism runs backward itself; manual optimization cannot")
+        if not moe:
+            out["ep"] = ([1], "no MoE layers found")
+        elif not all(supports_ep(m, info) for _, m, info in moe_modules(transformer, analysis)):
+            out["ep"] = ([1], "MoE layout not supported by expert parallelism (parallel/experts.py)")
+        return out
+
+    def _norm_parts(self) -> list[Any] | None:
+        """Parameter parts for gradient clipping when ranks hold different parameters (stages, experts)."""
+        applied, plan = self._applied, self.plan
+        if applied is None or plan is None:
+            return None
+        pp = [self.mesh_layout["pp"].get_group()] if plan.pp > 1 else []
+        parts: list[Any] = []
+        if applied.expert_meshes:
+            ids = applied.expert_params()
+            parts.append((lambda p: id(p) in ids, [applied.expert_meshes["ep"].get_group(), *pp]))
+        if not parts and not pp:
+            return None
+        return parts + [(lambda p: True, pp)]
+

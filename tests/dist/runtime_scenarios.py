@@ -1,0 +1,68 @@
+"""Trial runs under torchrun (``runtime.trial``): plan P run for a few steps on the live process group.
+
+Usage: torchrun --nproc-per-node N tests/dist/runtime_scenarios.py OUT_DIR
+Each rank writes OUT_DIR/trial_r<rank>.pt: per plan the measured step times, and whether the module's
+parameters, the RNG states and the process group's sub-groups were as before the trials (or the traceback)."""
+
+from __future__ import annotations
+
+import random
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import GLOBAL_BATCH, make_data, make_module  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+PLANS = {"dp2_zero0": dict(dp=2, zero=0), "dp2_zero3": dict(dp=2, zero=3)}
+STEPS = 2
+
+
+def rng_fingerprint() -> tuple:
+    return torch.get_rng_state().clone(), random.getstate()
+
+
+def trial_result() -> dict:
+    from lightning_autopar.runtime.trial import run_trial
+    from lightning_autopar.specs import Plan
+
+    torch.manual_seed(0)
+    module = make_module()
+    data = make_data()
+    batches = [data[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH] for i in range(2)]
+    before = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    params = [id(p) for p in module.parameters()]
+    rng = rng_fingerprint()
+    out: dict = {"times": {}}
+    for name, fields in PLANS.items():
+        plan = Plan(**fields, mbs=GLOBAL_BATCH // fields["dp"], grad_accum=1)
+        out["times"][name] = run_trial(module, plan, batches, STEPS, device=torch.device("cpu"))
+    after = module.state_dict()
+    out["params_unchanged"] = all(torch.equal(before[k], after[k]) for k in before) and before.keys() == after.keys()
+    out["same_parameter_objects"] = params == [id(p) for p in module.parameters()]
+    out["plain_tensors"] = all(type(p) is torch.nn.Parameter for p in module.parameters())
+    now = rng_fingerprint()
+    out["rng_unchanged"] = torch.equal(rng[0], now[0]) and rng[1] == now[1]
+    probe = torch.ones(1)
+    dist.all_reduce(probe)  # the world group still works after the trials destroyed their sub-groups
+    out["world_sum"] = float(probe)
+    return out
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        result = trial_result()
+    except Exception:  # noqa: BLE001 - the test reports the traceback
+        result = {"crash": traceback.format_exc()}
+    torch.save(result, out_dir / f"trial_r{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The step runtime (``lightning_autopar.runtime``): batch splitting and the log recorder (no process group),
+and trial runs on a live world-2 group (torchrun): times per step, nothing left behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DIST, torchrun
+
+from lightning_autopar.runtime.batches import leading_size, micro_batches, slice_batch, split_rows
+from lightning_autopar.runtime.logs import LogRecorder, recording_logs
+
+
+@pytest.mark.parametrize("total, parts", [(8, 2), (10, 3), (3, 4), (1, 1)])
+def test_split_rows_covers_contiguously(total, parts):
+    spans = [split_rows(total, parts, i) for i in range(parts)]
+    assert spans[0][0] == 0 and spans[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    sizes = [stop - start for start, stop in spans]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_slice_batch_cuts_batch_leaves_only():
+    batch = {"x": torch.arange(12).reshape(6, 2), "y": (torch.arange(6),), "scale": torch.tensor(2.0), "n": 3}
+    part = slice_batch(batch, 2, 4, 6)
+    assert part["x"].tolist() == [[4, 5], [6, 7]] and part["y"][0].tolist() == [2, 3]
+    assert part["scale"] is batch["scale"] and part["n"] == 3
+    assert leading_size(batch) == 6 and leading_size({"n": 3}) is None
+
+
+def test_micro_batches_weights_give_the_global_mean():
+    """Each rank takes its contiguous slice in micro-batches; every rank's weights sum to 1 (the dp group averages)."""
+    x = torch.arange(12.0)
+    dp = 2
+    seen, weights = [], []
+    for rank in range(dp):
+        micro = micro_batches((x,), 3, rank, dp)
+        assert len(micro) == 3
+        seen += [v for mb in micro for v in mb.batch[0].tolist()]
+        weights += [mb.weight for mb in micro]
+        assert sum(mb.rows for mb in micro) == 6
+    assert seen == x.tolist()
+    assert sum(weights) == pytest.approx(dp)  # each rank's weights sum to 1 (the dp group averages them)
+
+
+def test_micro_batches_refuse_a_batch_too_small():
+    from lightning_autopar.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        micro_batches((torch.zeros(1),), 1, 1, 2)
+    with pytest.raises(ConfigError):
+        micro_batches({"n": 3}, 1, 0, 1)
+
+
+class _Logged:
+    def __init__(self):
+        self.calls = []
+
+    def log(self, name, value, **kwargs):
+        self.calls.append((name, value, kwargs))
+
+
+def test_log_recorder_weights_reduces_and_logs_once():
+    module = _Logged()
+    recorder = LogRecorder()
+    with recording_logs(module, recorder):
+        for weight, loss in [(0.25, 4.0), (0.75, 8.0)]:
+            recorder.weight = weight
+            module.log("loss", torch.tensor(loss), True)  # positional prog_bar
+            module.log("tag", "text")
+    assert "log" not in module.__dict__  # the method is back
+    recorder.flush(module, lambda t: t * 2, batch_size=16)  # "reduce": two ranks with the same values
+    calls = {name: (value, kwargs) for name, value, kwargs in module.calls}
+    assert float(calls["loss"][0]) == pytest.approx(2 * (0.25 * 4 + 0.75 * 8))
+    assert calls["loss"][1] == {"prog_bar": True, "sync_dist": False, "batch_size": 16}
+    assert calls["tag"] == ("text", {})
+    assert recorder.values == {}
+
+
+@pytest.fixture(scope="module")
+def trial_world2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runtime_w2")
+    proc = torchrun(DIST / "runtime_scenarios.py", 2, str(out))
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun runtime_scenarios.py failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return [torch.load(out / f"trial_r{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+def test_trial_measures_and_leaves_no_state(trial_world2):
+    for result in trial_world2:
+        assert "crash" not in result, result.get("crash")
+        for name in ("dp2_zero0", "dp2_zero3"):
+            times = result["times"][name]
+            assert len(times) == 2 and all(t > 0 for t in times), (name, times)
+        assert result["params_unchanged"] and result["same_parameter_objects"] and result["plain_tensors"]
+        assert result["rng_unchanged"]
+        assert result["world_sum"] == 2.0
