@@ -2,13 +2,15 @@
 
 Flow: process group -> (setup) analyse the user's model, read the global batch and sequence length from the
 training DataLoader -> plan -> DeviceMesh -> apply in the canonical order (``parallel.apply``: PP split -> TP/SP
--> EP -> recompute -> FSDP/DP -> precision) -> optimizers built on the sharded parameters. Checkpoints go through torch.distributed.checkpoint (inherited from Lightning's
-ModelParallelStrategy), keyed by the user's parameter names.
+-> EP -> BatchNorm sync -> recompute -> FSDP/DP -> precision) -> optimizers built on the sharded parameters.
+Checkpoints go through torch.distributed.checkpoint (inherited from Lightning's ModelParallelStrategy), keyed by
+the user's parameter names.
 
 Any model: a model without a transformer stack (a CNN, a U-Net, Hugging Face ResNet) is analysed in unit form
-(``profile.units``) from the user's own model call, captured on one row of the first batch; it is planned on
-data parallelism (zero 0-3, dp_shard, recompute per unit), the other fields at 1 with their reasons in the report,
-and its BatchNorm layers compute statistics over the dp group (``parallel.batchnorm``), as one device would.
+(``profile.units``) from the user's own model call, captured on two rows of the first batch; it is planned on
+data parallelism (zero 0-3, dp_shard, recompute per unit) and pipeline stages traced from that call where they
+can be, the other fields at 1 with their reasons in the report; its BatchNorm layers compute statistics over the
+dp group (``parallel.batchnorm``), as one device would.
 
 Batch semantics: the DataLoader's batch is the global batch of one optimizer step, exactly as on one device.
 Each step it is cut into ``dp`` contiguous slices (ranks of one TP/PP group get the same slice), each slice into
