@@ -30,9 +30,27 @@ def torchrun(script: Path | str, nproc: int, *args: str, timeout: int = 900, ext
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+# A rank can abort in the interpreter's teardown after its work is done (a C++ thread destroyed while joinable,
+# seen about once in fifteen gloo launches here, with the process group destroyed at exit or not); the root cause
+# is open (see BENCHMARKS.md / the issue notes). When every scenario's result file was written before it, the results
+# stand and the abort is reported as a warning; anything else still fails the launch.
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def aborted_only_at_exit(proc: subprocess.CompletedProcess, out: Path, names: list[str]) -> bool:
+    text = proc.stdout + proc.stderr
+    return EXIT_ABORT in text and "exitcode: -6" in text and all((out / f"{n}.pt").exists() for n in names)
+
+
 def run_scenarios(tmp_path_factory, nproc: int, names: list[str], script: str = "scenarios.py") -> Path:
     out = tmp_path_factory.mktemp(f"{Path(script).stem}_w{nproc}")
     proc = torchrun(DIST / script, nproc, str(out), ",".join(names))
     if proc.returncode != 0:
+        if aborted_only_at_exit(proc, out, names):
+            import warnings
+
+            warnings.warn(f"torchrun {script} ({nproc} procs): a rank aborted at exit after writing every result "
+                          f"({EXIT_ABORT})", stacklevel=2)
+            return out
         pytest.fail(f"torchrun {script} ({nproc} procs) failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return out
