@@ -225,6 +225,19 @@ class FabricAutoParallelMixin(PlanningMixin):
         return module, optimizers, scheduler
 
     @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any = None,
+                        filter: dict[str, Any] | None = None) -> None:
+        # every plan's model saves through torch.distributed.checkpoint, also zero=0 (no DTensor parameters)
+        with private.distributed_models([self._autopar_module]):
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        with private.distributed_models([self._autopar_module]):
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+
+    @override
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> Any:
         from lightning_autopar.parallel.clip import clip_grad_norm_

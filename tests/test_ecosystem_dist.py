@@ -22,7 +22,7 @@ except ImportError:
     HAVE_HF = False
 
 FABRIC = ["fabric_dp", "fabric_tp", "fabric_ddp", "fabric_ddp_accum", "fabric_model_first",
-          "fabric_model_first_refused"]
+          "fabric_model_first_refused", "fabric_checkpoint_zero0", "fabric_checkpoint_zero3"]
 SCENARIOS = FABRIC + (["hf_llama", "hf_llama_tp"] if HAVE_HF else [])
 
 
@@ -69,6 +69,15 @@ def test_fabric_documented_order_refuses_an_indivisible_batch(world2):
     result = load(world2, "fabric_model_first_refused")
     assert result["field"] == "DataLoader.batch_size"
     assert "7 rows does not split evenly over the dp=2" in result["error"] and "\n" not in result["error"]
+
+
+@pytest.mark.parametrize("name", ["fabric_checkpoint_zero0", "fabric_checkpoint_zero3"])
+def test_fabric_save_and_load_resume_exactly(world2, name):
+    """fabric.save / fabric.load through the autopar strategy, also on the DDP layout (zero=0, no DTensor
+    parameters): the steps after the load repeat the steps after the save."""
+    result = torch.load(world2 / f"{name}.pt", weights_only=False)
+    assert result["plan"]["zero"] == int(name[-1])
+    torch.testing.assert_close(torch.tensor(result["resumed"]), torch.tensor(result["reference"]), rtol=1e-6, atol=0)
 
 
 def test_fabric_no_backward_sync_on_ddp(world2, reference):

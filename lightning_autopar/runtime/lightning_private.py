@@ -10,7 +10,8 @@ stay where the subclass uses them.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 CHECKED_AGAINST = "lightning 2.6.6"
 
@@ -101,3 +102,20 @@ def is_sharded_checkpoint(path: Any) -> bool:
     from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
 
     return bool(_is_sharded_checkpoint(path))
+
+
+@contextmanager
+def distributed_models(modules: Any) -> Iterator[None]:
+    """Fabric's ModelParallelStrategy saves and loads only a model with DTensor parameters (its check
+    ``_has_dtensor_modules``); the model autopar set up is distributed under every plan, also the data-parallel
+    one without sharding (zero=0: DDP's ``replicate``, plain tensors), which torch.distributed.checkpoint saves and
+    loads as well. While active, the check also accepts ``modules``."""
+    from lightning.fabric.strategies import model_parallel
+
+    original = model_parallel._has_dtensor_modules
+    ours = {id(m) for m in modules if m is not None}
+    model_parallel._has_dtensor_modules = lambda module: original(module) or id(module) in ours
+    try:
+        yield
+    finally:
+        model_parallel._has_dtensor_modules = original

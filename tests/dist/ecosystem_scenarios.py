@@ -74,6 +74,43 @@ def fabric_run(fix: str | None, steps: int = STEPS, accumulate: int = 1, model_f
     return module, losses, strategy.plan.to_dict(), local_grads_differ
 
 
+def fabric_checkpoint(fix: str, path: Path) -> tuple[list[float], list[float], dict]:
+    """fabric.save after 2 steps, 2 more steps (the reference), fabric.load of the saved state and the same 2
+    steps again: (reference losses, losses after the load, plan)."""
+    from lightning.fabric import Fabric
+
+    from lightning_autopar.fabric import AutoParallelFabricStrategy
+    from lightning_autopar.models import lm_loss
+
+    strategy = AutoParallelFabricStrategy(fix=fix, cluster="cpu", print_plan=False)
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]))
+    fabric.launch()
+    L.seed_everything(0, verbose=False)
+    module = make_module()
+    optimizer = module.configure_optimizers()
+    loader = fabric.setup_dataloaders(DataLoader(make_data(), batch_size=GLOBAL_BATCH, shuffle=False))
+    model, optimizer = fabric.setup(module, optimizer)
+
+    def steps(batches) -> list[float]:
+        out = []
+        for x, y in batches:
+            loss = lm_loss(model(x), y)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+        return out
+
+    batches = list(loader)[:4]
+    steps(batches[:2])
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2})
+    reference = steps(batches[2:])
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(path, state)
+    assert state["step"] == 2, state
+    return reference, steps(batches[2:]), strategy.plan.to_dict()
+
+
 def hf_fit(fix: str, steps: int = STEPS):
     from lightning_autopar import AutoParallelStrategy
     from tests_hf import make_hf_module
@@ -109,6 +146,10 @@ def run(out: Path, name: str) -> None:
             record(out, name, error=str(err), field=err.field)
             return
         raise AssertionError("an indivisible global batch was accepted")
+    elif name.startswith("fabric_checkpoint_zero"):  # fabric.save / fabric.load at zero=0 (DDP) and zero=3
+        reference, resumed, plan = fabric_checkpoint(f"dp={world},zero={name[-1]}", out / f"{name}_ckpt")
+        record(out, name, reference=reference, resumed=resumed, plan=plan)
+        return
     elif name == "hf_llama":
         module, losses, plan = hf_fit(f"dp={world},zero=3")
     elif name == "hf_llama_tp":  # Hugging Face attention split by heads, the model unchanged
