@@ -32,8 +32,7 @@ import torch
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
-from lightning_autopar.profile.analyze import first_line, implements_forward
-from lightning_autopar.profile.units import meta_buffer
+from lightning_autopar.profile.analyze import first_line, implements_forward, meta_buffer, meta_example
 
 
 @dataclass(frozen=True)
@@ -143,9 +142,7 @@ def _meta_call(example: Example | None, seq_len: int) -> Example:
     row of ``seq_len`` token ids."""
     if example is None:
         return (torch.zeros(1, seq_len, dtype=torch.long, device="meta"),), {}
-    args, kwargs = torch.utils._pytree.tree_map(
-        lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, example)
-    return tuple(args), dict(kwargs)
+    return meta_example(example)
 
 
 def _trace(root: nn.Module, entry: str, seq_len: int, blocks: Iterable[str] = (),

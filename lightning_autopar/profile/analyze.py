@@ -772,22 +772,27 @@ def first_line(err: BaseException) -> str:
 Example = tuple[tuple, dict]  # (args, kwargs) of a real call of the model
 
 
-def _meta_example(example: Example, batch: int) -> Example:
-    """The example call's tensors cut to ``batch`` rows (dim 0) and moved to the meta device; the rest as is."""
+def meta_example(example: Example, rows: int | None = None) -> Example:
+    """A model call's (args, kwargs) for a meta trace: every tensor moved to the meta device, cut to ``rows`` rows
+    along dim 0 when given (the batch dimension: sizes per sample with ``rows=1``); containers (tuples, named
+    tuples, lists, dicts) are walked, anything else passes as is. The one converter every meta trace uses."""
+    from torch.utils._pytree import tree_map
 
     def convert(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return (value[:batch] if value.dim() else value).detach().to("meta")
-        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-            return type(value)(*(convert(v) for v in value))
-        if isinstance(value, (list, tuple)):
-            return type(value)(convert(v) for v in value)
-        if isinstance(value, dict):
-            return {k: convert(v) for k, v in value.items()}
-        return value
+        if not isinstance(value, torch.Tensor):
+            return value
+        cut = value[:rows] if rows is not None and value.dim() else value
+        return torch.empty_like(cut.detach(), device="meta")
 
     args, kwargs = example
-    return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+    return tuple(tree_map(convert, tuple(args))), dict(tree_map(convert, dict(kwargs)))
+
+
+def meta_buffer(buffer: torch.Tensor) -> torch.Tensor:
+    """A buffer's stand-in for a meta trace: a meta tensor, except a real scalar counter (BatchNorm with
+    momentum=None reads num_batches_tracked's value, which a meta tensor cannot give)."""
+    counter = buffer.dim() == 0 and not buffer.is_floating_point() and buffer.device.type != "meta"
+    return buffer.clone() if counter else torch.empty_like(buffer, device="meta")
 
 
 def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns: list[str],
@@ -800,7 +805,7 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
 
     params = {n: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
               for n, p in model.named_parameters()}
-    buffers = {n: torch.empty_like(b, device="meta") for n, b in model.named_buffers()}
+    buffers = {n: meta_buffer(b) for n, b in model.named_buffers()}
     weights = {id(t): n[: -len(".weight")] for n, t in params.items() if n.endswith(".weight") and t.dim() == 2}
     stack: list[str] = []
     saved: dict[str, float] = {f: 0.0 for f in block_fqns}
@@ -834,7 +839,7 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
     if block_fqns:
         handles += _probe_hooks(model, block_fqns[0], recorder, probe)
     args, kwargs = ((torch.zeros(batch, seq_len, dtype=torch.long, device="meta"),), {}) if example is None \
-        else _meta_example(example, batch)
+        else meta_example(example, batch)
     stood_in: list[str] = []
     try:
         with ExitStack() as es:

@@ -34,11 +34,11 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.profile.analyze import (BlockInfo, ModelAnalysis, analyze, find_block_list, first_line,
-                                               implements_forward)
+                                               implements_forward, meta_buffer, meta_example)
 from lightning_autopar.specs import UNIT_KINDS, ModelSpec, UnitSpec
 
 REST = "(rest)"  # the spec unit holding what no module unit covers
@@ -240,26 +240,6 @@ class _CostMode(TorchDispatchMode):
         return out
 
 
-def _meta_example(example: tuple[tuple, dict]) -> tuple[tuple, dict]:
-    """The example on meta tensors, cut to one row along dim 0 (sizes per sample)."""
-
-    def cut(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        row = value[:1] if value.dim() else value
-        return torch.empty_like(row.detach(), device="meta")
-
-    args, kwargs = example
-    return tree_map(cut, tuple(args)), tree_map(cut, dict(kwargs))
-
-
-def meta_buffer(buffer: torch.Tensor) -> torch.Tensor:
-    """A buffer's stand-in for a meta trace: a meta tensor, except a real scalar counter (BatchNorm with
-    momentum=None reads num_batches_tracked's value, which a meta tensor cannot give)."""
-    counter = buffer.dim() == 0 and not buffer.is_floating_point() and buffer.device.type != "meta"
-    return buffer.clone() if counter else torch.empty_like(buffer, device="meta")
-
-
 def _run_meta(model: nn.Module, example: tuple[tuple, dict], trace: _Trace) -> None:
     """One forward on meta tensors with module hooks, the cost mode and saved-tensor hooks."""
     from torch.func import functional_call
@@ -295,7 +275,7 @@ def _run_meta(model: nn.Module, example: tuple[tuple, dict], trace: _Trace) -> N
     for name, mod in model.named_modules():
         handles.append(mod.register_forward_pre_hook(pre(name)))
         handles.append(mod.register_forward_hook(post(name), always_call=True))  # pops after a failure too
-    args, kwargs = _meta_example(example)
+    args, kwargs = meta_example(example, rows=1)  # sizes per sample
     try:
         with ExitStack() as es:
             es.enter_context(torch.enable_grad())
