@@ -227,8 +227,12 @@ class PlanningMixin(ABC):
             self._exclude(restrict, "grad_accum", [1], "the user's loop runs backward (manual optimization)")
             self._exclude(restrict, "pp", [1], "pipeline parallelism runs backward itself; manual optimization cannot")
         else:
+            # the smallest pipeline this world allows: the check traces the model (torch.export), so a world with
+            # no pp > 1 (one process) pays nothing
+            pp = next((d for d in range(2, self.world_size + 1) if self.world_size % d == 0), None)
             try:
-                check_unit_pipeline(self.lightning_module, model, analysis, example, 2)
+                if pp is not None:
+                    check_unit_pipeline(self.lightning_module, model, analysis, example, pp)
             except ConfigError as err:
                 self._exclude(restrict, "pp", [1], str(err))
         fixed = self._fix.get("grad_accum")
