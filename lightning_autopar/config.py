@@ -42,6 +42,12 @@ class PlannerConfig:
     top: int = 5  # plans shown in the report
     print_plan: bool = True
     memory_fraction: float = 0.9
+    # set-up measurement (docs/profiling.md; checked by runtime.trial.SetupSettings)
+    trials: Optional[int] = None  # plans run a few steps before choosing; None: as the set-up budget allows; 0: off
+    profile: Optional[bool] = None  # runtime profiling at set-up; None: when the budget allows
+    profile_budget_s: float = 10.0  # at most this many seconds of set-up measurement
+    profile_fraction: float = 0.02  # ... and at most this share of the planned run (automatic mode)
+    profile_cache: Any = None  # a directory; false: no cache; None: $AUTOPAR_CACHE or ~/.cache/lightning_autopar
 
 
 @dataclass
@@ -185,6 +191,16 @@ def _restrict(restrict: Any) -> dict[str, list[Any]] | None:
     return out
 
 
+def _check_setup(p: PlannerConfig) -> None:
+    """``planner.trials`` / ``planner.profile*`` checked as the strategy checks them, named as in the config."""
+    from lightning_autopar.runtime.trial import SetupSettings
+
+    try:
+        SetupSettings(p.trials, p.profile, p.profile_budget_s, p.profile_fraction, p.profile_cache)
+    except ConfigError as err:
+        raise ConfigError(f"planner.{err.field}", err.problem, err.fix) from None
+
+
 def _check_precision(precision: str) -> None:
     from typing import get_args
 
@@ -214,6 +230,7 @@ def to_object(cfg: Any) -> TrainConfig:
     if obj.cluster is not None:
         obj.cluster.validate()
     parse_fix(obj.planner.fix)
+    _check_setup(obj.planner)
     obj.planner.restrict = _restrict(obj.planner.restrict)
     if obj.trainer.precision is not None:
         _check_precision(obj.trainer.precision)
@@ -313,7 +330,9 @@ def strategy_from_config(cfg: TrainConfig, **extra: Any) -> Any:
     p = cfg.planner
     return AutoParallelStrategy(fix=p.fix, cluster=cfg.cluster, global_batch=p.global_batch,
                                 restrict=p.restrict, top=p.top, print_plan=p.print_plan,
-                                memory_fraction=p.memory_fraction, **extra)
+                                memory_fraction=p.memory_fraction, trials=p.trials, profile=p.profile,
+                                profile_budget_s=p.profile_budget_s, profile_fraction=p.profile_fraction,
+                                profile_cache=p.profile_cache, **extra)
 
 
 def trainer_from_config(cfg: TrainConfig, **extra: Any) -> Any:

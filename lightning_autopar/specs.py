@@ -16,7 +16,7 @@ from lightning_autopar.errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE_MODES = ("none", "selective", "full")
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "fp8-mixed")  # fp8-mixed: fp8 GEMMs, the rest bf16 (planner only)
 FFN_KINDS = ("gelu", "swiglu")
 # what a unit contains (UnitSpec.kinds); the cost model prices conv at the device's conv efficiency and norms /
 # pooling as memory-bound work
@@ -195,6 +195,7 @@ class PeakTflops:
     bf16: float = 0.0
     fp16: float = 0.0
     fp32: float = 0.0
+    fp8: float = 0.0  # dense fp8 tensor-core rate (Transformer Engine GEMMs); 0: the device has none
 
 
 @dataclass
@@ -218,6 +219,10 @@ class DeviceSpec:
     dispatch_us: float = 0.0  # host time per eager op; the device waits when its kernels are shorter (0: ignore)
     conv_efficiency: float = 0.0  # fraction of peak a well-shaped convolution sustains (0: derived from gemm_efficiency)
     throughput_cv: float = 0.0  # device-to-device spread (std/mean) of sustained compute rate; steps run at the slowest
+    # the training stack fuses each block's element-wise ops (Transformer Engine + Megatron fusions: norm with its
+    # fp8 output cast, RoPE, gated activation, bias-dropout-add; planner.cost.block_memory_ops); False: eager
+    # PyTorch ops, as autopar's runtime runs HF Llama and models.GPT
+    fused_elementwise: bool = False
 
 
 @dataclass
@@ -232,12 +237,35 @@ class LinkSpec:
 
 
 @dataclass
+class RuntimeCosts:
+    """Fixed host-side costs of autopar's runtime paths, in microseconds per occurrence: what a step costs beyond
+    the device work and the collectives the other fields price. Measured on the live process group by
+    ``profile/runtime.py`` and refit from measured steps (trials, StepMonitor) by ``planner/calibrate.py``;
+    0 means not measured and adds nothing (the GPU presets)."""
+
+    step_us: float = 0.0  # per optimizer step: the loop around it (hooks, closure, zero_grad, optimizer dispatch)
+    microbatch_us: float = 0.0  # per micro-batch per rank: batch slicing, autocast / no_sync contexts, loss scaling
+    fsdp_unit_us: float = 0.0  # per FSDP unit per all-gather or reduce-scatter: pre/post hooks, copy-in/out dispatch
+    tp_block_us: float = 0.0  # per block per micro-batch with tp > 1: DTensor dispatch and sharding propagation
+    pipeline_action_us: float = 0.0  # per pipeline schedule action: one stage's fwd or bwd of one micro-batch + p2p posts
+    ep_layer_us: float = 0.0  # per MoE layer per micro-batch with ep > 1: exchange splits and bookkeeping
+    source: str = ""  # where the figures come from ("profile 2026-12-01", "refit on 3 trials", ...)
+
+    def validate(self, where: str = "cluster.runtime") -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "source" and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise ConfigError(f"{where}.{f.name}", f"must be a number >= 0 (microseconds), got {value!r}")
+
+
+@dataclass
 class ClusterSpec:
     name: str = "cluster"
     nodes: int = 1
     devices_per_node: int = 1
     device: DeviceSpec = field(default_factory=DeviceSpec)
     links: list[LinkSpec] = field(default_factory=lambda: [LinkSpec()])
+    runtime: RuntimeCosts = field(default_factory=RuntimeCosts)  # measured runtime fixed costs (0: none)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -255,6 +283,9 @@ class ClusterSpec:
             if link.bandwidth_gbs <= 0 or link.latency_us < 0:
                 raise ConfigError(f"cluster.links[{i}]", f"bandwidth {link.bandwidth_gbs} GB/s, "
                                   f"latency {link.latency_us} us", "bandwidth must be > 0 and latency >= 0")
+        if isinstance(self.runtime, Mapping):
+            self.runtime = RuntimeCosts(**self.runtime)
+        self.runtime.validate()
 
     @property
     def world_size(self) -> int:
@@ -299,6 +330,64 @@ class Measured:
             return Measured(int(value["mbs"]), int(value["seq_len"]), str(value["precision"]), blocks,
                             str(value.get("device", "")))
         raise TypeError(f"measured= expects a Measured or a mapping, got {type(value).__name__}")
+
+
+@dataclass
+class BlockSample:
+    """One block kind timed on every rank at once (the slowest rank's figure) at one micro-batch size, tp=1:
+    what the compute calibration (planner/calibrate.py) fits the device's rates to."""
+
+    kind: str  # dense | moe | embedding | head (transformer form); a unit's name (unit form)
+    mbs: int
+    seq_len: int
+    precision: str
+    fwd_s: float
+    bwd_s: float
+
+
+@dataclass
+class CollectiveSample:
+    """One collective timed on the live process group (the slowest rank's median), nccl-tests conventions."""
+
+    op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | p2p
+    ranks: int  # group size (2 for p2p)
+    stride: int  # rank distance between consecutive members (1: neighbours)
+    nbytes: int  # the full buffer; p2p: the message
+    seconds: float  # p2p: one way
+
+
+@dataclass
+class TrialResult:
+    """One plan run for a few steps at set-up (``AutoParallelStrategy(trials=K)``)."""
+
+    plan: dict[str, Any]  # Plan.to_dict()
+    predicted_s: float  # the prediction it was chosen on
+    measured_s: float  # median step after warm-up
+    steps: int = 0
+    error: str = ""  # why it did not run (one line), empty when it ran
+
+
+@dataclass
+class RuntimeProfile:
+    """What ``profile/runtime.py`` measured on the live process group at set-up, cached on disk by
+    (cluster fingerprint, model fingerprint); ``planner/calibrate.py`` turns it into a calibrated ClusterSpec."""
+
+    cluster_key: str = ""
+    model_key: str = ""
+    blocks: list[BlockSample] = field(default_factory=list)
+    collectives: list[CollectiveSample] = field(default_factory=list)
+    runtime: RuntimeCosts = field(default_factory=RuntimeCosts)  # fixed costs measured directly; 0: not measured
+    trials: list[TrialResult] = field(default_factory=list)
+    seconds: float = 0.0  # wall time spent measuring
+    budget_s: float = 0.0  # the budget it ran under
+    skipped: list[str] = field(default_factory=list)  # what the budget left out, one phrase each
+
+    def __post_init__(self) -> None:
+        self.blocks = [BlockSample(**b) if isinstance(b, Mapping) else b for b in self.blocks]
+        self.collectives = [CollectiveSample(**c) if isinstance(c, Mapping) else c for c in self.collectives]
+        self.trials = [TrialResult(**t) if isinstance(t, Mapping) else t for t in self.trials]
+        if isinstance(self.runtime, Mapping):
+            self.runtime = RuntimeCosts(**self.runtime)
 
 
 # --------------------------------------------------------------------------------------------- plan
@@ -397,6 +486,8 @@ class Breakdown:
     recompute_s: float = 0.0
     comm_exposed_s: float = 0.0
     bubble_s: float = 0.0
+    runtime_s: float = 0.0  # the runtime's fixed host costs (ClusterSpec.runtime), named in ``terms``
+    terms: dict[str, float] = field(default_factory=dict)  # runtime_s by cost.py term name (seconds)
 
 
 @dataclass
@@ -422,9 +513,12 @@ class PricedPlan:
             model_tflops_per_device=self.model_tflops_per_device,
             mfu=self.mfu,
             memory_gib_per_device=self.memory_gib_per_device,
-            breakdown=dataclasses.asdict(self.breakdown),
+            breakdown={k: getattr(self.breakdown, k) for k in ("compute_s", "recompute_s", "comm_exposed_s",
+                                                              "bubble_s")},
             feasible=self.feasible,
         )
+        if self.breakdown.terms:  # the runtime's fixed costs (ClusterSpec.runtime), beside the contract's four
+            out["runtime_terms_s"] = dict(self.breakdown.terms)
         if self.reason:
             out["reason"] = self.reason
         if self.layers_per_stage:
@@ -460,7 +554,8 @@ def _coerce(name: str, raw: Any) -> Any:
         raise ConfigError("fix.sp", f"expected true or false, got {raw!r}")
     choices = PLAN_CHOICE_FIELDS[name]
     text = str(raw).strip().lower()
-    aliases = {"32": "fp32", "32-true": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-mixed": "fp16-mixed"}
+    aliases = {"32": "fp32", "32-true": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-mixed": "fp16-mixed",
+               "fp8": "fp8-mixed"}
     text = aliases.get(text, text) if name == "precision" else text
     if text not in choices:
         raise ConfigError(f"fix.{name}", f"unknown {raw!r}", f"use one of {', '.join(choices)}")

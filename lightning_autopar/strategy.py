@@ -132,6 +132,24 @@ class AutoParallelMixin(PlanningMixin):
         loader = private.stage_dataloader(loop)
         return loader[0] if isinstance(loader, (list, tuple)) and loader else loader
 
+    def _planned_steps(self) -> int | None:
+        """Optimizer steps of the planned fit (0 when not fitting), for the set-up budget: max_steps, or max_epochs
+        x the epoch's batches (limit_train_batches) / accumulate_grad_batches, whichever is smaller; None when
+        neither is known (an unsized DataLoader and no max_steps)."""
+        import math
+
+        if self._stage() != "fit":
+            return 0
+        trainer = self.lightning_module.trainer
+        steps = [trainer.max_steps] if trainer.max_steps and trainer.max_steps > 0 else []
+        loader = self._plan_loader()
+        batches = len(loader) if hasattr(loader, "__len__") else 0
+        limit = trainer.limit_train_batches
+        batches = min(batches, limit) if isinstance(limit, int) else int(batches * (limit or 1.0))
+        if batches and trainer.max_epochs and trainer.max_epochs > 0:
+            steps.append(trainer.max_epochs * math.ceil(batches / trainer.accumulate_grad_batches))
+        return min(steps) if steps else None
+
     def _model_call(self) -> Any:
         """The user's call of its model: the step of the stage being run on two rows of the first batch."""
         hook = STAGE_HOOKS.get(self._stage(), "training_step")

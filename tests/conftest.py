@@ -6,11 +6,13 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+os.environ["AUTOPAR_CACHE"] = tempfile.mkdtemp(prefix="autopar_cache")  # tests never read or write a user's cache
 DIST = Path(__file__).resolve().parent / "dist"
 sys.path.insert(0, str(DIST))
 

@@ -144,3 +144,20 @@ def test_rebalance_keeps_the_losses(runs, reference):
     assert "step=00000003" in result["saved"]  # the switch happened at a checkpoint boundary
     assert_close_losses(result["losses"], reference[0])
     assert_close_state(result["state"], reference[1])
+
+
+def test_rebalance_reprices_on_the_refit_cluster(runs):
+    first = load(runs, "rebalance")["switches"][0]
+    assert "refit on 1 measured plan" in first["reason"] and "faster" in first["reason"]
+    assert first["predicted_s"] > 0  # the re-priced step of the plan switched to
+
+
+def test_monitor_csv_has_a_column_per_term(runs):
+    from lightning_autopar.callbacks.monitor import STEP_TERMS
+
+    plain = load(runs, "plain")
+    with open(plain["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        terms = [float(row[f"pred_{t}_s"]) for t in STEP_TERMS if t != "runtime"]  # runtime: the sum of its own
+        assert sum(terms) == pytest.approx(float(row["pred_step_time_s"]), rel=1e-6)

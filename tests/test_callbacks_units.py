@@ -16,9 +16,13 @@ from torch.utils.data import DataLoader
 
 from lightning_autopar.callbacks import StepMonitor, StepRecord, choose_overlap, latest_checkpoint, make_resumable
 from lightning_autopar.callbacks.checkpoint import MARKER, checkpoint_name, rng_state, set_rng_state, verify
-from lightning_autopar.callbacks.monitor import communication_split, pipeline_schedule
-from lightning_autopar.callbacks.rebalance import refit_scales, refit_step, same_batch_splits
-from lightning_autopar.specs import Breakdown, ClusterSpec, ModelSpec, Plan, PricedPlan
+from lightning_autopar.callbacks import Rebalance
+from lightning_autopar.callbacks.monitor import STEP_TERMS, communication_split, pipeline_schedule
+from lightning_autopar.callbacks.rebalance import reprice, same_batch_splits
+from lightning_autopar.errors import ConfigError
+from lightning_autopar.planner.cost import RUNTIME_TERMS
+from lightning_autopar.planner.search import estimate
+from lightning_autopar.specs import Breakdown, ClusterSpec, ModelSpec, Plan, PricedPlan, load_cluster_spec
 
 
 def fake_checkpoint(root, step, files=None, marker=True):
@@ -147,16 +151,135 @@ def test_monitor_report_with_pipeline_timeline(tmp_path):
     assert not list(tmp_path.glob(".*"))  # no temporary file left
 
 
-def test_rebalance_refit_and_candidates():
+def test_rebalance_candidates_are_the_same_batch_splits():
     plan = Plan(dp=2, zero=3, mbs=1, grad_accum=4)
     splits = same_batch_splits(plan, 8)
     assert [(p.mbs, p.grad_accum) for p in splits] == [(1, 4), (2, 2), (4, 1)]
-    summary = {"step_time_s": 3.0, "pred_step_time_s": 1.0, "pred_compute_s": 0.8, "pred_comm_s": 0.2}
-    assert refit_scales(summary) == (3.0, 3.0)
-    summary.update(compute_s=1.6, comm_s=1.4)
-    compute, comm = refit_scales(summary)
-    assert compute == pytest.approx(2.0) and comm == pytest.approx(7.0)
-    assert refit_step(priced(plan), (compute, comm)) == pytest.approx(0.8 * 2 + 0.2 * 7)
+    assert same_batch_splits(plan, 7) == []  # not a multiple of dp: no split keeps the batch
+
+
+GPT = ModelSpec(layers=4, hidden=256, heads=4, vocab=1000, seq_len=128)
+
+
+def live_report(plan):
+    """What the strategy holds after planning: the plan priced on the cpu preset for 2 processes."""
+    cluster = load_cluster_spec("cpu", devices_per_node=2)
+    best = estimate(GPT, cluster, plan, global_batch=plan.global_batch, seq_len=128)
+    return SimpleNamespace(best=best, model=GPT, cluster=cluster, global_batch=plan.global_batch, seq_len=128,
+                           memory_fraction=0.9)
+
+
+def test_reprice_refits_the_cluster_to_the_measured_step():
+    plan = Plan(dp=2, mbs=1, grad_accum=8)
+    report = live_report(plan)
+    found = reprice(report, plan, 2 * report.best.step_time_s)
+    assert found.cluster.runtime.source.startswith("refit") and not report.cluster.runtime.source
+    # the refit prices the plan in effect at what it measured, and its splits on the same cluster
+    assert found.current.step_time_s == pytest.approx(2 * report.best.step_time_s, rel=0.1)
+    assert found.best.plan in same_batch_splits(plan, 16) and found.best.feasible
+    assert found.best.step_time_s <= found.current.step_time_s
+    assert found.gain() == pytest.approx(1 - found.best.step_time_s / found.current.step_time_s)
+
+
+def test_rebalance_switches_only_when_the_refit_split_is_faster_by_min_gain():
+    plan = Plan(dp=2, mbs=1, grad_accum=8)
+    report = live_report(plan)
+    pred = report.best.step_time_s
+    gain = reprice(report, plan, 2 * pred).gain()
+    assert gain > 0.05  # one micro-batch of 8 rows beats 8 of 1 on this model, also after the refit
+    decision = Rebalance(patience=1).judge(report, plan, 2 * pred, pred)  # measured 2x the prediction
+    assert decision is not None
+    priced, cluster, reason = decision
+    assert priced.plan != plan and priced.plan.global_batch == 16 and priced.plan.dp == 2
+    assert priced.step_time_s == pytest.approx(estimate(GPT, cluster, priced.plan, 16, 128).step_time_s)
+    assert "faster" in reason and plan.short() in reason
+    # the same measurement, a gain below min_gain: stay
+    assert Rebalance(patience=1, min_gain=gain + 0.01).judge(report, plan, 2 * pred, pred) is None
+    # the measurement within 25% of the prediction: nothing is re-priced
+    assert Rebalance(patience=1).judge(report, plan, 1.2 * pred, pred) is None
+    # the fastest split in effect already: stay
+    single = Plan(dp=2, mbs=8, grad_accum=1)
+    assert Rebalance(patience=1).judge(live_report(single), single, 2 * pred, pred) is None
+
+
+def test_rebalance_needs_patience_and_checks_its_arguments():
+    plan = Plan(dp=2, mbs=1, grad_accum=8)
+    report = live_report(plan)
+    pred = report.best.step_time_s
+    rebalance = Rebalance(patience=2)
+    assert rebalance.judge(report, plan, 2 * pred, pred) is None  # first strike
+    assert rebalance.judge(report, plan, 2 * pred, pred) is not None  # second: re-priced and switched
+    assert rebalance.judge(report, plan, 2 * pred, pred) is None  # strikes start over
+    for bad in ({"tolerance": -0.1}, {"min_gain": 1.0}, {"patience": 0}):
+        with pytest.raises(ConfigError):
+            Rebalance(**bad)
+
+
+def fake_trainer(report, plan, callbacks, step):
+    strategy = SimpleNamespace(plan=plan, report=report, _fix={}, broadcast=lambda obj: obj,
+                               root_device=torch.device("cpu"))
+    return SimpleNamespace(strategy=strategy, callbacks=callbacks, global_step=step, is_global_zero=True,
+                           lightning_module=SimpleNamespace(automatic_optimization=True))
+
+
+def test_rebalance_switch_follows_into_the_report_and_the_checkpoint(tmp_path):
+    plan = Plan(dp=2, mbs=1, grad_accum=8)
+    report = live_report(plan)
+    pred = report.best.step_time_s
+    monitor = StepMonitor(warmup_steps=1, window=3)
+    monitor.records = [record(s, 2 * pred, pred, plan=plan.short()) for s in range(1, 6)]
+    rebalance = Rebalance(check_every_n_steps=5, patience=1, verbose=False)
+    trainer = fake_trainer(report, plan, [monitor, rebalance], step=5)
+    rebalance.on_train_start(trainer, None)
+    rebalance.on_train_batch_end(trainer, None, None, None, 0)
+    assert len(rebalance.switches) == 1 and rebalance.switches[0]["from"] == plan.short()
+    new = trainer.strategy.plan
+    assert new != plan and report.best.plan == new  # the monitor now compares with the re-priced plan
+    assert report.cluster.runtime.source.startswith("refit")  # ... priced on the refit cluster
+    assert report.best.step_time_s == pytest.approx(estimate(GPT, report.cluster, new, 16, 128).step_time_s)
+    # resume: the split and the refit cluster come back from the checkpointed state
+    torch.save(rebalance.state_dict(), tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=True)  # as AutoCheckpoint loads it
+    resumed, fresh = Rebalance(verbose=False), live_report(plan)
+    resumed.load_state_dict(state)
+    trainer = fake_trainer(fresh, plan, [monitor, resumed], step=5)
+    resumed.on_train_start(trainer, None)
+    assert trainer.strategy.plan == new and fresh.cluster == report.cluster
+    assert fresh.best.step_time_s == pytest.approx(report.best.step_time_s)
+
+
+def test_monitor_records_every_predicted_term(tmp_path):
+    assert set(RUNTIME_TERMS) <= set(STEP_TERMS)  # a column for each runtime term the cost model names
+    plan = Plan(dp=2, mbs=2, grad_accum=2)
+    terms = {"step": 0.01, "microbatch": 0.02, "fsdp_units": 0.0, "tp_dispatch": 0.0, "pipeline_actions": 0.0,
+             "ep_dispatch": 0.0}
+    best = PricedPlan(plan=plan, step_time_s=1.0, tokens_per_s=1000.0, model_tflops_per_device=40.0, mfu=0.4,
+                      memory_gib_per_device=1.0,
+                      breakdown=Breakdown(compute_s=0.6, recompute_s=0.1, comm_exposed_s=0.2, bubble_s=0.07,
+                                          runtime_s=0.03, terms=terms))
+    trainer = fake_trainer(SimpleNamespace(best=best), plan, [], step=1)
+    monitor = StepMonitor(warmup_steps=1, report_path=False)
+    for step in range(1, 5):
+        trainer.global_step = step
+        split = (0.5, 0.6) if step == 3 else None  # one probed step: 0.5 s of 2 s exposed
+        monitor.records.append(monitor._record(trainer, 2.0, 0.0, 1000, split, torch.device("cpu")))
+    rec = monitor.records[-1]
+    assert sum(getattr(rec, f"pred_{t}_s") for t in STEP_TERMS if t != "runtime") == pytest.approx(1.0)
+    assert (rec.pred_compute_s, rec.pred_recompute_s, rec.pred_runtime_s, rec.pred_microbatch_s) == \
+        pytest.approx((0.6, 0.1, 0.03, 0.02))
+    assert rec.pred_comm_s == pytest.approx(0.27)
+    summary = monitor.summary()
+    assert summary["pred_compute_s"] == pytest.approx(0.73)  # what the measured compute_s covers
+    assert summary["compute_s"] == pytest.approx(1.5) and summary["comm_s"] == pytest.approx(0.5)
+    rows = {name: (p, m) for name, p, m in monitor.term_comparison()}
+    assert rows["whole step"] == pytest.approx((1.0, 2.0)) and rows["step"] == (pytest.approx(0.01), None)
+    assert rows["compute+recompute+runtime"] == pytest.approx((0.73, 1.5))
+    assert rows["microbatch"] == (pytest.approx(0.02), None) and "tp_dispatch" not in rows  # predicted 0
+    header = monitor.write_csv(tmp_path / "m.csv").read_text().splitlines()[0].split(",")
+    assert {f"pred_{t}_s" for t in STEP_TERMS} <= set(header)
+    assert {"step_time_s", "compute_s", "comm_exposed_s", "pred_step_time_s", "pred_comm_s"} <= set(header)
+    png = monitor.write_png(tmp_path / "m.png", trainer)
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_overlap_knobs_follow_the_exposed_communication():

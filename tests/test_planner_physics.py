@@ -80,11 +80,12 @@ def test_block_memory_ops_hand_count() -> None:
     # sequence parallel splits the replicated part; the TP-split part is split either way
     fwd_sp, _, _, _ = C.block_memory_ops(GPT, 4, True)
     assert fwd_sp == pytest.approx((12 * h + 2 * f) / 4)
-    # swiglu (Llama-style): silu + mul (5f), RoPE on q and k (7 passes over h + kv_heads*d)
+    # swiglu (Llama-style): silu + mul (5f), RoPE on q and k (7 passes over h + kv_heads*d), and two eager fp32
+    # RMSNorms (cost.norm_traffic: 36 B = 18 bf16 elements in 8 kernels fwd, 92 B = 46 elements in 16 kernels bwd)
     fwd_l, bwd_l, kf_l, kb_l = C.block_memory_ops(LLAMA, 1, False)
     kvd = 2 * 128
-    assert fwd_l == pytest.approx(12 * h + 5 * 2816 + 7 * (h + kvd)) and (kf_l, kb_l) == (15, 18)
-    assert bwd_l == pytest.approx(18 * h + 9 * 2816 + 7 * (h + kvd))
+    assert fwd_l == pytest.approx(2 * 18 * h + 8 * h + 5 * 2816 + 7 * (h + kvd)) and (kf_l, kb_l) == (29, 46)
+    assert bwd_l == pytest.approx(2 * 46 * h + 8 * h + 9 * 2816 + 7 * (h + kvd))
 
 
 def test_cross_entropy_and_embedding_passes() -> None:

@@ -20,7 +20,7 @@ PARAM_RTOL = 1e-5
 PARAM_ATOL = 1e-6
 
 WORLD4 = ["dp_zero0", "dp_zero3", "hsdp", "tp2_dp2_zero3", "tp2_dp2_accum", "auto", "clip", "resume"]
-WORLD2 = ["tp", "dp_zero2", "dp_accum", "tp_indivisible"]
+WORLD2 = ["tp", "dp_zero2", "dp_accum", "dp_zero2_accum", "tp_indivisible"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_world4_matches_single_process(world4, reference, name):
     assert_equivalent(load(world4, name), *reference)
 
 
-@pytest.mark.parametrize("name", ["tp", "dp_zero2", "dp_accum"])
+@pytest.mark.parametrize("name", ["tp", "dp_zero2", "dp_accum", "dp_zero2_accum"])
 def test_world2_matches_single_process(world2, reference, name):
     assert_equivalent(load(world2, name), *reference)
 
@@ -71,6 +71,7 @@ def test_plans_are_the_requested_ones(world4, world2):
     assert (plan["tp"], plan["dp"], plan["zero"], plan["grad_accum"], plan["mbs"]) == (2, 2, 3, 2, 2)
     assert load(world4, "hsdp")["plan"]["dp_shard"] == 2
     assert load(world2, "dp_accum")["plan"]["grad_accum"] == 4
+    assert (load(world2, "dp_zero2_accum")["plan"]["zero"], load(world2, "dp_zero2_accum")["plan"]["grad_accum"]) == (2, 4)
     auto = load(world4, "auto")["plan"]
     assert auto["dp"] * auto["tp"] * auto["pp"] * auto["cp"] == 4
     assert auto["dp"] * auto["mbs"] * auto["grad_accum"] == 8

@@ -3,10 +3,10 @@
 * ``AutoCheckpoint``: periodic sharded checkpoints (complete or invisible, last k kept), automatic and
   elastic resume with RNG states and the position in the epoch.
 * ``Overlap``: FSDP2 prefetch / reshard / reduce-scatter knobs chosen from the plan, overridable.
-* ``StepMonitor``: measured vs predicted step time, tokens/s, TFLOP/s, MFU, memory; a warning naming the term
-  that is off; a PNG report.
-* ``Rebalance``: refit the cost model from the monitor's measurements and switch to a faster micro-batch
-  split of the same global batch at a checkpoint boundary.
+* ``StepMonitor``: measured vs predicted step time (and every named cost term), tokens/s, TFLOP/s, MFU, memory;
+  a warning naming the term that is off; a CSV and a PNG report.
+* ``Rebalance``: refit the cost model to the monitor's measured step (``planner.calibrate.refit``), re-price,
+  and switch to a micro-batch split of the same global batch predicted > 5% faster, at a checkpoint boundary.
 * Gradient accumulation is the strategy's (``plan.grad_accum``); ``accumulation`` documents how it combines
   with Lightning's ``accumulate_grad_batches``.
 """

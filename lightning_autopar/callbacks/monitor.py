@@ -13,9 +13,14 @@ Measured per optimizer step (rank-local, from ``on_train_batch_start`` of its fi
 Every ``probe_every_n_steps`` one step runs under ``torch.profiler``: communication is the union of the
 collective intervals (``gloo:``/``nccl:``/``hccl:`` ops, NCCL/HCCL kernels), exposed communication the part
 of it not covered by compute (main-thread ATen ops on CPU, non-collective kernels on devices), compute
-the rest of the step. That is what the planner's ``breakdown`` predicts as ``comm_exposed_s`` and
-``compute_s + recompute_s``; when the measured step is more than ``tolerance`` off the prediction, the
-warning names the term that is off. Without a probe it names the step time and the predicted proportions.
+the rest of the step. That is what the planner's ``breakdown`` predicts as ``comm_exposed_s + bubble_s`` and
+``compute_s + recompute_s + runtime_s``; when the measured step is more than ``tolerance`` off the prediction,
+the warning names the side that is off. Without a probe it names the step time and the predicted proportions.
+
+Predicted per step: every named term of the plan in effect, ``pred_<term>_s`` (STEP_TERMS: the Breakdown's
+compute, recompute, comm_exposed, bubble and runtime, which add up to ``pred_step_time_s``, then the runtime
+fixed costs of ``Breakdown.terms``, which add up to ``runtime``). The CSV has a column per term, the PNG a panel
+of predicted vs measured per term.
 
 The prediction is ``strategy.report.best`` (a ``PricedPlan``), read at every step so a re-plan
 (``Rebalance``) is followed.
@@ -35,6 +40,7 @@ import torch
 import lightning.pytorch as L
 
 from lightning_autopar.files import atomic_file
+from lightning_autopar.planner.cost import RUNTIME_TERMS
 from lightning_autopar.runtime.lightning_private import batches_that_stepped
 
 GIB = float(2**30)
@@ -63,11 +69,31 @@ class StepRecord:
     pred_model_tflops: float | None = None
     pred_mfu: float | None = None
     pred_mem_gib: float | None = None
-    pred_compute_s: float | None = None  # compute + recompute
-    pred_comm_s: float | None = None  # exposed communication + pipeline bubble
+    pred_compute_s: float | None = None  # the compute term; with the ones below, pred_<term>_s for STEP_TERMS
+    pred_comm_s: float | None = None  # exposed communication + pipeline bubble (the measured split's comm side)
+    pred_recompute_s: float | None = None
+    pred_comm_exposed_s: float | None = None
+    pred_bubble_s: float | None = None
+    pred_runtime_s: float | None = None  # the runtime's fixed costs, = the sum of the named ones below
+    pred_step_s: float | None = None  # each of Breakdown.terms (cost.RUNTIME_TERMS) from here on
+    pred_microbatch_s: float | None = None
+    pred_fsdp_units_s: float | None = None
+    pred_tp_dispatch_s: float | None = None
+    pred_pipeline_actions_s: float | None = None
+    pred_ep_dispatch_s: float | None = None
+
+
+# the cost model's step terms, in the order they are reported: Breakdown fields, then Breakdown.terms by name
+BREAKDOWN_TERMS = ("compute", "recompute", "comm_exposed", "bubble", "runtime")
+STEP_TERMS = BREAKDOWN_TERMS + RUNTIME_TERMS
 
 
 # ============================================================================================ measuring
+
+
+def _pred_busy(rec: StepRecord) -> float:
+    """Predicted compute + recompute + runtime fixed costs of a record (the measured ``compute_s`` counterpart)."""
+    return sum(v or 0.0 for v in (rec.pred_compute_s, rec.pred_recompute_s, rec.pred_runtime_s))
 
 
 def _merge(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -147,6 +173,14 @@ def _peak_memory_gib(device: torch.device) -> float:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def predicted_terms(breakdown: Any) -> dict[str, float]:
+    """Seconds per step of every named term of a ``Breakdown`` (STEP_TERMS order; a runtime term the plan does
+    not pay is 0). The BREAKDOWN_TERMS add up to the predicted step, the RUNTIME_TERMS to its ``runtime``."""
+    out = {name: float(getattr(breakdown, f"{name}_s")) for name in BREAKDOWN_TERMS}
+    out.update({name: float(breakdown.terms.get(name, 0.0)) for name in RUNTIME_TERMS})
+    return out
 
 
 def prediction(trainer: Any) -> Any:
@@ -275,7 +309,8 @@ class StepMonitor(L.Callback):
             rec.pred_model_tflops = pred.model_tflops_per_device
             rec.pred_mfu = pred.mfu
             rec.pred_mem_gib = pred.memory_gib_per_device
-            rec.pred_compute_s = (b.compute_s + b.recompute_s) * work
+            for name, seconds in predicted_terms(b).items():
+                setattr(rec, f"pred_{name}_s", seconds * work)
             rec.pred_comm_s = (b.comm_exposed_s + b.bubble_s) * work
             ratio = rec.pred_step_time_s / step_time
             rec.model_tflops = pred.model_tflops_per_device * ratio
@@ -291,24 +326,33 @@ class StepMonitor(L.Callback):
 
     # ------------------------------------------------------------------ the check
 
+    def _current(self, last: int | None) -> list[StepRecord]:
+        """The last ``last`` (all when None) post-warm-up records of the plan in effect."""
+        recent = self.records[self.warmup_steps:]
+        if not recent:
+            return []
+        plan = recent[-1].plan
+        recent = [r for r in recent if r.plan == plan]
+        return recent[-last:] if last else recent
+
     def summary(self, last: int | None = None) -> dict[str, float] | None:
         """Medians over the last ``last`` (default ``window``) post-warm-up steps of the current plan:
         measured and predicted step time, and compute / exposed communication from the probes among them
-        (else from the latest probe of the same plan). None before enough steps."""
-        recent = [r for r in self.records[self.warmup_steps:]]
-        if not recent:
-            return None
-        plan = recent[-1].plan
-        recent = [r for r in recent if r.plan == plan][-(last or self.window):]
+        (else from the latest probe of the same plan), each next to the predicted terms it measures:
+        ``pred_compute_s`` compute + recompute + the runtime's fixed costs (host and device work the profiler
+        sees as not communicating), ``pred_comm_s`` exposed communication + pipeline bubble (waiting in a
+        collective or a p2p receive). None before enough steps."""
+        recent = self._current(last or self.window)
         if not recent or recent[-1].pred_step_time_s is None:
             return None
+        plan = recent[-1].plan
         probes = [r for r in recent if r.compute_s is not None] or \
                  [r for r in self.records if r.plan == plan and r.compute_s is not None][-1:]
         med = statistics.median
         out = {"steps": float(len(recent)),
                "step_time_s": med(r.step_time_s for r in recent),
                "pred_step_time_s": med(r.pred_step_time_s for r in recent),
-               "pred_compute_s": med(r.pred_compute_s for r in recent),
+               "pred_compute_s": med(_pred_busy(r) for r in recent),
                "pred_comm_s": med(r.pred_comm_s for r in recent)}
         if probes:
             # a probed step is slower (profiler overhead): keep its proportions, scale to the median step
@@ -316,6 +360,23 @@ class StepMonitor(L.Callback):
             out["comm_s"] = share * out["step_time_s"]
             out["compute_s"] = out["step_time_s"] - out["comm_s"]
         return out
+
+    def term_comparison(self) -> list[tuple[str, float, float | None]]:
+        """(term, predicted, measured or None) medians over every post-warm-up step of the current plan: the
+        step, the two sides of the measured split (``summary``), then each cost-model term (STEP_TERMS) with a
+        non-zero prediction, which the monitor does not measure one by one."""
+        recent = self._current(None)
+        summary = self.summary(last=len(recent)) if recent else None
+        if summary is None:
+            return []
+        rows = [("whole step", summary["pred_step_time_s"], summary["step_time_s"]),
+                ("compute+recompute+runtime", summary["pred_compute_s"], summary.get("compute_s")),
+                ("exposed comm+bubble", summary["pred_comm_s"], summary.get("comm_s"))]
+        for name in STEP_TERMS:
+            values = [v for r in recent if (v := getattr(r, f"pred_{name}_s")) is not None]
+            if values and statistics.median(values) > 0:
+                rows.append((name, statistics.median(values), None))
+        return rows
 
     def disagreement(self, summary: dict[str, float]) -> str | None:
         """The warning text when measured and predicted step time differ by more than ``tolerance``."""
@@ -328,7 +389,7 @@ class StepMonitor(L.Callback):
             share = summary["pred_compute_s"] / pred
             return (f"{head}; compute and communication not separately measured yet (probe_every_n_steps), "
                     f"the prediction is {100 * share:.0f}% compute")
-        terms = [("compute (compute_s + recompute_s)", summary["compute_s"], summary["pred_compute_s"]),
+        terms = [("compute (compute_s + recompute_s + runtime_s)", summary["compute_s"], summary["pred_compute_s"]),
                  ("exposed communication (comm_exposed_s + bubble_s)", summary["comm_s"], summary["pred_comm_s"])]
         name, m, p = max(terms, key=lambda t: abs(t[1] - t[2]))
         other = [t for t in terms if t[0] != name][0]
@@ -363,7 +424,8 @@ class StepMonitor(L.Callback):
         return path
 
     def write_png(self, path: str | Path, trainer: Any = None) -> Path:
-        """Predicted vs measured over steps, the breakdown, and a pipeline timeline when pp > 1 (atomic)."""
+        """Predicted vs measured over steps, the breakdown, a pipeline timeline when pp > 1, and predicted vs
+        measured per term (atomic)."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -372,8 +434,9 @@ class StepMonitor(L.Callback):
         path = Path(path)
         pred = prediction(trainer) if trainer is not None else None
         pipeline = pred is not None and pred.plan.pp > 1
-        fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-        ax_t, ax_x, ax_b, ax_4 = axes.ravel()
+        fig = plt.figure(figsize=(12, 12))
+        grid = fig.add_gridspec(3, 2)
+        ax_t, ax_x, ax_b, ax_4 = (fig.add_subplot(grid[i, j]) for i in range(2) for j in range(2))
         steps = [r.step for r in self.records]
         ax_t.plot(steps, [r.step_time_s for r in self.records], label="measured", marker=".")
         if any(r.pred_step_time_s is not None for r in self.records):
@@ -397,6 +460,7 @@ class StepMonitor(L.Callback):
                                                   trainer.strategy.root_device.type == "cpu" else ""),
                      xlabel="optimizer step", ylabel="GiB")
             ax_4.legend(fontsize=8)
+        self._plot_terms(fig.add_subplot(grid[2, :]))
         title = self.records[-1].plan if self.records else ""
         fig.suptitle(f"autopar monitor: {title}", fontsize=10)
         fig.tight_layout()
@@ -423,29 +487,48 @@ class StepMonitor(L.Callback):
             twin.legend(fontsize=8, loc="upper right")
 
     def _plot_breakdown(self, ax: Any, pred: Any) -> None:
-        """Predicted and measured seconds per term side by side (medians after warm-up)."""
+        """Predicted and measured seconds of the measured split's two sides (medians after warm-up)."""
         summary = self.summary(last=len(self.records))
-        terms = ["compute (+recompute)", "exposed comm (+bubble)"]
+        terms = ["compute (+recompute, runtime)", "exposed comm (+bubble)"]
         series = []
         if pred is not None:
             b = pred.breakdown
-            series.append(("predicted", [b.compute_s + b.recompute_s, b.comm_exposed_s + b.bubble_s]))
+            series.append(("predicted", [b.compute_s + b.recompute_s + b.runtime_s, b.comm_exposed_s + b.bubble_s]))
         if summary is not None and "comm_s" in summary:
             series.append(("measured", [summary["compute_s"], summary["comm_s"]]))
         elif summary is not None:
             terms.append("whole step (not split)")
             series = [(label, values + [sum(values)]) for label, values in series]
             series.append(("measured", [0.0, 0.0, summary["step_time_s"]]))
-        width = 0.8 / max(len(series), 1)
-        for j, (label, values) in enumerate(series):
-            xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(terms))]
-            ax.bar(xs, values, width=width, label=label)
-            for x, v in zip(xs, values):
-                if v > 0:
-                    ax.text(x, v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(range(len(terms)), terms, fontsize=8)
+        _bars(ax, terms, series)
         ax.set(title="step breakdown (median, seconds per step)", ylabel="seconds")
         _log_scale_if_spread(ax)
+
+    def _plot_terms(self, ax: Any) -> None:
+        """Predicted vs measured per term (``term_comparison``), side by side; a term without a measured bar is
+        one the monitor does not time on its own."""
+        rows = self.term_comparison()
+        # wrapped tick labels; the runtime's fixed costs marked as such ("step" is one of them)
+        names = [f"runtime:\n{n}" if n in RUNTIME_TERMS else n.replace("+", "+\n").replace(" ", "\n", 1)
+                 for n, _, _ in rows]
+        series = [("predicted", [p for _, p, _ in rows]), ("measured", [m or 0.0 for _, _, m in rows])]
+        _bars(ax, names, series)
+        ax.set(title="predicted vs measured per term (median after warm-up, seconds per step; "
+                     "no measured bar: not timed on its own)", ylabel="seconds")
+        _log_scale_if_spread(ax)
+
+
+def _bars(ax: Any, categories: list[str], series: list[tuple[str, list[float]]]) -> None:
+    """Grouped bars: one group per category, one bar per (label, values) series, each bar labelled."""
+    width = 0.8 / max(len(series), 1)
+    for j, (label, values) in enumerate(series):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(categories))]
+        ax.bar(xs, values, width=width, label=label)
+        for x, v in zip(xs, values):
+            if v > 0:
+                ax.text(x, v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(categories)), categories, fontsize=8)
+    if series and categories:
         ax.legend(fontsize=8)
 
 

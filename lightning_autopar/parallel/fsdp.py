@@ -152,9 +152,22 @@ def apply_data_parallel_chunks(chunks: Iterable[nn.Module], dp_mesh: DeviceMesh,
 
 def set_gradient_sync(roots: list[nn.Module], enabled: bool) -> None:
     """Skip (or restore) the gradient reduction: FSDP2 then accumulates unsharded gradients locally, DDP in
-    ``.grad``."""
+    ``.grad``. While it is skipped, units that keep their parameters from forward to backward (zero 1/2: no
+    reshard after forward) also keep them after backward, so the next micro-batch does not gather them again:
+    one all-gather per step, as ZeRO-1/2 (zero 3 still gathers per micro-batch, to keep its memory)."""
+    from torch.distributed.fsdp import FSDPModule
+
     for module in roots:
         module.set_requires_gradient_sync(enabled)
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule) and not _reshards_after_forward(unit):
+                unit.set_reshard_after_backward(enabled, recurse=False)
+
+
+def _reshards_after_forward(unit: nn.Module) -> bool:
+    """Whether an FSDP2 unit frees its gathered parameters after forward (``reshard_after_forward=True``)."""
+    groups = unit._get_fsdp_state()._fsdp_param_groups
+    return any(group.post_forward_mesh_info is not None for group in groups)
 
 
 def synced_modules(module: nn.Module) -> list[nn.Module]:

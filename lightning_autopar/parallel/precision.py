@@ -27,6 +27,10 @@ def plan_precision(lightning_precision: str) -> str:
 def mixed_precision_policy(precision: str) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    if precision == "fp8-mixed":  # the planner prices it (fp8 GEMM rate); there is no fp8 GEMM path to run it with
+        raise ConfigError("plan.precision", "fp8-mixed is priced by the planner only: autopar has no fp8 GEMM runtime",
+                          "use bf16-mixed to train")
+
     if precision == "bf16-mixed":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if precision == "fp16-mixed":

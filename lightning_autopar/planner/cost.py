@@ -7,17 +7,19 @@ source on one line. Constants that are not datasheet figures are first-principle
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from lightning_autopar.specs import PRECISIONS, ClusterSpec, ModelSpec
+from lightning_autopar.specs import PRECISIONS, ClusterSpec, ModelSpec, RuntimeCosts
 
 GIB = float(2**30)
-ACT_BYTES = np.array([4.0, 2.0, 2.0])  # activation / matmul element bytes by precision index (fp32, bf16, fp16)
+# Arrays below are indexed by precision (specs.PRECISIONS): fp32, bf16-mixed, fp16-mixed, fp8-mixed. fp8-mixed is
+# Transformer Engine's recipe: fp8 GEMM inputs, everything else (activations kept, weights, grads, attention) bf16.
+ACT_BYTES = np.array([4.0, 2.0, 2.0, 2.0])  # activation / matmul element bytes by precision index
 WEIGHT_BYTES = ACT_BYTES  # ZeRO accounting: 2-byte weights and grads in mixed precision, 4 in fp32
-OPTIM_BYTES = np.array([8.0, 12.0, 12.0])  # Adam: m, v (fp32) [+ fp32 master copy when mixed]
+OPTIM_BYTES = np.array([8.0, 12.0, 12.0, 12.0])  # Adam: m, v (fp32) [+ fp32 master copy when mixed]
 DDP_BUCKET_BYTES = 25e6  # torch DDP bucket_cap_mb default
 FRAGMENTATION = 0.10  # caching-allocator margin on the dynamic part (activations, buffers)
 FLASH_BLOCK = 128  # query/key block of fused attention kernels: causal work is (nb+1)/(2nb) of full
@@ -28,9 +30,12 @@ KERNELS_PER_MOE_FWD = 12  # router, softmax, top-k, permute, unpermute, index op
 KERNELS_PER_LOOP_EXPERT = 4  # a plain MoE loop, per expert: where(ids == e), gather rows, weight multiply, index_add
 TILE_FILL_S = 1.0e-6  # per wave of GEMM tiles: K-pipeline fill (~one HBM round trip, 0.6-0.8 us) + epilogue store
 ATTN_REF_HEAD_DIM = 128  # head_dim at which the presets' attention efficiencies are quoted (FA2/FA3 benchmarks)
-GRAD_REDUCE_BYTES = np.array([4.0, 4.0, 4.0])  # gradients are reduced in fp32 (FSDP2 reduce_dtype; Megatron default)
-GRAD_ACC_BYTES = np.array([12.0, 10.0, 10.0])  # per param per micro-batch: read grad (4|2), read+write fp32 accumulator
+GRAD_REDUCE_BYTES = np.array([4.0, 4.0, 4.0, 4.0])  # gradients are reduced in fp32 (FSDP2 reduce_dtype; Megatron default)
+GRAD_ACC_BYTES = np.array([12.0, 10.0, 10.0, 10.0])  # per param per micro-batch: read grad (4|2), read+write fp32 accumulator
 CONV_OF_GEMM = 0.8  # implicit-GEMM convolution rate / GEMM rate when a device gives no conv_efficiency (derived_conv_efficiency)
+FP8 = 3  # precision index of fp8-mixed: its GEMMs run at the device's fp8 rate (PeakTflops.fp8)
+BASE_PREC = np.array([0, 1, 2, 1])  # the precision everything but the GEMMs runs in (fp8-mixed: bf16)
+FP8_CAST_BYTES = 4.0  # per element quantised for an fp8 GEMM: read bf16 2 B, write fp8 1 B twice (x and x^T)
 UNIT_BWD = 2.0  # backward / forward of a unit: dX and dW each cost a forward's FLOPs; norm/activation grads ~2x traffic
 
 
@@ -66,13 +71,16 @@ class Hardware:
     comm_sm: float = 0.0  # compute share lost while a collective runs concurrently
     dispatch_s: float = 0.0  # host time per eager op
     conv_eff: float = 0.0  # fraction of peak a convolution sustains (unit form; derived_conv_efficiency)
+    runtime: RuntimeCosts = field(default_factory=RuntimeCosts)  # the runtime's measured fixed costs (runtime_fixed_time)
+    fused_ew: bool = False  # the stack fuses the blocks' element-wise ops (DeviceSpec.fused_elementwise)
 
     @staticmethod
     def from_cluster(cluster: ClusterSpec) -> "Hardware":
         dev = cluster.device
         pk = dev.peak_tflops
         fp32 = pk.fp32 or pk.bf16 or pk.fp16
-        peaks = np.array([fp32, pk.bf16 or pk.fp16 or fp32, pk.fp16 or pk.bf16 or fp32]) * 1e12
+        peaks = np.array([fp32, pk.bf16 or pk.fp16 or fp32, pk.fp16 or pk.bf16 or fp32,
+                          pk.fp8 or pk.bf16 or pk.fp16 or fp32]) * 1e12  # fp8: none on the device -> bf16 rate
         inner, outer = cluster.links[0], cluster.links[-1]
         slow = slowest_device_factor(cluster.world_size, dev.throughput_cv)
         return Hardware(
@@ -97,6 +105,8 @@ class Hardware:
             comm_sm=min(max(dev.comm_sm_fraction, 0.0), 0.9),
             dispatch_s=max(dev.dispatch_us, 0.0) * 1e-6,
             conv_eff=derived_conv_efficiency(dev.conv_efficiency, dev.gemm_efficiency) * slow,
+            runtime=cluster.runtime,
+            fused_ew=bool(dev.fused_elementwise),
         )
 
 
@@ -251,20 +261,51 @@ def attention_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: 
     return f1 + f2 + soft, b1 + b2 + 2 * soft
 
 
-def block_memory_ops(m: ModelSpec, tp: Any, sp: Any) -> tuple[Any, Any, int, int]:
-    """(fwd, bwd) elements per token per block + kernels: norms, residual adds, attn-out copy, activation, RoPE if swiglu (eager PyTorch)."""
+def block_memory_ops(m: ModelSpec, tp: Any, sp: Any, fused: bool = False, elem: Any = 2.0) -> tuple[Any, Any, Any, Any]:
+    """(fwd, bwd) elements of ``elem`` bytes per token per block + kernels: 2 norms, residual adds, attn-out copy,
+    activation, RoPE if swiglu (eager PyTorch; ``fused``: the Transformer Engine / Megatron fused kernels).
+
+    The norms as norm_traffic prices them (an eager RMSNorm's fp32 passes do not scale with ``elem``).
+    Eager (autopar's runtime, HF Llama, torchtitan): fwd 2 residual adds (read 2, write 1: 3h), the attention
+    output's transpose-copy (2h/tp), the activation (gelu r+w 2f; silu 2f + mul 3f), RoPE cat/mul/mul/add on q and k
+    (7 passes); bwd the residual grad sums (3h), the copy, the activation (gelu x, dy -> dx 3f; swiglu three
+    products 9f), RoPE the same 7 passes. Fused (TE ``fused_attn`` writes its output in the [s, b, h] layout the
+    out projection reads: no copy; Megatron ``bias_swiglu``: read 2f, write f, bwd read 3f, write 2f, one kernel;
+    TE ``fused_rope``: read + write q and k once, one kernel each; ``bias_dropout_add``: one kernel per add)."""
     h, f, kvd = m.hidden, m.ffn_hidden / tp, m.kv_heads * m.head_dim / tp
     rep = h / np.where(sp, tp, 1)  # replicated along TP unless sequence-parallel
     llama = m.ffn_kind == "swiglu"
-    # fwd: 2 norms (read+write 2h), 2 residual adds (3h), attention output transpose-copy (2h/tp), activation
-    # (gelu r+w 2f; silu 2f + mul 3f), RoPE cat/mul/mul/add on q and k (7 passes)
-    fwd = 2 * 2 * rep + 2 * 3 * rep + 2 * h / tp + (5 * f if llama else 2 * f) + (7 * (h / tp + kvd) if llama else 0)
-    # bwd: norm input-grad (x, dy -> dx: 3h) + weight-grad pass (x, dy: 2h), residual grad sums (3h), the copy,
-    # activation (gelu x, dy -> dx 3f; swiglu three products 9f), RoPE the same 7 passes
-    bwd = 2 * 5 * rep + 2 * 3 * rep + 2 * h / tp + (9 * f if llama else 3 * f) + (7 * (h / tp + kvd) if llama else 0)
-    k_fwd = 2 + 2 + 1 + (2 if llama else 1) + (8 if llama else 0)
-    k_bwd = 4 + 2 + 1 + (3 if llama else 1) + (8 if llama else 0)
-    return fwd, bwd, k_fwd, k_bwd
+    nf, nb, nk_f, nk_b = norm_traffic(m, elem, fused)
+    norm_f, norm_b = 2 * rep * nf / elem, 2 * rep * nb / elem
+    if fused:
+        fwd = norm_f + 2 * 3 * rep + (3 * f if llama else 2 * f) + (2 * (h / tp + kvd) if llama else 0)
+        bwd = norm_b + 2 * 3 * rep + (5 * f if llama else 3 * f) + (2 * (h / tp + kvd) if llama else 0)
+        kernels = 2 + 1 + (2 if llama else 0)
+        return fwd, bwd, 2 * nk_f + kernels, 2 * nk_b + kernels
+    fwd = norm_f + 2 * 3 * rep + 2 * h / tp + (5 * f if llama else 2 * f) + (7 * (h / tp + kvd) if llama else 0)
+    bwd = norm_b + 2 * 3 * rep + 2 * h / tp + (9 * f if llama else 3 * f) + (7 * (h / tp + kvd) if llama else 0)
+    k_fwd = 2 + 1 + (2 if llama else 1) + (8 if llama else 0)
+    k_bwd = 2 + 1 + (3 if llama else 1) + (8 if llama else 0)
+    return fwd, bwd, 2 * nk_f + k_fwd, 2 * nk_b + k_bwd
+
+
+def norm_traffic(m: ModelSpec, elem: Any, fused: bool = False) -> tuple[Any, Any, Any, Any]:
+    """(fwd, bwd) bytes per normalised element + (fwd, bwd) kernels of one norm: LayerNorm / fused, or eager RMSNorm.
+
+    nn.LayerNorm (models.GPT, gelu presets) and a fused norm (``fused``: TE / Apex) are one kernel: fwd read x,
+    write y (2e); bwd read x, dy, write dx (3e) + the weight-grad pass reading x, dy (2e), two kernels.
+    A swiglu model's RMSNorm runs eagerly (HF ``LlamaRMSNorm``, torchtitan ``RMSNorm``): x.float(), pow(2),
+    mean(-1), +eps, rsqrt, mul, .to(bf16), weight mul -- fwd 2(e+4) [the casts] + 20 + 2e bytes in 8 kernels (36 B
+    at e=2); autograd's backward: grad*w, grad*y and its sum (6e), the casts back (2(e+4)), grad*x32 + sum, grad*r,
+    mean's expand/N, pow's 2*x^1 (copy, mul, mul), the two-path add (68) in 16 kernels (92 B at e=2). The casts
+    are no-ops in fp32 (e=4): 28 / 92 B in 6 / 14 kernels. Counted op by op with a TorchDispatchMode over
+    LlamaRMSNorm (transformers 5.24, torch 2.13); the [T, 1] statistics' ops carry no bytes at these sizes."""
+    e = np.asarray(elem, dtype=float)
+    if fused or m.ffn_kind != "swiglu":
+        return 2 * e, 5 * e, 1, 2
+    casts = np.where(e < 4, 2 * (e + 4), 0.0)
+    cast_k = np.where(e < 4, 2, 0)
+    return casts + 20 + 2 * e, casts + 6 * e + 68, 6 + cast_k, 14 + cast_k
 
 
 def dispatch_floor(hw: Hardware, device_s: Any, ops: Any) -> Any:
@@ -281,20 +322,58 @@ class BlockTimes:
     attn_fwd: Any  # the attention core alone (what selective recompute redoes)
 
 
+def gemm_peak(hw: Hardware, peak: Any, fp8: Any) -> Any:
+    """The rate the GEMMs run at: the device's fp8 rate where ``fp8`` (fp8-mixed), else ``peak`` (Transformer Engine)."""
+    return np.where(fp8, hw.peak[FP8], peak) if np.any(fp8) else peak
+
+
+def fp8_cast_time(hw: Hardware, m: ModelSpec, tokens: Any, tp: Any, sp: Any, fused: bool = False) -> tuple[Any, Any]:
+    """FP8_CAST_BYTES per quantised element: fwd the inputs of qkv, out, up, down; bwd their output grads (TE cast_transpose).
+
+    An fp8 GEMM takes fp8 operands, and Hopper's fp8 tensor cores take only the TN layout, so Transformer Engine
+    writes each quantised tensor twice, as is and transposed (the wgrad GEMM reads the transpose): read 2 B, write
+    1+1 B per element (TE ``cast_transpose``; Micikevicius et al. 2022, "FP8 formats for deep learning", s. 4).
+    Forward: the qkv and up inputs (h per token, h/tp with SP), the out input (h/tp) and the down input (f/tp);
+    backward: the grads of the qkv output ((h+2kvd)/tp), out output (h, h/tp with SP), up/gate output (f/tp each)
+    and down output (h, h/tp with SP). Weights are quantised once per step (cached across micro-batches) and not
+    priced here; the amax reductions ride on these kernels.
+    ``fused`` (TE LayerNormLinear / LayerNormMLP): the norm writes the qkv and up inputs in fp8 and the activation
+    the down input, and the activation's backward writes the up/gate grads in fp8 (``dswiglu_cast_transpose``): only
+    the out input's cast (fwd) and the qkv, out and down output grads' (bwd) remain separate kernels.
+    """
+    h, f, kvd = m.hidden, m.ffn_hidden / tp, m.kv_heads * m.head_dim / tp
+    rep = h / np.where(sp, tp, 1)
+    if fused:
+        fwd, k_f = tokens * (h / tp) * FP8_CAST_BYTES, 1
+        bwd, k_b = tokens * ((h / tp + 2 * kvd) + 2 * rep) * FP8_CAST_BYTES, 3
+        return stream_time(hw, fwd, k_f), stream_time(hw, bwd, k_b)
+    fwd = tokens * (2 * rep + h / tp + f) * FP8_CAST_BYTES
+    bwd = tokens * ((h / tp + 2 * kvd) + 2 * rep + (m.ffn_matrices - 1) * f) * FP8_CAST_BYTES
+    return stream_time(hw, fwd, 4), stream_time(hw, bwd, 4)
+
+
 def dense_block_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, sp: Any, peak: Any,
-                     elem: Any, fused: bool = True) -> BlockTimes:
-    """Sum of the block's matmuls (q, k, v, out, MLP; split by TP), attention core and memory-bound ops, fwd and bwd (Megatron layout)."""
+                     elem: Any, fused: bool = True, fp8: Any = False) -> BlockTimes:
+    """Sum of the block's matmuls (q, k, v, out, MLP; split by TP), attention core and memory-bound ops, fwd and bwd (Megatron layout).
+
+    ``fp8`` (fp8-mixed): the matmuls run at the fp8 rate and pay their operand casts (fp8_cast_time); ``peak`` is
+    then the bf16 rate the attention core and everything else run at (Transformer Engine)."""
     T = mbs * seq / cp
     h, kvd = m.hidden, m.kv_heads * m.head_dim
-    fq, bq = gemm_fwd_bwd(hw, T, h / tp, h, peak, elem)  # q, k, v: three projections (models.GPT, HF Llama)
-    fk, bk = gemm_fwd_bwd(hw, T, kvd / tp, h, peak, elem)
+    gp = gemm_peak(hw, peak, fp8)
+    fq, bq = gemm_fwd_bwd(hw, T, h / tp, h, gp, elem)  # q, k, v: three projections (models.GPT, HF Llama)
+    fk, bk = gemm_fwd_bwd(hw, T, kvd / tp, h, gp, elem)
     f1, b1 = fq + 2 * fk, bq + 2 * bk
-    f2, b2 = gemm_fwd_bwd(hw, T, h, h / tp, peak, elem)
+    f2, b2 = gemm_fwd_bwd(hw, T, h, h / tp, gp, elem)
     fa, ba = attention_time(hw, m, mbs, seq, tp, cp, peak, elem, fused)
-    mf, mb = mlp_time(hw, m, T, m.ffn_hidden / tp, peak, elem)
-    ew_f, ew_b, k_f, k_b = block_memory_ops(m, tp, sp)
+    mf, mb = mlp_time(hw, m, T, m.ffn_hidden / tp, gp, elem)
+    ew_f, ew_b, k_f, k_b = block_memory_ops(m, tp, sp, hw.fused_ew, elem)
     ef = stream_time(hw, T * ew_f * elem, k_f)
     eb = stream_time(hw, T * ew_b * elem, k_b)
+    if np.any(fp8):
+        cf, cb = fp8_cast_time(hw, m, T, tp, sp, hw.fused_ew)
+        ef, eb = ef + np.where(fp8, cf, 0.0), eb + np.where(fp8, cb, 0.0)
+        k_f, k_b = k_f + np.where(fp8, 1 if hw.fused_ew else 4, 0), k_b + np.where(fp8, 3 if hw.fused_ew else 4, 0)
     gemms = 4 + m.ffn_matrices  # q, k, v, out, up(/gate), down
     fwd = dispatch_floor(hw, f1 + f2 + fa + mf + ef, gemms + 1 + k_f)
     bwd = dispatch_floor(hw, b1 + b2 + ba + mb + eb, 2 * gemms + 3 + k_b)
@@ -326,10 +405,11 @@ def moe_load_imbalance(mean_load: Any, ranks: Any) -> Any:
 
 
 def moe_block_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, ep: Any, sp: Any, peak: Any,
-                   elem: Any, fused: bool = True) -> BlockTimes:
+                   elem: Any, fused: bool = True, fp8: Any = False) -> BlockTimes:
     """Dense attention + router GEMM (T,E,h) + E/ep expert GEMMs in turn on T*k*ep/E*imbalance tokens (f/tp wide) + permutes (GShard)."""
-    dense = dense_block_time(hw, m, mbs, seq, tp, cp, sp, peak, elem, fused)
+    dense = dense_block_time(hw, m, mbs, seq, tp, cp, sp, peak, elem, fused, fp8)
     T = mbs * seq / cp
+    peak = gemm_peak(hw, peak, fp8)  # the router and expert GEMMs (their casts stay priced as the dense MLP's)
     mlp_f, mlp_b = mlp_time(hw, m, T, m.ffn_hidden / tp, peak, elem)
     T_rank = T / np.where(sp, tp, 1)
     rf, rb = gemm_fwd_bwd(hw, T_rank, m.experts, m.hidden, peak, elem)
@@ -367,10 +447,12 @@ def moe_replay_time(hw: Hardware, m: ModelSpec, tokens: Any, peak: Any, elem: An
 
 
 def block_mlp_act(hw: Hardware, m: ModelSpec, tokens: Any, tp: Any, elem: Any) -> tuple[Any, Any]:
-    """The dense MLP's activation traffic inside block_memory_ops (gelu 2f/3f, swiglu 5f/9f per token), to swap for experts'."""
+    """The dense MLP's activation traffic inside block_memory_ops (gelu 2f/3f, swiglu 5f/9f per token; fused swiglu
+    3f/5f), to swap for experts'."""
     f = m.ffn_hidden / tp
     swi = m.ffn_kind == "swiglu"
-    return tokens * f * (5 if swi else 2) * elem / hw.mem_bw, tokens * f * (9 if swi else 3) * elem / hw.mem_bw
+    fwd, bwd = ((3, 5) if hw.fused_ew else (5, 9)) if swi else (2, 3)
+    return tokens * f * fwd * elem / hw.mem_bw, tokens * f * bwd * elem / hw.mem_bw
 
 
 def embedding_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, cp: Any, elem: Any, tp: Any = 1) -> tuple[Any, Any]:
@@ -381,7 +463,7 @@ def embedding_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, cp: Any, elem
 
 
 def head_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, peak: Any, elem: Any) -> tuple[Any, Any]:
-    """Final norm + LM head GEMM (T, V/tp, h) + fp32 cross-entropy: fwd e+16, bwd e+20 bytes per logit (F.cross_entropy on .float())."""
+    """Final norm (norm_traffic) + LM head GEMM (T, V/tp, h) + fp32 cross-entropy: fwd e+16, bwd e+20 bytes per logit (F.cross_entropy on .float())."""
     T = mbs * seq / cp
     hf, hb = gemm_fwd_bwd(hw, T, m.vocab / tp, m.hidden, peak, elem)
     logits = T * m.vocab / tp
@@ -389,8 +471,9 @@ def head_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, 
     ce_f = stream_time(hw, logits * (elem + 4 + 4 + 4 + 4), 4)
     # bwd: nll grad (zero-fill 4), log-softmax grad (read grad 4, read output 4, write 4), downcast (read 4, write e)
     ce_b = stream_time(hw, logits * (4 + 12 + 4 + elem), 4)
-    norm_f = stream_time(hw, 2 * T * m.hidden * elem, 1)
-    norm_b = stream_time(hw, 5 * T * m.hidden * elem, 2)
+    nf, nb, nk_f, nk_b = norm_traffic(m, elem, hw.fused_ew)  # the final norm
+    norm_f = stream_time(hw, T * m.hidden * nf, nk_f)
+    norm_b = stream_time(hw, T * m.hidden * nb, nk_b)
     return hf + ce_f + norm_f, hb + ce_b + norm_b
 
 
@@ -700,3 +783,68 @@ def memory_total(states: Any, activations: Any, buffers: Any, hw: Hardware) -> A
 def scaled_measure(measured_s: float, analytic_now: Any, analytic_ref: float) -> Any:
     """measured * analytic(plan)/analytic(measured config): the measurement carries the level, the model the scaling."""
     return measured_s * analytic_now / max(analytic_ref, 1e-30)
+
+
+# ============================================================================================ runtime fixed costs
+# Host work of autopar's runtime paths that no device term prices: measured on the live process group
+# (profile/runtime.py) or refit from measured steps (planner/calibrate.py), ClusterSpec.runtime, microseconds per
+# occurrence. Each term counts occurrences per optimizer step on the busiest rank; 0 us (presets) adds nothing.
+
+RUNTIME_TERMS = ("step", "microbatch", "fsdp_units", "tp_dispatch", "pipeline_actions", "ep_dispatch")
+
+
+def step_overhead_time(hw: Hardware) -> float:
+    """t_step: once per optimizer step, the training loop around it (hooks, closure, zero_grad) (measured)."""
+    return hw.runtime.step_us * 1e-6
+
+
+def microbatch_overhead_time(hw: Hardware, slots: Any) -> Any:
+    """slots * t_mb: per micro-batch slot, batch slicing and the autocast / no_sync contexts (measured)."""
+    return np.asarray(slots, dtype=float) * hw.runtime.microbatch_us * 1e-6
+
+
+def fsdp_collectives_per_microbatch(zero: Any, fsdp: Any) -> Any:
+    """FSDP2 collectives per unit and micro-batch as parallel/fsdp.py applies them: zero 3 gathers in forward and
+    again in backward (reshard_after_forward), zero 1/2 gather once (kept to backward), zero 0 none; gradients
+    are reduced once per step (sync off but on the last micro-batch: fsdp_collectives_per_step)."""
+    zero = np.asarray(zero)
+    return np.where(fsdp, np.where(zero == 3, 2.0, np.where(zero > 0, 1.0, 0.0)), 0.0)
+
+
+def fsdp_unit_overhead_time(hw: Hardware, units: Any, slots: Any, zero: Any, fsdp: Any) -> Any:
+    """units * (slots * c_mb + 1) * t_unit: each FSDP unit's hooks and copy-in/out per collective, c_mb gathers per
+    micro-batch (fsdp_collectives_per_microbatch) plus one gradient reduction per step (measured t_unit)."""
+    per_mb = fsdp_collectives_per_microbatch(zero, fsdp)
+    calls = np.asarray(slots, dtype=float) * per_mb + np.where(fsdp, 1.0, 0.0)
+    return np.asarray(units, dtype=float) * calls * hw.runtime.fsdp_unit_us * 1e-6
+
+
+def tp_dispatch_time(hw: Hardware, blocks: Any, slots: Any, tp: Any) -> Any:
+    """blocks * slots * t_tp when tp > 1: DTensor dispatch and sharding propagation of each TP block (measured)."""
+    return np.where(np.asarray(tp) > 1, np.asarray(blocks, dtype=float) * slots * hw.runtime.tp_block_us * 1e-6, 0.0)
+
+
+def pipeline_action_time(hw: Hardware, slots: Any, vpp: Any, pp: Any) -> Any:
+    """2 * vpp * slots * t_action when pp > 1: a forward and a backward action per chunk and micro-batch slot, each
+    with its schedule bookkeeping and p2p posts (torch.distributed.pipelining; measured t_action)."""
+    return np.where(np.asarray(pp) > 1, 2.0 * np.asarray(vpp, dtype=float) * slots
+                    * hw.runtime.pipeline_action_us * 1e-6, 0.0)
+
+
+def ep_dispatch_time(hw: Hardware, moe_blocks: Any, slots: Any, ep: Any) -> Any:
+    """moe_blocks * slots * t_ep when ep > 1: each MoE layer's exchange bookkeeping (split sizes, permutes) (measured)."""
+    return np.where(np.asarray(ep) > 1, np.asarray(moe_blocks, dtype=float) * slots * hw.runtime.ep_layer_us * 1e-6,
+                    0.0)
+
+
+def runtime_fixed_time(hw: Hardware, slots: Any, zero: Any, fsdp: Any, units: Any, blocks: Any, moe_blocks: Any,
+                       tp: Any, pp: Any, vpp: Any, ep: Any) -> dict[str, Any]:
+    """The runtime's fixed costs per step by term name (RUNTIME_TERMS), on the busiest rank: ``slots`` micro-batch
+    slots of the step (micro-batches plus the pipeline's fill and drain), ``units`` FSDP units and ``blocks`` /
+    ``moe_blocks`` on that rank, ``fsdp`` whether FSDP2 runs (not plain DDP)."""
+    return {"step": step_overhead_time(hw) + 0.0 * np.asarray(slots, dtype=float),
+            "microbatch": microbatch_overhead_time(hw, slots),
+            "fsdp_units": fsdp_unit_overhead_time(hw, units, slots, zero, fsdp),
+            "tp_dispatch": tp_dispatch_time(hw, blocks, slots, tp),
+            "pipeline_actions": pipeline_action_time(hw, slots, vpp, pp),
+            "ep_dispatch": ep_dispatch_time(hw, moe_blocks, slots, ep)}

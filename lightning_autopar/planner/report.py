@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from lightning_autopar.specs import ClusterSpec, ModelSpec, Plan, PricedPlan
+from lightning_autopar.specs import ClusterSpec, ModelSpec, Plan, PricedPlan, RuntimeProfile, TrialResult
 
 TERMS = (("compute_s", "compute"), ("recompute_s", "recompute"), ("comm_exposed_s", "exposed comm"),
-         ("bubble_s", "pipeline bubble"))
+         ("bubble_s", "pipeline bubble"), ("runtime_s", "runtime fixed costs"))
 LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep")
 
 
@@ -32,6 +32,8 @@ class PlanReport:
     runner_up: PricedPlan | None = None  # best plan with another layout (dp/tp/pp/cp/ep), for the explanation
     # plan field -> why the runtime does not offer its other values for this model (set by the live strategy)
     excluded: dict[str, str] = field(default_factory=dict)
+    profile: RuntimeProfile | None = None  # what the live strategy measured at set-up (profile/runtime.py)
+    trials: list[TrialResult] = field(default_factory=list)  # plans run at set-up (trials=K), predicted vs measured
 
     def to_json_dict(self) -> dict[str, Any]:
         """The contract JSON: best, candidates, evaluated, feasible, search_seconds."""
@@ -58,15 +60,19 @@ class PlanReport:
         table = Table(title=f"autopar plan: {self.model.name} on {c.name} ({c.nodes} x {c.devices_per_node} "
                             f"{c.device.name}), global batch {self.global_batch}, {shape}")
         rate = "samples/s" if units else "tokens/s"
-        for col in ("#", "plan", "step s", rate, "MFU", "GiB/dev", "compute", "recompute", "comm", "bubble"):
+        runtime = any(p.breakdown.runtime_s for p in self.candidates)
+        cols = ["#", "plan", "step s", rate, "MFU", "GiB/dev", "compute", "recompute", "comm", "bubble"]
+        for col in cols + (["runtime"] if runtime else []):
             table.add_column(col, justify="left" if col == "plan" else "right")
         for i, p in enumerate(self.candidates, 1):
             b = p.breakdown
             flag = "" if p.feasible else " [red](does not fit)[/red]"
             table.add_row(str(i), p.plan.short() + flag, f"{p.step_time_s:.4g}", f"{p.tokens_per_s:,.0f}",
                           f"{100 * p.mfu:.1f}%", f"{p.memory_gib_per_device:.2f}", f"{b.compute_s:.3g}",
-                          f"{b.recompute_s:.3g}", f"{b.comm_exposed_s:.3g}", f"{b.bubble_s:.3g}")
+                          f"{b.recompute_s:.3g}", f"{b.comm_exposed_s:.3g}", f"{b.bubble_s:.3g}",
+                          *([f"{b.runtime_s:.3g}"] if runtime else []))
         console.print(table)
+        self._print_measured(console)
         rejected = ", ".join(f"{k}: {v}" for k, v in sorted(self.rejected.items(), key=lambda kv: -kv[1]))
         console.print(f"evaluated {self.evaluated:,} plans, {self.feasible:,} feasible, in "
                       f"{self.search_seconds:.3f} s" + (f"; rejected: {rejected}" if rejected else ""))
@@ -77,6 +83,35 @@ class PlanReport:
             by_reason.setdefault(reason, []).append(name)
         for reason, names in by_reason.items():
             console.print(f"- not offered for this model: other {', '.join(names)} values ({reason})", highlight=False)
+
+    def _print_measured(self, console: Any) -> None:
+        """What the prediction rests on when it was measured: the calibrated figures, the set-up profile, the
+        winner's runtime terms by name, and the trials (predicted vs measured)."""
+        prof = self.profile
+        if prof is not None:
+            kinds = sorted({f"{b.kind}@mbs{b.mbs}" for b in prof.blocks})
+            ops = sorted({f"{c.op}x{c.ranks}" for c in prof.collectives})
+            console.print(f"measured at set-up in {prof.seconds:.2f} s (budget {prof.budget_s:.3g} s): blocks "
+                          f"{', '.join(kinds) or 'none'}; collectives {', '.join(ops) or 'none'}"
+                          + (f"; skipped: {'; '.join(prof.skipped)}" if prof.skipped else ""), highlight=False)
+        if prof is not None or self.cluster.runtime.source:
+            for line in describe_cluster(self.cluster):
+                console.print(f"  {line}", highlight=False)
+        terms = self.best.breakdown.terms
+        if any(terms.values()):
+            console.print("runtime terms of #1: " + ", ".join(f"{k} {1e3 * v:.3g} ms" for k, v in terms.items() if v),
+                          highlight=False)
+        if self.trials:
+            from rich.table import Table
+
+            table = Table(title="trials: the best distinct plans run on the live group before choosing")
+            for col in ("plan", "predicted s", "measured s", "measured / predicted"):
+                table.add_column(col, justify="left" if col == "plan" else "right")
+            for t in self.trials:
+                plan = Plan(**t.plan).short()
+                ratio = f"{t.measured_s / t.predicted_s:.2f}" if t.measured_s > 0 and t.predicted_s > 0 else "-"
+                table.add_row(plan, f"{t.predicted_s:.4g}", f"{t.measured_s:.4g}" if not t.error else t.error, ratio)
+            console.print(table)
 
     def save_png(self, path: str | os.PathLike) -> Path:
         """Stacked time terms per candidate and memory per device against capacity; written atomically."""
@@ -114,6 +149,27 @@ class PlanReport:
         finally:
             plt.close(fig)
         return path
+
+
+# ============================================================================================ measured inputs
+
+
+def describe_cluster(cluster: ClusterSpec) -> list[str]:
+    """The figures the planner priced with, one line each: device rates, links, the runtime's fixed costs."""
+    dev = cluster.device
+    pk = dev.peak_tflops
+    lines = [f"device {dev.name}: matmul {pk.fp32:.4g} TFLOP/s fp32, {pk.bf16:.4g} bf16 (x{dev.gemm_efficiency:g} "
+             f"sustained), stream {dev.memory_bandwidth_gbs * dev.memory_efficiency:.4g} GB/s, "
+             f"{dev.kernel_overhead_us:.3g} us per op"]
+    for link in cluster.links:
+        lines.append(f"link {link.level}: {link.latency_us:.4g} us latency, "
+                     f"{link.bandwidth_gbs * link.efficiency:.4g} GB/s per device")
+    rt = cluster.runtime
+    named = [(f.name, getattr(rt, f.name)) for f in dataclasses.fields(rt) if f.name != "source"]
+    measured = ", ".join(f"{name.removesuffix('_us')} {value:.4g} us" for name, value in named if value)
+    if measured:
+        lines.append(f"runtime fixed costs ({rt.source or 'given'}): {measured}")
+    return lines
 
 
 # ============================================================================================ explanation

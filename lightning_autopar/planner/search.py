@@ -70,16 +70,16 @@ def resolve_precisions(cluster: ClusterSpec, precision: str | Sequence[str] | No
 def layer_weights(model: ModelSpec, hw: C.Hardware, seq: int, prec: int, fused: bool) -> tuple[np.ndarray, float, float]:
     """Per-block fwd+bwd time at tp=cp=mbs=1 (the DP's costs), plus embedding and head costs in the same units.
     In unit form: each unit's fwd+bwd time at mbs=1, no separate embedding or head (they are units)."""
-    peak, elem = hw.peak[prec], C.ACT_BYTES[prec]
+    peak, elem, fp8 = hw.peak[C.BASE_PREC[prec]], C.ACT_BYTES[prec], prec == C.FP8
     if model.unit_form:
         fwd, bwd = C.unit_time(hw, C.UnitArrays.of(model), 1.0, peak, elem)
         return (fwd + bwd).reshape(-1), 0.0, 0.0
-    dense = C.dense_block_time(hw, model, 1, seq, 1, 1, False, peak, elem, fused)
+    dense = C.dense_block_time(hw, model, 1, seq, 1, 1, False, peak, elem, fused, fp8)
     w_dense = float(dense.fwd + dense.bwd)
     is_moe = moe_mask(model)
     w = np.full(model.layers, w_dense)
     if is_moe.any():
-        moe = C.moe_block_time(hw, model, 1, seq, 1, 1, 1, False, peak, elem, fused)
+        moe = C.moe_block_time(hw, model, 1, seq, 1, 1, 1, False, peak, elem, fused, fp8)
         w[is_moe] = float(moe.fwd + moe.bwd)
     ef, eb = C.embedding_time(hw, model, 1, seq, 1, elem)
     hf, hb = C.head_time(hw, model, 1, seq, 1, 1, peak, elem)
@@ -223,7 +223,43 @@ def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq
     """
     terms = _unit_terms if model.unit_form else _transformer_terms
     mid, dpc = terms(model, hw, space, seq, measured, fused)
-    return _assemble(hw, space, mid, dpc, detail)
+    out = _assemble(hw, space, mid, dpc, detail)
+    fixed = _runtime_terms(model, hw, space)
+    if fixed is not None:
+        total = sum(fixed.values())
+        out["step"] = out["step"] + total
+        if detail:
+            out["runtime"] = total
+            out["terms"] = fixed
+    return out
+
+
+def _runtime_terms(model: ModelSpec, hw: C.Hardware, space: Space) -> dict[str, np.ndarray] | None:
+    """The runtime's fixed costs per candidate by term (cost.runtime_fixed_time) on the busiest rank: the
+    first pipeline stage (ceil(L/pp) blocks, plus the embedding's FSDP unit); None when none is measured."""
+    rt = hw.runtime
+    if not any((rt.step_us, rt.microbatch_us, rt.fsdp_unit_us, rt.tp_block_us, rt.pipeline_action_us,
+                rt.ep_layer_us)):
+        return None
+    K, M, Cn, D, Lt = space.keys, space.mids, space.cands, space.dpcs, space.layouts
+    mid = Cn["mid"]
+    key = M["key"][mid]
+    lay = K["layout"][key]
+    tp, pp, cp, dp, ep = (Lt[n][lay].astype(float) for n in ("tp", "pp", "cp", "dp", "ep"))
+    ga, vpp = K["ga"][key].astype(float), M["vpp"][mid].astype(float)
+    zero = D["zero"][Cn["dpc"]]
+    slots = ga + C.bubble_fraction(pp, ga, vpp) * ga  # micro-batches plus the pipeline's fill and drain
+    if model.unit_form:
+        n_units = float(sum(1 for u in model.units if u.params > 0))
+        blocks, moe_blocks, units = np.ceil(n_units / pp), 0.0 * pp, np.ceil(n_units / pp)
+        has_moe = False
+    else:
+        blocks = np.ceil(model.layers / pp)
+        moe_blocks = np.ceil(model.moe_layers / pp)
+        units = blocks + 1.0  # the stage's blocks and its root (embedding / norm / head)
+        has_moe = model.moe_layers > 0
+    plain_ddp = (zero == 0) & (dp > 1) & (tp == 1) & (pp == 1) & (ep == 1) & (cp == 1) & (not has_moe)
+    return C.runtime_fixed_time(hw, slots, zero, ~plain_ddp, units, blocks, moe_blocks, tp, pp, vpp, ep)
 
 
 def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measured: Measured | None,
@@ -237,10 +273,11 @@ def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int,
     kl = K["layout"]
     tp, pp, cp, dp, ep = (f(Lt[n][kl]) for n in ("tp", "pp", "cp", "dp", "ep"))
     mbs, ga, sp, prec = f(K["mbs"]), f(K["ga"]), K["sp"].astype(bool), K["precision"]
-    peak, elem = hw.peak[prec], C.ACT_BYTES[prec]
+    # fp8-mixed: GEMMs at the fp8 rate (fp8), the attention core, the LM head and the rest at bf16 (peak)
+    peak, elem, fp8 = hw.peak[C.BASE_PREC[prec]], C.ACT_BYTES[prec], prec == C.FP8
     has_moe = m.moe_layers > 0
-    dense = C.dense_block_time(hw, m, mbs, seq, tp, cp, sp, peak, elem, fused)
-    moe = C.moe_block_time(hw, m, mbs, seq, tp, cp, ep, sp, peak, elem, fused) if has_moe else dense
+    dense = C.dense_block_time(hw, m, mbs, seq, tp, cp, sp, peak, elem, fused, fp8)
+    moe = C.moe_block_time(hw, m, mbs, seq, tp, cp, ep, sp, peak, elem, fused, fp8) if has_moe else dense
     emb_f, emb_b = C.embedding_time(hw, m, mbs, seq, cp, elem, tp)
     head_f, head_b = C.head_time(hw, m, mbs, seq, tp, cp, peak, elem)
     act = [C.activation_bytes_per_block(m, mbs, seq, tp, sp, cp, mode, elem, fused) for mode in range(3)]
@@ -331,7 +368,7 @@ def _unit_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measur
     kl = K["layout"]
     pp, dp = f(Lt["pp"][kl]), f(Lt["dp"][kl])
     mbs, ga, prec = f(K["mbs"]), f(K["ga"]), K["precision"]
-    peak, elem = hw.peak[prec], C.ACT_BYTES[prec]
+    peak, elem = hw.peak[C.BASE_PREC[prec]], C.ACT_BYTES[prec]  # units do not single out their GEMMs: fp8-mixed at bf16
     uf, ub = C.unit_time(hw, u, mbs, peak, elem)
     act = [C.unit_activation_bytes(u, mbs, elem, mode) for mode in range(3)]
     if measured is not None:
@@ -421,25 +458,30 @@ def _dp_rank_terms(hw: C.Hardware, dpc: dict[str, list], zero: np.ndarray, prec_
           + C.allreduce_time(hw, grad_e, np.maximum(dp_d * cp_d / ep_d, 1), tp_d * ep_d))
     hsdp = np.where(replicas > 1, C.allreduce_time(hw, grad_d / shard + grad_e / exp_shard, replicas,
                                                    ds * cp_d * tp_d), 0.0)
-    once = np.where(zero == 0, ar, np.where(z1, rs, 0.0)) + np.where(zero > 0, hsdp, 0.0)
+    # gradients are reduced once per step, after the last micro-batch (runtime.step turns gradient sync off for
+    # the others: parallel.fsdp.set_gradient_sync): all-reduce at zero 0, reduce-scatter at 1-3 (+ HSDP's
+    # all-reduce across replicas)
+    once = np.where(zero == 0, ar, rs + hsdp)
     # per micro-batch exposed = max(a1 - tf, b1) + max(a2 - tb, b2); once per step = max(a3 - tb, b3) + c3
-    # (plus the interference share of the hidden part, search.slot_of)
+    # (plus the interference share of the hidden part, search.slot_of). zero 3 gathers every unit in forward and
+    # again in backward per micro-batch; zero 1/2 gather once per step and keep the parameters until the last
+    # micro-batch's backward (set_gradient_sync), priced as one exposed gather per step (c3).
     dpc["a1"].append(np.where(z3, ag, 0.0))
     dpc["b1"].append(np.where(z3, ag * tail, 0.0))
-    dpc["a2"].append(np.where(z2, rs, np.where(z3, ag + rs, 0.0)))
-    dpc["b2"].append(np.where(z2, rs * tail, np.where(z3, (ag + rs) * tail, 0.0)))
+    dpc["a2"].append(np.where(z3, ag, 0.0))
+    dpc["b2"].append(np.where(z3, ag * tail, 0.0))
     dpc["a3"].append(once)
     dpc["b3"].append(once * tail)
     dpc["c3"].append(np.where(z1 | z2, ag, 0.0))
     local = np.where(zero == 0, p_d + p_e, p_d / shard + p_e / exp_shard)
-    # memory-bound parameter work: per micro-batch fp32 gradient accumulation (zero 0/1) or the reduce-scatter's
-    # cast and accumulation (zero 2/3) and, for zero 3, two gathers' copy-in/out; per step the zero 1/2 copies
+    # memory-bound parameter work: per micro-batch the fp32 gradient accumulation (every zero: unsharded gradients
+    # accumulate locally until the step's reduction) and, for zero 3, two gathers' copy-in/out; per step the
+    # reduction's cast and accumulation (zero 1-3) and zero 1/2's one gather copy
     copies = lambda g, red: (C.shard_copy_time(hw, p_d, shard, prec_d, g, red)  # noqa: E731
                              + C.shard_copy_time(hw, p_e, exp_shard, prec_d, g, red))
-    dpc["mb"].append(np.where(zero <= 1, C.grad_accumulate_time(hw, p_d + p_e, prec_d),
-                              copies(np.where(z3, 2.0, 0.0), 1.0)))
-    dpc["opt"].append(C.optimizer_time(hw, local, prec_d) + np.where(z1 | z2, copies(1.0, np.where(z1, 1.0, 0.0)),
-                                                                     0.0))
+    dpc["mb"].append(C.grad_accumulate_time(hw, p_d + p_e, prec_d) + np.where(z3, copies(2.0, 0.0), 0.0))
+    dpc["opt"].append(C.optimizer_time(hw, local, prec_d)
+                      + np.where(zero > 0, copies(np.where(z1 | z2, 1.0, 0.0), 1.0), 0.0))
     states = C.model_state_bytes(p_d, zero, shard, prec_d) + C.model_state_bytes(p_e, zero, exp_shard, prec_d)
     bufs = np.where(z3, 2 * unit * wbytes, 2 * np.minimum(C.DDP_BUCKET_BYTES, grad_d + grad_e))
     dpc["mem"].append(states + bufs * frag + hw.reserved)
@@ -578,7 +620,9 @@ def priced_plan(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: S
         mfu=per_device / float(hw.peak[prec]),
         memory_gib_per_device=memory / C.GIB,
         breakdown=Breakdown(compute_s=float(costs["compute"][i]), recompute_s=float(costs["recompute"][i]),
-                            comm_exposed_s=float(costs["comm"][i]), bubble_s=float(costs["bubble"][i])),
+                            comm_exposed_s=float(costs["comm"][i]), bubble_s=float(costs["bubble"][i]),
+                            runtime_s=float(costs["runtime"][i]) if "runtime" in costs else 0.0,
+                            terms={k: float(v[i]) for k, v in costs.get("terms", {}).items()}),
         feasible=feasible,
         reason=reason,
         layers_per_stage=chunks,

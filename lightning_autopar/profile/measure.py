@@ -1,6 +1,8 @@
 """Measure on the live device: matmul rate and memory bandwidth (to calibrate a cluster preset), collective
-latency/bandwidth over gloo, and the forward/backward time and activation memory of each distinct block of a
-model (fed to the planner as ``plan(..., measured=measure_blocks(...))`` in place of the analytic terms).
+latency/bandwidth over gloo, the timing of one collective on a live process group (shared by ``autopar probe``
+and the set-up profile, profile/runtime.py), and the forward/backward time and activation memory of each
+distinct block of a model (fed to the planner as ``plan(..., measured=measure_blocks(...))`` in place of the
+analytic terms).
 
 ``python -m lightning_autopar.profile.measure`` prints a calibrated ``cpu`` cluster YAML for this machine.
 """
@@ -22,8 +24,11 @@ DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": tor
 
 
 def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (host timers measure nothing otherwise)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)
 
 
 def timeit(fn: Callable[[], Any], device: torch.device, reps: int = 5, warmup: int = 1, budget_s: float = 1.0) -> float:
@@ -143,10 +148,106 @@ def measure_links(world: int = 2, sizes: Sequence[int] = (4, 2**16, 2**20, 2**23
     return {"bandwidth_gbs": 1 / beta / 1e9, "latency_us": alpha * 1e6, "samples": result}
 
 
+# ============================================================================================ live group
+
+
+def group_device(backend: str) -> torch.device:
+    """The device a process group's tensors live on: this process's accelerator for nccl / hccl, else the CPU."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "hccl":
+        return torch.device("npu", torch.npu.current_device())
+    return torch.device("cpu")
+
+
+def median_time(fn: Callable[[], None], device: torch.device, group: Any, iters: int, warmup: int) -> float:
+    """Median wall time of ``fn`` over ``iters`` runs, each started after a barrier of ``group`` (every member
+    calls; the median, not the minimum, because a collective's time is set by its slowest member)."""
+    import statistics
+
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def collective_call(op: str, nbytes: int, n: int, group: Any, device: torch.device) -> tuple[Callable[[], None], int]:
+    """The call for one collective (all_reduce, all_gather, reduce_scatter, all_to_all) of about ``nbytes`` (the
+    full buffer, nccl-tests' convention) on a group of ``n`` ranks, and the exact byte count."""
+    import torch.distributed as dist
+
+    count = max(n, nbytes // 4 // n * n)  # float32 elements, divisible by n
+    full = torch.zeros(count, device=device)
+    part = torch.zeros(count // n, device=device)
+    out = torch.zeros_like(full)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    calls = {"all_reduce": lambda: dist.all_reduce(full, group=group),
+             "all_gather": lambda: gather(full, part, group=group),
+             "reduce_scatter": lambda: scatter(part, full, group=group),
+             "all_to_all": lambda: dist.all_to_all_single(out, full, group=group)}
+    return calls[op], count * 4
+
+
+def time_collective(op: str, nbytes: int, n: int, group: Any, device: torch.device, iters: int,
+                    warmup: int) -> tuple[float, int, str]:
+    """(this rank's median seconds, exact bytes, note) of one collective; a reduce-scatter the backend lacks is
+    timed as the all-reduce of the same buffer and the note says so (the caller takes the slowest rank)."""
+    fn, exact = collective_call(op, nbytes, n, group, device)
+    note = ""
+    if op == "reduce_scatter":
+        try:
+            fn()
+        except (RuntimeError, NotImplementedError, ValueError):  # not in this backend: emulate
+            note = "emulated by all_reduce"
+            fn, exact = collective_call("all_reduce", nbytes, n, group, device)
+    return median_time(fn, device, group, iters, warmup), exact, note
+
+
+def p2p_call(pair: tuple[int, int] | None, rank: int, nbytes: int, device: torch.device) -> Callable[[], None]:
+    """Ping-pong with the partner (no-op for ranks without one); the measured time is a round trip."""
+    import torch.distributed as dist
+
+    if pair is None:
+        return lambda: None
+    buf = torch.zeros(max(1, nbytes // 4), device=device)
+    first, partner = pair[0] == rank, pair[1] if pair[0] == rank else pair[0]
+
+    def ping() -> None:
+        if first:
+            dist.send(buf, partner)
+            dist.recv(buf, partner)
+        else:
+            dist.recv(buf, partner)
+            dist.send(buf, partner)
+
+    return ping
+
+
+def cluster_yaml(spec: Any, comment: str = "") -> str:
+    """A ClusterSpec as the YAML ``autopar plan --cluster FILE`` reads (every field, ``runtime:`` included),
+    under a ``# comment`` line: the one writer of probed and calibrated cluster files."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    head = f"# {comment}\n" if comment else ""
+    return head + OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(spec)))
+
+
 # ============================================================================================ blocks
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks: the ModuleList of one class holding the most parameters (not the experts)."""
     best: list[nn.Module] = []
     best_params = 0
@@ -182,8 +283,30 @@ def _saved_bytes(fn: Callable[[], torch.Tensor], params: set[int]) -> tuple[torc
     return out, sum(seen.values())
 
 
-def _time_fwd_bwd(fn: Callable[[], torch.Tensor], device: torch.device, params: set[int],
+def block_width(block: nn.Module) -> int:
+    """The hidden size a block takes: the input width of its first matrix."""
+    return next(p for p in block.parameters() if p.dim() >= 2).shape[-1]
+
+
+def block_pass_seconds(block: nn.Module, mbs: int, seq_len: int, precision: str, device: torch.device) -> float:
+    """One forward + backward of ``block`` on random hidden states (mbs, seq_len, width), untimed warm-up
+    excluded: the pace a caller prices a full ``measure_blocks`` with. Accumulates into the block's ``.grad``."""
+    dtype = DTYPES[precision]
+    x = torch.randn(mbs, seq_len, block_width(block), device=device, requires_grad=True)
+    with torch.autocast(device.type, dtype=dtype, enabled=precision != "fp32"):
+        return timeit(lambda: _first_tensor(block(x)).sum().backward(), device, reps=1, warmup=0)
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    """A block's output tensor (HF blocks return tuples, the hidden states first)."""
+    while not isinstance(out, torch.Tensor):
+        out = out[0]
+    return out
+
+
+def _time_fwd_bwd(call: Callable[[], Any], device: torch.device, params: set[int],
                   reps: int) -> BlockMeasure:
+    fn = lambda: _first_tensor(call())  # noqa: E731
     out, saved = _saved_bytes(fn, params)
     grad = torch.ones_like(out)
     out.backward(grad)
@@ -197,15 +320,19 @@ def _time_fwd_bwd(fn: Callable[[], torch.Tensor], device: torch.device, params: 
 
 
 def measure_blocks(model: nn.Module, mbs: int = 1, seq_len: int | None = None, precision: str = "fp32",
-                   device: str | torch.device | None = None, reps: int = 5) -> Measured:
+                   device: str | torch.device | None = None, reps: int = 5,
+                   blocks: Sequence[nn.Module] | None = None, embedding: nn.Module | None = None,
+                   head: nn.Module | None = None) -> Measured:
     """Time forward and backward of each distinct block (dense, MoE), the embedding and the LM head + loss,
-    and the activation bytes each block saves, at (mbs, seq_len, precision) with tp=1."""
+    and the activation bytes each block saves, at (mbs, seq_len, precision) with tp=1. ``blocks``,
+    ``embedding`` and ``head`` are the model's own modules when an analysis named them (else found by shape).
+    Backward accumulates into the parameters' ``.grad``: callers that keep the model clear them after."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = model.to(dev)
-    blocks = _blocks(model)
+    blocks = list(blocks) if blocks else repeated_blocks(model)
     if not blocks:
         raise ValueError("measure_blocks: no repeated transformer blocks (an nn.ModuleList of one class) found")
-    hidden = next(p for p in blocks[0].parameters() if p.dim() >= 2).shape[-1]
+    hidden = block_width(blocks[0])
     cfg = getattr(model, "config", None)
     seq = int(seq_len or getattr(cfg, "seq_len", 0) or 128)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -220,9 +347,10 @@ def measure_blocks(model: nn.Module, mbs: int = 1, seq_len: int | None = None, p
             x = torch.randn(mbs, seq, hidden, device=dev, requires_grad=True)
             found[kind] = _time_fwd_bwd(lambda b=block, x=x: b(x), dev, params, reps)
         vocab = getattr(cfg, "vocab", None)
-        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding) and (vocab is None or m.num_embeddings == vocab)), None)
-        head = next((m for m in reversed(list(model.modules())) if isinstance(m, nn.Linear)
-                     and (vocab is None or m.out_features == vocab)), None)
+        emb = embedding or next((m for m in model.modules() if isinstance(m, nn.Embedding)
+                                 and (vocab is None or m.num_embeddings == vocab)), None)
+        head = head or next((m for m in reversed(list(model.modules())) if isinstance(m, nn.Linear)
+                             and (vocab is None or m.out_features == vocab)), None)
         if emb is not None:
             idx = torch.randint(0, emb.num_embeddings, (mbs, seq), device=dev)
             found["embedding"] = _time_fwd_bwd(lambda: emb(idx), dev, params, reps)
@@ -275,3 +403,77 @@ links:
 
 if __name__ == "__main__":
     print(cpu_cluster_yaml())
+
+
+# ============================================================================================ whole passes
+
+
+def _logits(out: Any) -> torch.Tensor:
+    """The logits of a language model's output (a tensor, or an object / tuple holding them first)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else _first_tensor(out)
+
+
+def token_forward(model: nn.Module, mbs: int, seq_len: int, vocab: int, precision: str,
+                  device: torch.device) -> Callable[[], torch.Tensor]:
+    """A forward + loss of the whole language model on random token ids (mbs, seq_len): the fp32 cross-entropy
+    the LM head term prices (for a model whose own training step is not at hand)."""
+    ids = torch.randint(0, vocab, (mbs, seq_len), device=device)
+    target = torch.randint(0, vocab, (mbs * seq_len,), device=device)
+    autocast = torch.autocast(device.type, dtype=DTYPES[precision], enabled=precision != "fp32")
+
+    def forward() -> torch.Tensor:
+        with autocast:
+            logits = _logits(model(ids))
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target)
+
+    return forward
+
+
+def pass_seconds(forward: Callable[[], torch.Tensor], device: torch.device, reps: int = 3,
+                 warmup: int = 1) -> tuple[float, float]:
+    """(forward, backward) median seconds of ``forward()`` (a loss) and its backward, every rank of the default
+    group at once, each run started after a barrier: the pace training has when the processes share the machine
+    (timings taken one rank at a time are optimistic on shared cores). Accumulates into the parameters' .grad."""
+    import statistics
+
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        forward().backward()
+    fwd, bwd = [], []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        loss = forward()
+        _sync(device)
+        mid = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        fwd.append(mid - start)
+        bwd.append(time.perf_counter() - mid)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def optimizer_step_seconds(params: Sequence[torch.Tensor], device: torch.device, reps: int = 3) -> float:
+    """Median seconds of one AdamW step (torch's default implementation for the device) over fp32 copies of
+    ``params`` with gradients, every rank at once after a barrier (the cost model prices Adam: cost.optimizer_time)."""
+    import statistics
+
+    import torch.distributed as dist
+
+    copies = [torch.zeros_like(p, device=device, dtype=torch.float32, requires_grad=True) for p in params]
+    for c in copies:
+        c.grad = torch.full_like(c, 1e-3)
+    opt = torch.optim.AdamW(copies, lr=1e-3)
+    opt.step()  # the first step allocates the states
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

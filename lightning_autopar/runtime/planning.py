@@ -9,11 +9,14 @@ The constructor arguments are the strategies' (``AutoParallelStrategy(fix=..., c
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 import warnings
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Mapping
 
 from torch import nn
@@ -25,7 +28,9 @@ from lightning_autopar.runtime.group import DataParallelGroup, broadcast_module,
 from lightning_autopar.runtime.lightning_private import set_module_device_mesh
 from lightning_autopar.runtime.pipeline_step import PipelineSteps
 from lightning_autopar.runtime.step import StepEnv
-from lightning_autopar.specs import ClusterSpec, Plan, parse_fix
+from lightning_autopar.runtime.trial import (MIN_SETUP_S, RngState, SetupOutcome, SetupSettings, fastest,
+                                             run_trials)
+from lightning_autopar.specs import ClusterSpec, Plan, RuntimeProfile, TrialResult, parse_fix
 
 # What the runtime can apply today; the planner searches only inside it unless the user fixes a field.
 # pp and ep are further restricted per model in _restrictions (a splittable stack of blocks; MoE layers).
@@ -51,6 +56,11 @@ class PlanningMixin(ABC):
         timeout: timedelta | None = None,
         save_distributed_checkpoint: bool = True,
         moe_capacity_factor: float | None = None,
+        trials: int | None = None,
+        profile: bool | None = None,
+        profile_budget_s: float = 10.0,
+        profile_fraction: float = 0.02,
+        profile_cache: str | bool | None = None,
     ) -> None:
         from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
@@ -63,6 +73,9 @@ class PlanningMixin(ABC):
             timeout=timeout or default_pg_timeout,
         )
         self._fix = parse_fix(fix)  # bad keys and values fail here, before any process starts
+        # set-up profiling and trials (runtime.trial.SetupSettings); bad values fail here too
+        self._setup = SetupSettings(trials, profile, profile_budget_s, profile_fraction, profile_cache)
+        self.setup_outcome: SetupOutcome | None = None
         self._cluster_arg = cluster
         self._global_batch_arg = global_batch
         self._restrict = dict(restrict or {})
@@ -109,6 +122,11 @@ class PlanningMixin(ABC):
     @abstractmethod
     def _loss_scaler(self) -> Any:
         """The fp16 loss scaler of the framework's precision, or None."""
+
+    def _planned_steps(self) -> int | None:
+        """Optimizer steps of the planned run, for the set-up budget (None: unknown, e.g. Fabric, whose loop is
+        the user's; 0: not training, so no trials)."""
+        return None
 
     def _automatic_optimization(self) -> bool:
         """Whether the strategy runs the micro-batches' backward itself (Fabric: no, the user's loop does)."""
@@ -158,10 +176,13 @@ class PlanningMixin(ABC):
         cached = self._first_of
         if cached is not None and cached[0] is loader:
             return cached[1]
+        rng = RngState.capture()  # iterating a loader draws its seeds from the global RNG: the run's must not move
         try:
             first = next(iter(loader))
         except (TypeError, StopIteration):
             first = None
+        finally:
+            rng.restore()
         self._first_of = (loader, first)
         return first
 
@@ -262,10 +283,14 @@ class PlanningMixin(ABC):
         started = time.perf_counter()
         restrict = (self._unit_restrictions(analysis, transformer, example) if unit_form
                     else self._restrictions(None, analysis, precision))
-        self.report = make_plan(
-            analysis.spec, self._cluster_spec(), global_batch=global_batch, seq_len=seq_len, fix=self._fix,
-            top=self._top, restrict=restrict, precision=precision, memory_fraction=self._memory_fraction,
-        )
+
+        def plan_on(cluster: Any) -> Any:  # enough candidates for the trials to have distinct plans
+            return make_plan(analysis.spec, cluster, global_batch=global_batch, seq_len=seq_len, fix=self._fix,
+                             top=max(self._top, self._setup.candidates), restrict=restrict, precision=precision,
+                             memory_fraction=self._memory_fraction)
+
+        self.report = plan_on(self._cluster_spec())
+        outcome = self.setup_outcome = self._measure(plan_on, transformer, analysis, precision, started)
         # the planner's own exclusions (unit form) and the runtime's
         self.report.excluded = {**self.report.excluded, **self.excluded}
         plan = self.plan = self.report.best.plan
@@ -273,10 +298,232 @@ class PlanningMixin(ABC):
             self.report.print_table()
             print(f"autopar: planned in {time.perf_counter() - started:.2f}s for world {self.world_size}, "
                   f"global batch {global_batch}, seq {seq_len}: {plan.short()}", flush=True)
+            print(f"autopar: {outcome.line(self.report.best)}", flush=True)
             from lightning_autopar.launch import print_env_hints
 
             print_env_hints(plan, self.report.cluster)
         self._apply(plan, transformer, analysis, example)
+
+    # ------------------------------------------------------------------ set-up profiling and trials
+
+    def _measure(self, plan_on: Any, model: nn.Module, analysis: Any, precision: str, started: float) -> SetupOutcome:
+        """Set-up measurement (docs/profiling.md), after the first planning: the cached profile and calibrated
+        cluster, or a runtime profile within the set-up budget and its calibration; then trials of the best
+        distinct plans and the refit. Each changed cluster is planned on again (``plan_on``); ``self.report`` is
+        the last planning, with ``profile`` and ``trials`` set and the measured-fastest plan as ``best``."""
+        from lightning_autopar.planner.calibrate import calibrate
+        from lightning_autopar.profile.runtime import cluster_fingerprint, model_fingerprint, profile_runtime
+
+        settings, report = self._setup, self.report
+        steps = self._planned_steps()
+        out = SetupOutcome(budget_s=settings.budget_s(None if steps is None else steps * report.best.step_time_s),
+                           plan_s=time.perf_counter() - started)
+        keys = (cluster_fingerprint(report.cluster),
+                model_fingerprint(analysis.spec, report.global_batch, report.seq_len, precision))
+        cache = None if settings.profile is False else settings.cache_dir()  # profile=False: the cluster as given
+        cached = self._load_cached(keys, cache)
+        profile, cluster = cached or (None, report.cluster)
+        out.cached = cached is not None
+        # a calibrated cluster file (a cache's cluster.yaml, `autopar probe`) is priced with as it is, so the CLI
+        # and the strategy predict the same from it; profile=True measures anyway
+        given = bool(report.cluster.runtime.source) and settings.profile is not True
+        if cached is None and given:
+            out.skipped = f"the cluster given is calibrated ({report.cluster.runtime.source})"
+        elif cached is None and settings.profile is not False and out.budget_s > 0:
+            with self._state_kept():
+                profile = profile_runtime(model, analysis, [c.plan for c in report.candidates], report.seq_len,
+                                          precision, out.budget_s, self.root_device, self._step_pass())
+            profile.cluster_key, profile.model_key = keys
+            out.profile_s = profile.seconds  # the slowest rank's: every rank decides the trials on it
+            tick = time.perf_counter()
+            cluster = calibrate(cluster, analysis.spec, profile, precision)
+            out.calibrate_s = time.perf_counter() - tick
+        elif cached is None:
+            out.skipped = ("profile=False" if settings.profile is False else "not training" if steps == 0 else
+                           "no planned run to take a share of: profile=True measures" if steps is None else
+                           f"budget {out.budget_s:.3g}s below {MIN_SETUP_S:g}s: profile=True measures anyway")
+        if out.profile_s:  # calibrated just now: its fixed costs too (a cached cluster has them already)
+            cluster = self._with_path_costs(cluster, keys[0], cache, out)
+        if cluster is not report.cluster:
+            tick = time.perf_counter()
+            self.report = plan_on(cluster)
+            out.calibrate_s += time.perf_counter() - tick
+        trials = list(profile.trials) if profile is not None else []
+        if not trials and self._wants_trials(out):
+            trials = self._run_trials(out, analysis, plan_on)
+            profile = profile or RuntimeProfile(cluster_key=keys[0], model_key=keys[1])
+            profile.trials = trials
+        self.report.profile, self.report.trials = profile, trials
+        self._choose(fastest(trials), fresh=out.trials_run > 0)
+        if cache is not None and profile is not None and (out.profile_s or out.trials_run):
+            out.cluster_file = self._save(profile, cache)
+        elif out.cached:
+            from lightning_autopar.profile.runtime import profile_folder
+
+            out.cluster_file = str(profile_folder(*keys, cache) / "cluster.yaml")
+        return out
+
+    def _step_pass(self) -> Any:
+        """mbs -> a forward of the user's own ``training_step`` on the first ``mbs`` rows of the plan's first batch,
+        returning its loss (``self.log`` recorded and dropped, the precision's autocast on): what the set-up profile
+        times, so the loss, the logging and the model's own call are those training runs. None without a batch,
+        a training_step or automatic optimization (the profile then runs the model on token ids)."""
+        from lightning.fabric.utilities.apply_func import move_data_to_device
+
+        from lightning_autopar.runtime.batches import slice_batch
+        from lightning_autopar.runtime.logs import LogRecorder, recording_logs
+        from lightning_autopar.runtime.step import loss_of
+
+        module, batch = self.lightning_module, self._first_batch()
+        if batch is None or not self._automatic_optimization() or not callable(getattr(module, "training_step", None)):
+            return None
+        batch = move_data_to_device(batch, self.root_device)
+        total = leading_size(batch) or 1
+
+        def make(mbs: int) -> Any:
+            rows = slice_batch(batch, 0, min(mbs, total), total)
+
+            def forward() -> Any:
+                with recording_logs(module, LogRecorder()), self._train_context():
+                    loss = loss_of(module.training_step(rows, 0))
+                if loss is None:
+                    raise RuntimeError("training_step returned no loss")
+                return loss
+
+            return forward
+
+        return make
+
+    @contextlib.contextmanager
+    def _state_kept(self) -> Any:
+        """The module's gradients and buffers (BatchNorm statistics, counters) as before on exit: the set-up
+        profile runs its training step."""
+        import torch
+
+        module = self.lightning_module
+        params = list(module.parameters())
+        grads = [p.grad for p in params]
+        buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+        try:
+            yield
+        finally:
+            for p, grad in zip(params, grads):
+                p.grad = grad
+            with torch.no_grad():
+                for name, b in module.named_buffers():
+                    if name in buffers:
+                        b.copy_(buffers[name])
+
+    def _with_path_costs(self, cluster: ClusterSpec, cluster_key: str, cache: Path | None,
+                         out: SetupOutcome) -> ClusterSpec:
+        """``cluster`` with the runtime's fixed costs (runtime/paths.py): as it is when it has them (a cached or
+        given calibrated cluster), else the ones cached for this cluster, else measured on the runtime's own paths
+        when the set-up budget has PATHS_MIN_S left after the profile (cached per cluster only when every path
+        ran, so a short budget does not leave a partial fit behind)."""
+        from lightning_autopar.planner.calibrate import merged_runtime
+        from lightning_autopar.profile.runtime import load_cluster_costs, save_cluster_costs
+        from lightning_autopar.runtime.paths import PATHS_MIN_S, SOURCE, measure_paths, path_plans
+
+        if SOURCE in cluster.runtime.source:
+            return cluster
+        costs = None
+        if cache is not None:
+            costs = self.broadcast(load_cluster_costs(cluster_key, cache) if self.global_rank == 0 else None)
+        if costs is None:
+            left = out.budget_s - out.profile_s
+            if left < PATHS_MIN_S:
+                return cluster
+            tick = time.perf_counter()
+            costs, timings = measure_paths(cluster, self.root_device, left)
+            out.paths_s = time.perf_counter() - tick
+            if cache is not None and len(timings) == len(path_plans(self.world_size)):
+                save_cluster_costs(cluster_key, costs, [vars(t) for t in timings], cache)
+        source = f"{cluster.runtime.source} + {costs.source}" if cluster.runtime.source else costs.source
+        return dataclasses.replace(cluster, runtime=merged_runtime(cluster.runtime, costs, source))
+
+    def _save(self, profile: RuntimeProfile, cache: Path) -> str:
+        """Rank 0 writes the profile and the report's (calibrated) cluster to the cache; a cache that cannot be
+        written (OSError) costs a warning, not the run. Every rank gets the cluster.yaml path ("" if not written)."""
+        from lightning_autopar.profile.runtime import save_profile
+
+        path = ""
+        if self.global_rank == 0:
+            try:
+                path = str(save_profile(profile, self.report.cluster, cache) / "cluster.yaml")
+            except OSError as err:
+                warnings.warn(f"autopar: the profile cache {cache} could not be written ({err}); the next run "
+                              "measures again", stacklevel=2)
+        return str(self.broadcast(path))
+
+    def _load_cached(self, keys: tuple[str, str], cache: Any) -> tuple[RuntimeProfile, ClusterSpec] | None:
+        """Rank 0's cached (profile, calibrated cluster) for ``keys``, on every rank (None without one)."""
+        if cache is None:
+            return None
+        from lightning_autopar.profile.runtime import load_profile
+
+        return self.broadcast(load_profile(*keys, cache) if self.global_rank == 0 else None)
+
+    def _trial_refusal(self) -> str:
+        """Why this set-up cannot run trials ("" when it can): a trial runs the module's own training_step and
+        configure_optimizers on the plan DataLoader's first batch."""
+        module = self.lightning_module
+        if self._planned_steps() == 0:
+            return "not training"
+        if not all(callable(getattr(module, name, None)) for name in ("training_step", "configure_optimizers")):
+            return "the module has no training_step and configure_optimizers for a trial to run"
+        if not getattr(module, "automatic_optimization", True):
+            return "manual optimization: the training_step steps the optimizer itself"
+        if self._first_batch() is None:
+            return "no batch to run on (Fabric: set up the DataLoader before the model)"
+        return ""
+
+    def _wants_trials(self, out: SetupOutcome) -> bool:
+        """trials=K asks for them (a module that cannot run one: ConfigError, unless not training); None: when the
+        set-up budget has room after the profile."""
+        count = self._setup.trials
+        if count == 0 or (count is None and out.budget_s - out.profile_s - out.paths_s <= 0):
+            return False
+        refusal = self._trial_refusal()
+        if refusal and count is not None and refusal != "not training":
+            raise ConfigError("trials", refusal, "use trials=0")
+        return not refusal
+
+    def _run_trials(self, out: SetupOutcome, analysis: Any, plan_on: Any) -> list[TrialResult]:
+        """Trials of the best distinct plans on the first batch, then the refit and the planning on it."""
+        from lightning.fabric.utilities.apply_func import move_data_to_device
+
+        from lightning_autopar.planner.calibrate import refit
+
+        tick = time.perf_counter()
+        batch = move_data_to_device(self._first_batch(), self.root_device)
+        trials = run_trials(self.lightning_module, self.report.candidates, batch, self.root_device,
+                            self._setup.trials, out.budget_s - out.profile_s - out.paths_s)
+        out.trials_s, out.trials_run = time.perf_counter() - tick, len(trials)
+        ran = [(Plan(**t.plan), t.measured_s) for t in trials if not t.error]
+        if ran:
+            tick = time.perf_counter()
+            report = self.report
+            self.report = plan_on(refit(report.cluster, analysis.spec, ran, report.global_batch, report.seq_len))
+            out.refit_s = time.perf_counter() - tick
+        return trials
+
+    def _choose(self, chosen: Plan | None, fresh: bool) -> None:
+        """Make ``chosen`` (the measured-fastest trial's plan) ``report.best`` and the first candidate: its entry
+        among the candidates or, for trials just run, its price on the report's cluster. A cached choice no
+        longer among the candidates leaves the planner's best."""
+        from lightning_autopar.planner.search import estimate
+
+        report = self.report
+        if chosen is None:
+            return
+        priced = next((c for c in report.candidates if c.plan == chosen), None)
+        if priced is None and not fresh:
+            return
+        if priced is None:
+            priced = estimate(report.model, report.cluster, chosen, report.global_batch, report.seq_len,
+                              memory_fraction=self._memory_fraction)
+        report.candidates = [priced, *(c for c in report.candidates if c is not priced)]
+        report.best = priced
 
     def _apply(self, plan: Plan, transformer: nn.Module, analysis: Any, example: tuple[tuple, dict] | None) -> None:
         """The mesh for ``plan``, the plan applied to the module, and the step runtime over them."""

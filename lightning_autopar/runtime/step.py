@@ -43,7 +43,7 @@ class Accumulation:
     stepping: bool = True
 
 
-def _loss_of(output: Any) -> Any:
+def loss_of(output: Any) -> Any:
     return output["loss"] if isinstance(output, Mapping) else output
 
 
@@ -73,7 +73,7 @@ def training_step(env: StepEnv, batch: Any, rest: tuple, kwargs: dict, acc: Accu
             recorder.weight = rows / total
             with recording_logs(module, recorder), env.train_context():
                 output = module.training_step(mb, *rest, **kwargs)
-            loss = _loss_of(output)
+            loss = loss_of(output)
             if not acc.automatic or loss is None:
                 break
             local_loss = local_loss + loss.detach() * (rows / rows_local)

@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import random
+import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from lightning_autopar.errors import ConfigError
 from lightning_autopar.runtime.grads import restore_gradients
 from lightning_autopar.runtime.group import DataParallelGroup, broadcast_module, dp_mesh
 from lightning_autopar.runtime.pipeline_step import PipelineSteps
 from lightning_autopar.runtime.step import Accumulation, StepEnv, training_step
-from lightning_autopar.specs import Plan
+from lightning_autopar.specs import Plan, TrialResult
 
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
@@ -195,3 +199,184 @@ def run_trial(module: nn.Module, plan: Plan, batches: Sequence[Any], steps: int,
         if layout is not None:
             for group in _sub_groups(layout, applied):
                 dist.destroy_process_group(group)
+            forget_destroyed_meshes()
+
+
+def forget_destroyed_meshes() -> None:
+    """Drop DTensor's cached sharding decisions: they are keyed by mesh equality (ranks, dim names), so a later mesh
+    equal to a trial's destroyed one (the real run of the same plan, the next trial) would reuse its dead process
+    groups ("Could not resolve the process group registered under the name ...")."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # the Python cache
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if clear_native is not None:
+        clear_native()
+
+
+# ------------------------------------------------------------------ set-up measurement: settings, trials, outcome
+
+TRIAL_WARMUP, TRIAL_TIMED = 1, 3  # steps per trial: the first pays the lazy inits and allocator growth, untimed
+AUTO_TRIALS_MAX = 3  # trials=None runs at most this many
+# Below this much set-up budget nothing is measured automatically: a useful profile (collectives, blocks, fixed
+# costs) of even a tiny GPT took 0.7 s on 4 CPU processes here, and short runs (tests, examples) start as before.
+MIN_SETUP_S = 1.0
+# A trial's copy, plan apply and optimizer build before its first step, until a trial has measured it (a tiny GPT
+# on 4 CPU processes here: 0.2-0.5 s); the automatic trial count uses it.
+TRIAL_BUILD_GUESS_S = 0.5
+
+
+def _setup_error(name: str, value: Any, problem: str) -> ConfigError:
+    return ConfigError(name, f"{problem}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SetupSettings:
+    """What the strategies measure at set-up (their constructor arguments; Hydra ``planner.*``).
+
+    trials: plans run for a few steps before choosing (None: as many as fit the set-up budget, at most
+    AUTO_TRIALS_MAX; 0: none). profile: runtime profiling (None: when the budget allows; False: never; True:
+    always, within profile_budget_s). The automatic budget is min(profile_budget_s, profile_fraction x the
+    planned run's predicted seconds). profile_cache: a directory (None: ``profile.runtime.cache_dir()``;
+    False: no cache)."""
+
+    trials: int | None = None
+    profile: bool | None = None
+    profile_budget_s: float = 10.0
+    profile_fraction: float = 0.02
+    profile_cache: str | bool | None = None
+
+    def __post_init__(self) -> None:
+        t = self.trials
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0):
+            raise _setup_error("trials", t, "must be an integer >= 0 (0: no trials) or None (automatic)")
+        if self.profile is not None and not isinstance(self.profile, bool):
+            raise _setup_error("profile", self.profile, "must be true, false or None (automatic)")
+        for name, high in (("profile_budget_s", float("inf")), ("profile_fraction", 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:
+                raise _setup_error(name, value, f"must be a number in [0, {high:g}]")
+        cache = self.profile_cache
+        if cache is not None and not isinstance(cache, (bool, str, os.PathLike)):
+            raise _setup_error("profile_cache", cache, "must be a directory, false (no cache) or None (default)")
+
+    @property
+    def candidates(self) -> int:
+        """Plans the planner must return so the trials have distinct ones."""
+        return AUTO_TRIALS_MAX if self.trials is None else self.trials
+
+    def budget_s(self, planned_run_s: float | None) -> float:
+        """Seconds set-up measurement may take: profile=True -> profile_budget_s; else min(profile_budget_s,
+        profile_fraction x planned_run_s), 0 without a planned run (Fabric) or below MIN_SETUP_S."""
+        if self.profile:
+            return float(self.profile_budget_s)
+        if planned_run_s is None:
+            return 0.0
+        budget = min(float(self.profile_budget_s), self.profile_fraction * planned_run_s)
+        return budget if budget >= MIN_SETUP_S else 0.0
+
+    def cache_dir(self) -> Path | None:
+        if self.profile_cache is False:
+            return None
+        if self.profile_cache is None or self.profile_cache is True:
+            from lightning_autopar.profile.runtime import cache_dir
+
+            return cache_dir()
+        return Path(self.profile_cache).expanduser()
+
+
+@dataclass
+class SetupOutcome:
+    """What the set-up measurement did (``strategy.setup_outcome``): seconds per phase on this rank's clock
+    (profile_s: the slowest rank's)."""
+
+    budget_s: float = 0.0
+    plan_s: float = 0.0  # the first planning, on the cluster as given / discovered
+    profile_s: float = 0.0  # runtime profiling (0: cached or skipped)
+    paths_s: float = 0.0  # the runtime paths' micro-trials (runtime/paths.py; 0: cached, given or skipped)
+    calibrate_s: float = 0.0  # calibrate + the second planning
+    trials_s: float = 0.0
+    refit_s: float = 0.0  # refit + the third planning
+    trials_run: int = 0
+    cached: bool = False  # profile and calibrated cluster loaded from the cache: nothing measured
+    cluster_file: str = ""  # the calibrated cluster.yaml in the cache ("" when none)
+    skipped: str = ""  # why nothing was measured, one phrase
+
+    def line(self, best: Any) -> str:
+        """The one line rank 0 prints after planning."""
+        if self.cached:
+            head = f"set-up profile cached at {Path(self.cluster_file).parent}"
+        elif self.profile_s:
+            head = f"set-up profile {self.profile_s:.2f}s of {self.budget_s:.3g}s"
+            if self.paths_s:
+                head += f" + runtime paths {self.paths_s:.2f}s"
+        else:
+            head = f"no set-up profile ({self.skipped or 'profile=False'})"
+        head += f", {self.trials_run} trial{'s' if self.trials_run != 1 else ''}"
+        if self.trials_s:
+            head += f" in {self.trials_s:.2f}s"
+        head += f"; predicted {best.step_time_s:.4g} s/step for {best.plan.short()}"
+        if self.cluster_file:
+            head += (f"; calibrated cluster {self.cluster_file} (`autopar plan --cluster {self.cluster_file}` "
+                     "predicts the same)")
+        return head
+
+
+def distinct_plans(candidates: Sequence[Any], count: int) -> list[Any]:
+    """The first ``count`` PricedPlans of ``candidates`` (best first) whose plans differ."""
+    out: list[Any] = []
+    for priced in candidates:
+        if len(out) < count and all(priced.plan != o.plan for o in out):
+            out.append(priced)
+    return out
+
+
+def _one_trial(module: nn.Module, priced: Any, batch: Any, device: torch.device) -> tuple[TrialResult, float, float]:
+    """(the trial's result, its wall seconds, the part before and between its steps: copy, apply, optimizer
+    build), the slowest rank's."""
+    from lightning_autopar.profile.runtime import slowest
+
+    started = time.perf_counter()
+    error, times = "", []
+    try:
+        times = run_trial(module, priced.plan, [batch], TRIAL_WARMUP + TRIAL_TIMED, device,
+                          priced.layers_per_stage or None)
+    except (ConfigError, RuntimeError) as err:  # this plan cannot run here; the others still can
+        error = " ".join(str(err).split())[:300] or type(err).__name__
+    wall = time.perf_counter() - started
+    timed = times[TRIAL_WARMUP:]
+    local = statistics.median(timed) if timed else 0.0
+    measured, failed, wall, build = slowest([local, float(bool(error)), wall, wall - sum(times)], device)
+    if failed and not error:
+        error = "failed on another rank"
+    result = TrialResult(plan=priced.plan.to_dict(), predicted_s=float(priced.step_time_s),
+                         measured_s=0.0 if failed else measured, steps=0 if failed else len(timed), error=error)
+    return result, wall, build
+
+
+def run_trials(module: nn.Module, candidates: Sequence[Any], batch: Any, device: torch.device, count: int | None,
+               budget_s: float) -> list[TrialResult]:
+    """Run the best distinct plans of ``candidates`` (PricedPlans, best first) for TRIAL_WARMUP + TRIAL_TIMED
+    steps each on ``batch`` from ``module``'s current weights; measured = the timed steps' median, the slowest
+    rank's. ``count``: run that many; None: while the next trial's estimate (its build, the largest so far or
+    TRIAL_BUILD_GUESS_S, + its steps x its predicted step) fits in what is left of ``budget_s``, at most
+    AUTO_TRIALS_MAX. Every rank takes the same decisions (the figures are max-reduced). A plan that fails gets
+    TrialResult.error; the others go on."""
+    plans = distinct_plans(candidates, AUTO_TRIALS_MAX if count is None else count)
+    results: list[TrialResult] = []
+    spent, build = 0.0, TRIAL_BUILD_GUESS_S
+    for priced in plans:
+        if count is None and spent + build + (TRIAL_WARMUP + TRIAL_TIMED) * priced.step_time_s > budget_s:
+            break
+        result, wall, trial_build = _one_trial(module, priced, batch, device)
+        build = trial_build if not results else max(build, trial_build)
+        results.append(result)
+        spent += wall
+    return results
+
+
+def fastest(trials: Sequence[TrialResult]) -> Plan | None:
+    """The plan of the fastest trial that ran (None when none did)."""
+    ran = [t for t in trials if not t.error and t.measured_s > 0]
+    return Plan(**min(ran, key=lambda t: t.measured_s).plan) if ran else None

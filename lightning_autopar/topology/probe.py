@@ -12,16 +12,17 @@ latency_us = the one-way p2p time of the smallest message (alpha; the fastest p2
 Levels not measured (a single node, one device per node) keep the preset's figures. The device comes from
 discovery; on CPU it is measured (profile.measure.measure_device, all processes at once): matmul TFLOP/s per
 process (fp32, bf16, fp16), copy bandwidth, per-op overhead and memory per process, with efficiency factors 1.
+The ``runtime:`` section holds the runtime's fixed costs that need no model (profile.runtime.probe_costs: FSDP2
+unit hooks over the world, DTensor dispatch of a TP block over a node's ranks), so the file is a calibrated
+cluster file.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.specs import ClusterSpec, LinkSpec, PeakTflops
@@ -29,6 +30,7 @@ from lightning_autopar.specs import ClusterSpec, LinkSpec, PeakTflops
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 CPU_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
 GPU_SIZES = (64 << 10, 1 << 20, 16 << 20, 128 << 20)
+PATHS_BUDGET_S = 30.0  # the runtime paths' micro-trials (runtime/paths.py: about 8 s on 4 CPU processes here)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -90,82 +92,6 @@ def parse_sizes(text: str) -> list[int]:
     return sorted(set(out))
 
 
-# --------------------------------------------------------------------------------------------- timing
-
-
-def _device(backend: str) -> Any:
-    import torch
-
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "hccl":
-        return torch.device("npu", torch.npu.current_device())
-    return torch.device("cpu")
-
-
-def _sync(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "npu":
-        torch.npu.synchronize(device)
-
-
-def _median_time(fn: Callable[[], None], device: Any, group: Any, iters: int, warmup: int) -> float:
-    """Median wall time of ``fn`` over ``iters`` runs, each started after a barrier of ``group``."""
-    import torch.distributed as dist
-
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _collective(op: str, nbytes: int, n: int, group: Any, device: Any) -> tuple[Callable[[], None], int]:
-    """The call for one collective of about ``nbytes`` (full buffer) and the exact byte count."""
-    import torch
-    import torch.distributed as dist
-
-    count = max(n, nbytes // 4 // n * n)  # float32 elements, divisible by n
-    full = torch.zeros(count, device=device)
-    part = torch.zeros(count // n, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    calls = {"all_reduce": lambda: dist.all_reduce(full, group=group),
-             "all_gather": lambda: gather(full, part, group=group),
-             "reduce_scatter": lambda: scatter(part, full, group=group)}
-    return calls[op], count * 4
-
-
-def _p2p(pair: tuple[int, int] | None, rank: int, nbytes: int, device: Any) -> Callable[[], None]:
-    """Ping-pong with the partner (no-op for ranks without one); the measured time is a round trip."""
-    import torch
-    import torch.distributed as dist
-
-    if pair is None:
-        return lambda: None
-    buf = torch.zeros(max(1, nbytes // 4), device=device)
-    first, partner = pair[0] == rank, pair[1] if pair[0] == rank else pair[0]
-
-    def ping() -> None:
-        if first:
-            dist.send(buf, partner)
-            dist.recv(buf, partner)
-        else:
-            dist.recv(buf, partner)
-            dist.send(buf, partner)
-
-    return ping
-
-
 def level_pairs(nodes: Sequence[Sequence[int]], level: str) -> list[tuple[int, int]]:
     """p2p pairs: inside a node, neighbouring local ranks; across nodes, the same local rank on node pairs."""
     if level == "node":
@@ -184,8 +110,10 @@ def run_probe(sizes: Sequence[int] | None = None, iters: int | None = None, warm
 
     from lightning_autopar.topology.discover import cluster_from_records, gather_records, node_layout
 
+    from lightning_autopar.profile.measure import group_device, median_time, p2p_call, time_collective
+
     backend = dist.get_backend()
-    device = _device(backend)
+    device = group_device(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     records = gather_records()
     base = cluster_from_records(records, versions=check_versions)
@@ -207,22 +135,14 @@ def run_probe(sizes: Sequence[int] | None = None, iters: int | None = None, warm
         pairs = level_pairs(layout.nodes, level)
         mine = next((p for p in pairs if rank in p), None)
         for op in OPS:
-            note = ""
             for size in sizes:
                 if op == "p2p":
-                    seconds = _median_time(_p2p(mine, rank, size, device), device, None, iters, warmup) / 2
+                    seconds = median_time(p2p_call(mine, rank, size, device), device, None, iters, warmup) / 2
                     plan.append(Measurement(level, op, 2, max(4, size // 4 * 4), 0.0))
                     local.append(seconds if mine else 0.0)
                     continue
-                fn, nbytes = _collective(op, size, n, group, device)
-                if op == "reduce_scatter" and not note:
-                    try:
-                        fn()
-                    except (RuntimeError, NotImplementedError, ValueError):  # not in this backend: emulate
-                        note = "emulated by all_reduce"
-                if note:
-                    fn, nbytes = _collective("all_reduce", size, n, group, device)
-                local.append(_median_time(fn, device, group, iters, warmup))
+                seconds, nbytes, note = time_collective(op, size, n, group, device, iters, warmup)
+                local.append(seconds)
                 plan.append(Measurement(level, op, n, nbytes, 0.0, note))
     if plan:  # the slowest rank decides each figure
         times = torch.tensor(local, dtype=torch.float64, device=device)
@@ -252,6 +172,10 @@ def run_probe(sizes: Sequence[int] | None = None, iters: int | None = None, warm
     result.spec = ClusterSpec(name=f"probed-{base.name.removeprefix('discovered-')}", nodes=base.nodes,
                               devices_per_node=base.devices_per_node, device=device_spec,
                               links=_links(result, base.links))
+    if world > 1:  # the runtime's fixed costs on its own paths (runtime/paths.py): a calibrated file
+        from lightning_autopar.runtime.paths import measure_paths
+
+        result.spec.runtime = measure_paths(result.spec, device, PATHS_BUDGET_S)[0]
     return result
 
 
@@ -301,17 +225,20 @@ def render(result: ProbeResult) -> list[Any]:
     dev = spec.device
     links.add_row("device", dev.name, f"{dev.memory_gib:g} GiB, {dev.memory_bandwidth_gbs:g} GB/s",
                   f"TFLOP/s fp32 {dev.peak_tflops.fp32:g} bf16 {dev.peak_tflops.bf16:g} fp16 {dev.peak_tflops.fp16:g}")
+    rt = spec.runtime
+    links.add_row("runtime", "us per occurrence", f"fsdp unit {rt.fsdp_unit_us:g}, tp block {rt.tp_block_us:g}",
+                  rt.source or "not measured")
     tables.append(links)
     return tables
 
 
 def spec_yaml(spec: ClusterSpec, result: ProbeResult | None = None) -> str:
-    from omegaconf import OmegaConf
+    from lightning_autopar.profile.measure import cluster_yaml
 
-    head = "# written by `autopar probe`"
+    head = "written by `autopar probe`"
     if result is not None:
         head += f" ({result.backend}; measured levels: {', '.join(result.measured_levels) or 'none'})"
-    return head + "\n" + OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(spec)))
+    return cluster_yaml(spec, head)
 
 
 # --------------------------------------------------------------------------------------------- CLI

@@ -73,6 +73,7 @@ FIXES = {
     "tp2_dp2_zero3": "tp=2,dp=2,zero=3",
     "tp2_dp2_accum": "tp=2,dp=2,zero=3,grad_accum=2",
     "dp_accum": "dp={w},zero=0,grad_accum={ga},mbs=1",
+    "dp_zero2_accum": "dp={w},zero=2,grad_accum={ga},mbs=1",  # parameters kept unsharded across micro-batches
     "auto": None,
 }
 
