@@ -234,6 +234,9 @@ class LinkSpec:
     latency_us: float = 10.0
     topology: str = "switch"  # switch: any group gets full bandwidth; mesh: a group of g uses g-1 of the links
     efficiency: float = 1.0  # payload fraction of bandwidth_gbs a collective achieves (1.0 when probed)
+    # a reduce-scatter's time over an all-gather's of the same bytes: 1 where both run the same ring (NCCL, HCCL);
+    # measured at set-up elsewhere (gloo's reduce-scatter is slower than its all-gather)
+    reduce_scatter_factor: float = 1.0
 
 
 @dataclass
@@ -249,6 +252,9 @@ class RuntimeCosts:
     tp_block_us: float = 0.0  # per block per micro-batch with tp > 1: DTensor dispatch and sharding propagation
     pipeline_action_us: float = 0.0  # per pipeline schedule action: one stage's fwd or bwd of one micro-batch + p2p posts
     ep_layer_us: float = 0.0  # per MoE layer per micro-batch with ep > 1: exchange splits and bookkeeping
+    # per blocking collective call on the step's path: the wait for the group's last member beyond the
+    # collective's own latency (ranks drift apart between calls; large when processes time-share cores)
+    sync_us: float = 0.0
     source: str = ""  # where the figures come from ("profile 2026-12-01", "refit on 3 trials", ...)
 
     def validate(self, where: str = "cluster.runtime") -> None:

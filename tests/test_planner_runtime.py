@@ -63,6 +63,18 @@ def test_tp_pipeline_ep_terms_only_when_used() -> None:
     assert C.ep_dispatch_time(hw, 2, 4, 1) == 0.0
 
 
+def test_collective_calls_and_sync_term() -> None:
+    """Blocking collectives per step: FSDP2 units (zero 3: 2 gathers per micro-batch + 1 reduction), DDP buckets,
+    4 TP all-reduces per block and micro-batch, a p2p per pipeline action, 4 all-to-alls per MoE layer and slot."""
+    assert C.collective_calls(4, 3, True, 5, 4, 0, 1, 1, 1, 1, 4, 1e6) == pytest.approx(5 * 9)
+    assert C.collective_calls(1, 0, False, 5, 4, 0, 1, 1, 1, 1, 4, 60e6) == pytest.approx(3)  # 60 MB / 25 MB
+    assert C.collective_calls(1, 0, False, 5, 4, 0, 1, 1, 1, 1, 1, 60e6) == 0.0  # one rank: nothing to sync
+    assert C.collective_calls(2, 0, True, 3, 2, 0, 2, 1, 1, 1, 2, 1e6) == pytest.approx(3 + 4 * 2 * 2)
+    assert C.collective_calls(5, 0, True, 3, 2, 0, 1, 2, 2, 1, 2, 1e6) == pytest.approx(3 + 2 * 2 * 5)
+    assert C.collective_calls(2, 0, True, 3, 2, 2, 1, 1, 1, 2, 2, 1e6) == pytest.approx(3 + 4 * 2 * 2)
+    assert C.collective_sync_time(_hw(sync_us=400), 10) == pytest.approx(4e-3)
+
+
 def test_runtime_terms_add_to_the_step_and_name_themselves() -> None:
     fix = "dp=4,zero=3,mbs=1"
     bare = estimate("gpt_small", _cluster(), fix, global_batch=16, seq_len=128)
@@ -130,6 +142,24 @@ def test_fit_device_and_links_recover_the_figures() -> None:
     assert err < 0.01
     assert link_fit.links[0].latency_us == pytest.approx(300.0, rel=0.01)
     assert link_fit.links[0].bandwidth_gbs == pytest.approx(0.3, rel=0.01)
+
+
+def test_reduce_scatter_factor_is_measured_and_priced() -> None:
+    """A backend whose reduce-scatter takes twice an all-gather (gloo here): the fit finds the factor, the
+    cost model prices reduce-scatters with it, and the link figures stay those of the other ops."""
+    model = load_model_spec("gpt_small")
+    truth = _truth()
+    truth = dataclasses.replace(truth, links=[dataclasses.replace(truth.links[0], reduce_scatter_factor=2.0)])
+    hw = C.Hardware.from_cluster(truth)
+    assert C.reduce_scatter_time(hw, 4e6, 4, 1) == pytest.approx(2 * C.allgather_time(hw, 4e6, 4, 1))
+    _, colls = _samples(truth, model)
+    assert K.reduce_scatter_factor(colls) == pytest.approx(2.0)
+    fit, err = K.fit_links(load_cluster_spec("cpu", devices_per_node=4), colls)
+    assert err < 0.01 and fit.links[0].reduce_scatter_factor == pytest.approx(2.0)
+    assert fit.links[0].latency_us == pytest.approx(300.0, rel=0.01)
+    z3 = "dp=4,zero=3,mbs=4"  # its gradients are reduce-scattered: dearer on the truth than with factor 1
+    assert (estimate(model, truth, z3, global_batch=16, seq_len=128).step_time_s
+            > estimate(model, _truth(), z3, global_batch=16, seq_len=128).step_time_s)
 
 
 def test_calibrated_cluster_predicts_the_truth_and_round_trips() -> None:

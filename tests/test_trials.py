@@ -150,6 +150,32 @@ def test_cached_cluster_file_predicts_what_the_strategy_predicts(launch):
         assert priced.step_time_s == pytest.approx(live["predicted"], rel=1e-6)
 
 
+def test_autopar_plan_cli_on_the_cached_cluster_predicts_the_same(launch, tmp_path):
+    """`autopar plan --cluster <the cache's cluster.yaml> --model <the spec> --fix <the plan> --json`: the
+    prediction the live strategy printed, from the command line."""
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    _, results = launch
+    live = results["trials"][0]
+    spec_file = tmp_path / "model.yaml"
+    spec_file.write_text(yaml.safe_dump(dataclasses.asdict(live["spec"])))
+    plan = live["plan"]
+    plan = {**plan, "dp_shard": plan["dp_shard"] or plan["dp"]}  # None means all of dp: pin it as such
+    fix = ",".join(f"{k}={v}" for k, v in plan.items())
+    cmd = [sys.executable, "-m", "lightning_autopar.cli", "plan", "--model", str(spec_file), "--cluster",
+           live["outcome"]["cluster_file"], "--global-batch", str(live["global_batch"]), "--seq-len",
+           str(live["seq_len"]), "--fix", fix, "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    best = json.loads(done.stdout)["best"]
+    assert best["step_time_s"] == pytest.approx(live["predicted"], rel=1e-6)
+
+
 def test_fabric_strategy_profiles_and_runs_trials(launch):
     _, results = launch
     first = results["fabric"][0]

@@ -81,6 +81,7 @@ class StepRecord:
     pred_tp_dispatch_s: float | None = None
     pred_pipeline_actions_s: float | None = None
     pred_ep_dispatch_s: float | None = None
+    pred_collective_sync_s: float | None = None
 
 
 # the cost model's step terms, in the order they are reported: Breakdown fields, then Breakdown.terms by name

@@ -179,8 +179,10 @@ def _collective_time(hw: C.Hardware, s: CollectiveSample) -> float:
     """The cost model's seconds for one measured collective (its own formula for that op)."""
     if s.op == "all_reduce":
         return float(C.allreduce_time(hw, float(s.nbytes), s.ranks, s.stride))
-    if s.op in ("all_gather", "reduce_scatter"):
+    if s.op == "all_gather":
         return float(C.allgather_time(hw, float(s.nbytes), s.ranks, s.stride))
+    if s.op == "reduce_scatter":
+        return float(C.reduce_scatter_time(hw, float(s.nbytes), s.ranks, s.stride))
     if s.op == "all_to_all":
         return float(C.alltoall_time(hw, float(s.nbytes), s.ranks, s.stride))
     if s.op == "p2p":
@@ -215,15 +217,34 @@ def _link_rows(cluster: ClusterSpec, level: int, samples: Sequence[CollectiveSam
     return np.array(rows)
 
 
+def reduce_scatter_factor(samples: Sequence[CollectiveSample]) -> float:
+    """Median over the groups of (reduce-scatter time / all-gather time) at the largest size both were measured at
+    on that group: how much slower the backend's reduce-scatter is than the ring it prices as (0: not measured)."""
+    times = {(s.op, s.ranks, s.stride, s.nbytes): s.seconds for s in samples}
+    ratios = []
+    for ranks, stride in {(s.ranks, s.stride) for s in samples}:
+        sizes = [n for (op, r, st, n) in times if op == "all_gather" and (r, st) == (ranks, stride)
+                 and ("reduce_scatter", r, st, n) in times]
+        if sizes:
+            n = max(sizes)
+            ratios.append(times[("reduce_scatter", ranks, stride, n)] / times[("all_gather", ranks, stride, n)])
+    return float(f"{np.median(ratios):.4g}") if ratios else 0.0
+
+
 def fit_links(cluster: ClusterSpec, samples: Sequence[CollectiveSample]) -> tuple[ClusterSpec, float]:
     """(cluster with each measured link level's latency and bandwidth fitted, median relative error).
 
-    Per level (groups inside a node: level 0; across nodes: the outermost, the inner one held), time = a*alpha
+    The reduce-scatter factor comes first (reduce_scatter_factor), so reduce-scatters are priced as the backend
+    runs them. Per level (groups inside a node: level 0; across nodes: the outermost, the inner one held), time = a*alpha
     + b/beta with a, b the formula's coefficients on its active branch; non-negative least squares on the relative
     error, repeated three times because the branch (ring or tree) can change with the figures."""
     samples = [s for s in samples if s.seconds > 0 and s.ranks > 1]
     if not samples:
         return cluster, float("nan")
+    factor = reduce_scatter_factor(samples)
+    if factor:
+        cluster = dataclasses.replace(cluster, links=[dataclasses.replace(link, reduce_scatter_factor=factor)
+                                                      for link in cluster.links])
     for level, chosen in ((0, [s for s in samples if not _spans_nodes(cluster, s)]),
                           (len(cluster.links) - 1, [s for s in samples if _spans_nodes(cluster, s)])):
         if not chosen or (level == 0 and cluster.nodes > 1 and len(cluster.links) == 1 and

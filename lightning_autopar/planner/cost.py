@@ -73,6 +73,7 @@ class Hardware:
     conv_eff: float = 0.0  # fraction of peak a convolution sustains (unit form; derived_conv_efficiency)
     runtime: RuntimeCosts = field(default_factory=RuntimeCosts)  # the runtime's measured fixed costs (runtime_fixed_time)
     fused_ew: bool = False  # the stack fuses the blocks' element-wise ops (DeviceSpec.fused_elementwise)
+    rs_factor: float = 1.0  # reduce-scatter time / all-gather time (LinkSpec.reduce_scatter_factor, inner level)
 
     @staticmethod
     def from_cluster(cluster: ClusterSpec) -> "Hardware":
@@ -107,6 +108,7 @@ class Hardware:
             conv_eff=derived_conv_efficiency(dev.conv_efficiency, dev.gemm_efficiency) * slow,
             runtime=cluster.runtime,
             fused_ew=bool(dev.fused_elementwise),
+            rs_factor=max(inner.reduce_scatter_factor, 0.0) or 1.0,
         )
 
 
@@ -641,6 +643,13 @@ def allgather_time(hw: Hardware, nbytes: Any, size: Any, stride: Any) -> Any:
     return np.where(nodes > 1, across, ring_allgather(nbytes, local, _intra_bw(hw, local), hw.intra_lat))
 
 
+def reduce_scatter_time(hw: Hardware, nbytes: Any, size: Any, stride: Any) -> Any:
+    """allgather_time x rs_factor: a ring reduce-scatter moves what an all-gather moves (Thakur et al. 2005);
+    a backend whose reduce-scatter is slower says so in LinkSpec.reduce_scatter_factor (measured at set-up:
+    planner/calibrate.fit_links)."""
+    return allgather_time(hw, nbytes, size, stride) * hw.rs_factor
+
+
 def alltoall_time(hw: Hardware, nbytes: Any, size: Any, stride: Any) -> Any:
     """(n-1)*alpha + max(S*(l-1)/n / beta_intra, S*(n-l)/n / beta_inter): pairwise exchange, S = bytes held per rank."""
     size = np.asarray(size, dtype=float)
@@ -790,7 +799,8 @@ def scaled_measure(measured_s: float, analytic_now: Any, analytic_ref: float) ->
 # (profile/runtime.py) or refit from measured steps (planner/calibrate.py), ClusterSpec.runtime, microseconds per
 # occurrence. Each term counts occurrences per optimizer step on the busiest rank; 0 us (presets) adds nothing.
 
-RUNTIME_TERMS = ("step", "microbatch", "fsdp_units", "tp_dispatch", "pipeline_actions", "ep_dispatch")
+RUNTIME_TERMS = ("step", "microbatch", "fsdp_units", "tp_dispatch", "pipeline_actions", "ep_dispatch",
+                 "collective_sync")
 
 
 def step_overhead_time(hw: Hardware) -> float:
@@ -837,14 +847,40 @@ def ep_dispatch_time(hw: Hardware, moe_blocks: Any, slots: Any, ep: Any) -> Any:
                     0.0)
 
 
+def collective_calls(slots: Any, zero: Any, fsdp: Any, units: Any, blocks: Any, moe_blocks: Any, tp: Any, pp: Any,
+                     vpp: Any, ep: Any, dp: Any, grad_bytes: Any) -> Any:
+    """Blocking collective calls per step on the busiest rank: FSDP2 gathers and reductions (as
+    fsdp_unit_overhead_time counts them), DDP's bucketed all-reduces (ceil(gradient bytes / DDP_BUCKET_BYTES))
+    when dp > 1 without FSDP, 4 TP all-reduces per block and micro-batch (2 forward, 2 backward; Megatron), a p2p per
+    pipeline action, 4 all-to-alls per MoE layer and micro-batch with ep > 1 (dispatch, combine; forward, backward)."""
+    slots, zero = np.asarray(slots, dtype=float), np.asarray(zero)
+    fsdp_calls = np.asarray(units, dtype=float) * (slots * fsdp_collectives_per_microbatch(zero, fsdp)
+                                                     + np.where(fsdp, 1.0, 0.0))
+    ddp = np.where(~np.asarray(fsdp, dtype=bool) & (np.asarray(dp) > 1),
+                   np.maximum(np.ceil(np.asarray(grad_bytes, dtype=float) / DDP_BUCKET_BYTES), 1.0), 0.0)
+    tp_calls = np.where(np.asarray(tp) > 1, 4.0 * np.asarray(blocks, dtype=float) * slots, 0.0)
+    pp_calls = np.where(np.asarray(pp) > 1, 2.0 * np.asarray(vpp, dtype=float) * slots, 0.0)
+    ep_calls = np.where(np.asarray(ep) > 1, 4.0 * np.asarray(moe_blocks, dtype=float) * slots, 0.0)
+    return fsdp_calls + ddp + tp_calls + pp_calls + ep_calls
+
+
+def collective_sync_time(hw: Hardware, calls: Any) -> Any:
+    """calls * t_sync: each blocking collective waits for the group's last member; ranks drift apart between calls
+    (measured: profile/runtime.py phase_sync; on time-shared cores a rank waits for the others' turns)."""
+    return np.asarray(calls, dtype=float) * hw.runtime.sync_us * 1e-6
+
+
 def runtime_fixed_time(hw: Hardware, slots: Any, zero: Any, fsdp: Any, units: Any, blocks: Any, moe_blocks: Any,
-                       tp: Any, pp: Any, vpp: Any, ep: Any) -> dict[str, Any]:
+                       tp: Any, pp: Any, vpp: Any, ep: Any, dp: Any = 1, grad_bytes: Any = 0.0) -> dict[str, Any]:
     """The runtime's fixed costs per step by term name (RUNTIME_TERMS), on the busiest rank: ``slots`` micro-batch
     slots of the step (micro-batches plus the pipeline's fill and drain), ``units`` FSDP units and ``blocks`` /
-    ``moe_blocks`` on that rank, ``fsdp`` whether FSDP2 runs (not plain DDP)."""
+    ``moe_blocks`` on that rank, ``fsdp`` whether FSDP2 runs (not plain DDP), ``grad_bytes`` the rank's gradient
+    bytes (DDP buckets)."""
+    calls = collective_calls(slots, zero, fsdp, units, blocks, moe_blocks, tp, pp, vpp, ep, dp, grad_bytes)
     return {"step": step_overhead_time(hw) + 0.0 * np.asarray(slots, dtype=float),
             "microbatch": microbatch_overhead_time(hw, slots),
             "fsdp_units": fsdp_unit_overhead_time(hw, units, slots, zero, fsdp),
             "tp_dispatch": tp_dispatch_time(hw, blocks, slots, tp),
             "pipeline_actions": pipeline_action_time(hw, slots, vpp, pp),
-            "ep_dispatch": ep_dispatch_time(hw, moe_blocks, slots, ep)}
+            "ep_dispatch": ep_dispatch_time(hw, moe_blocks, slots, ep),
+            "collective_sync": collective_sync_time(hw, calls)}

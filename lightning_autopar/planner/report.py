@@ -162,8 +162,9 @@ def describe_cluster(cluster: ClusterSpec) -> list[str]:
              f"sustained), stream {dev.memory_bandwidth_gbs * dev.memory_efficiency:.4g} GB/s, "
              f"{dev.kernel_overhead_us:.3g} us per op"]
     for link in cluster.links:
+        rs = f", reduce-scatter x{link.reduce_scatter_factor:.3g}" if link.reduce_scatter_factor != 1 else ""
         lines.append(f"link {link.level}: {link.latency_us:.4g} us latency, "
-                     f"{link.bandwidth_gbs * link.efficiency:.4g} GB/s per device")
+                     f"{link.bandwidth_gbs * link.efficiency:.4g} GB/s per device{rs}")
     rt = cluster.runtime
     named = [(f.name, getattr(rt, f.name)) for f in dataclasses.fields(rt) if f.name != "source"]
     measured = ", ".join(f"{name.removesuffix('_us')} {value:.4g} us" for name, value in named if value)

@@ -239,7 +239,7 @@ def _runtime_terms(model: ModelSpec, hw: C.Hardware, space: Space) -> dict[str, 
     first pipeline stage (ceil(L/pp) blocks, plus the embedding's FSDP unit); None when none is measured."""
     rt = hw.runtime
     if not any((rt.step_us, rt.microbatch_us, rt.fsdp_unit_us, rt.tp_block_us, rt.pipeline_action_us,
-                rt.ep_layer_us)):
+                rt.ep_layer_us, rt.sync_us)):
         return None
     K, M, Cn, D, Lt = space.keys, space.mids, space.cands, space.dpcs, space.layouts
     mid = Cn["mid"]
@@ -259,7 +259,9 @@ def _runtime_terms(model: ModelSpec, hw: C.Hardware, space: Space) -> dict[str, 
         units = blocks + 1.0  # the stage's blocks and its root (embedding / norm / head)
         has_moe = model.moe_layers > 0
     plain_ddp = (zero == 0) & (dp > 1) & (tp == 1) & (pp == 1) & (ep == 1) & (cp == 1) & (not has_moe)
-    return C.runtime_fixed_time(hw, slots, zero, ~plain_ddp, units, blocks, moe_blocks, tp, pp, vpp, ep)
+    grad_bytes = 4.0 * model.total_params() / (tp * pp)  # fp32 gradients (GRAD_REDUCE_BYTES), the rank's share
+    return C.runtime_fixed_time(hw, slots, zero, ~plain_ddp, units, blocks, moe_blocks, tp, pp, vpp, ep, dp,
+                                grad_bytes)
 
 
 def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measured: Measured | None,
@@ -451,7 +453,7 @@ def _dp_rank_terms(hw: C.Hardware, dpc: dict[str, list], zero: np.ndarray, prec_
     replicas = dp_d / ds
     z1, z2, z3 = zero == 1, zero == 2, zero == 3
     grad_d, grad_e = p_d * gbytes, p_e * gbytes
-    rs = C.allgather_time(hw, grad_d, shard, tp_d) + C.allgather_time(hw, grad_e, exp_shard, tp_d * ep_d)
+    rs = C.reduce_scatter_time(hw, grad_d, shard, tp_d) + C.reduce_scatter_time(hw, grad_e, exp_shard, tp_d * ep_d)
     ag = (C.allgather_time(hw, p_d * wbytes, shard, tp_d)
           + C.allgather_time(hw, p_e * wbytes, exp_shard, tp_d * ep_d))
     ar = (C.allreduce_time(hw, grad_d, dp_d * cp_d, tp_d)

@@ -55,6 +55,8 @@ BLOCK_PASSES = 2 * BLOCK_REPS + 4  # forward + backward passes measure_blocks ma
 MAX_MBS = 3  # distinct micro-batch sizes timed
 MODEL_REPS = 3  # timed whole-model passes per mbs (the median, every rank at once)
 OPTIMIZER_REPS = 3  # timed optimizer steps
+SYNC_CALLS = 8  # compute + all-reduce rounds timed for the collective sync cost
+SYNC_CHUNK_S = (0.002, 0.02)  # the compute between two collectives: one block's forward, within these bounds
 # A-priori link figures before any is measured (bytes/s, latency s): conservative so a budget is not overrun;
 # replaced by the measured all-reduce as soon as there is one.
 PRIOR = {"cpu": (2e8, 3e-4), "gpu": (5e9, 5e-5)}
@@ -321,6 +323,45 @@ def phase_model_passes(model: nn.Module, spec: ModelSpec, sizes: Sequence[int], 
     return True
 
 
+def phase_sync(analysis: Any, clock: Clock, profile: RuntimeProfile) -> None:
+    """RuntimeCosts.sync_us: what a blocking collective costs beyond its own latency when the ranks come to it
+    from compute rather than from a barrier, as in training (every rank at once): SYNC_CALLS rounds of a compute
+    chunk (about one block's forward, from the model passes) then a 4-byte all-reduce on the world group, against
+    the same rounds without it; the difference per call, less the aligned latency (phase 1), the slowest rank's."""
+    import torch.distributed as dist
+
+    passes = [b for b in profile.blocks if b.kind == "model"]
+    layers = max(int(getattr(analysis.spec, "layers", 1) or 1), 1)
+    chunk_s = min(max(passes[0].fwd_s / (2 * layers) if passes else SYNC_CHUNK_S[0], SYNC_CHUNK_S[0]),
+                  SYNC_CHUNK_S[1])
+    if dist.get_world_size() < 2:  # nothing to wait for
+        return
+    if not clock.fits(2.5 * SYNC_CALLS * chunk_s):
+        profile.skipped.append("collective sync: over the budget")
+        return
+    device = clock.device
+    a = torch.randn(256, 256, device=device)
+    reps = max(1, round(chunk_s / max(median_time(lambda: a @ a, device, None, 3, 1), 1e-6)))
+    one = torch.zeros(1, device=device)
+
+    def rounds(with_sync: bool) -> float:
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(SYNC_CALLS):
+            for _ in range(reps):
+                a @ a
+            if with_sync:
+                dist.all_reduce(one)
+        dist.barrier()
+        return time.perf_counter() - started
+
+    rounds(True)  # warm-up
+    extra = (rounds(True) - rounds(False)) / SYNC_CALLS
+    aligned = [c.seconds for c in profile.collectives if c.op == "all_reduce" and c.nbytes <= SMALL_BYTES]
+    sync = max(extra - (min(aligned) if aligned else 0.0), 0.0)
+    profile.runtime.sync_us = round(slowest([sync], device)[0] * 1e6, 1)
+
+
 def phase_optimizer(model: nn.Module, precision: str, clock: Clock, profile: RuntimeProfile) -> None:
     """BlockSample(kind "optimizer", fwd_s = one AdamW step over copies of the model's parameters), the slowest
     rank's median: what the optimizer term (cost.optimizer_time) costs on this machine."""
@@ -396,6 +437,7 @@ def profile_runtime(model: nn.Module, analysis: Any, plans: Sequence[Plan], seq_
     with torch.random.fork_rng(devices=devices):  # the blocks' inputs and dropout draw from it
         phase_collectives(plans, spec, clock, link, profile)
         phase_blocks(model, analysis, plans, seq_len, precision, clock, profile, step_pass)
+        phase_sync(analysis, clock, profile)
     profile.seconds = clock.elapsed()
     return profile
 

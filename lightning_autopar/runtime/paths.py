@@ -25,7 +25,7 @@ import torch
 from lightning_autopar.specs import ClusterSpec, ModelSpec, Plan, RuntimeCosts
 
 FIELDS = ("step_us", "microbatch_us", "fsdp_unit_us", "tp_block_us", "pipeline_action_us")
-FITTED = FIELDS[1:]  # step_us: one per step in every path, the fit's shared term absorbs it (fit_costs)
+FITTED = FIELDS[1:]  # step_us: one per step in every path, it is the fit's shared term (fit_costs)
 ROWS_PER_RANK = 4  # global batch = 4 rows per rank: accumulation and pipelines get 4 micro-batches
 STEPS = 4  # per path: one untimed, then the median of the rest
 TINY = dict(vocab=64, seq_len=16, layers=4, hidden=32, heads=2, ffn_hidden=64)
@@ -77,16 +77,18 @@ def occurrences(cluster: ClusterSpec, spec: ModelSpec, plan: Plan, global_batch:
 
 def fit_costs(timings: list[PathTiming]) -> RuntimeCosts:
     """RuntimeCosts >= 0 (us) by least squares on the relative error: measured - predicted ~ b + sum over FITTED of
-    occurrences x figure, per path. b, of either sign, is what every path's step shares and the fixed costs do not
-    explain: the tiny model's device work mispriced, the trial's own per-step work; it is not a runtime cost, and
-    step_us (one per step in every path, so not separable from b) is left to the refit of the user's steps."""
+    occurrences x figure, per path. b, of either sign, is what every path's step shares: the step's own host work
+    (runtime.step, the optimizer's dispatch, the gradient sync's launch) and whatever the tiny model's device work
+    is still mispriced by; its positive part is ``step_us`` (one per optimizer step in every path, so the paths
+    cannot tell the two apart: the refit on the user's own steps adjusts it)."""
     from lightning_autopar.planner.calibrate import nnls
 
     a = np.array([[1.0, -1.0] + [t.occurrences[name] for name in FITTED] for t in timings])
     y = np.array([t.measured_s - t.predicted_s for t in timings])
     scale = np.array([t.measured_s for t in timings])
-    x = nnls(a / scale[:, None], y / scale)[2:]
-    return RuntimeCosts(**{name: float(f"{v:.4g}") for name, v in zip(FITTED, x)},
+    x = nnls(a / scale[:, None], y / scale)
+    step_us = max(x[0] - x[1], 0.0) * 1e6  # the intercept is in seconds; the figures in us per occurrence
+    return RuntimeCosts(step_us=float(f"{step_us:.4g}"), **{name: float(f"{v:.4g}") for name, v in zip(FITTED, x[2:])},
                         source=f"{SOURCE} {time.strftime('%Y-%m-%d')}")
 
 
