@@ -45,8 +45,8 @@ def test_fsdp_unit_term_counts_collectives_per_zero() -> None:
     hw = _hw(fsdp_unit_us=100)
     # zero 3: 2 gathers per micro-batch + 1 reduction per step; 5 units, 4 micro-batches -> 5 * 9 calls
     assert C.fsdp_unit_overhead_time(hw, 5, 4, 3, True) == pytest.approx(5 * 9 * 1e-4)
-    # zero 1/2: 1 gather per micro-batch + 1 reduction
-    assert C.fsdp_unit_overhead_time(hw, 5, 4, 2, True) == pytest.approx(5 * 5 * 1e-4)
+    # zero 1/2: the parameters stay gathered across the step's micro-batches: 1 gather + 1 reduction per step
+    assert C.fsdp_unit_overhead_time(hw, 5, 4, 2, True) == pytest.approx(5 * 2 * 1e-4)
     # zero 0 on FSDP2 (with tp/pp): the reduction only; plain DDP: nothing
     assert C.fsdp_unit_overhead_time(hw, 5, 4, 0, True) == pytest.approx(5 * 1e-4)
     assert C.fsdp_unit_overhead_time(hw, 5, 4, 0, False) == 0.0

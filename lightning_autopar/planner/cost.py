@@ -815,17 +815,24 @@ def microbatch_overhead_time(hw: Hardware, slots: Any) -> Any:
 
 def fsdp_collectives_per_microbatch(zero: Any, fsdp: Any) -> Any:
     """FSDP2 collectives per unit and micro-batch as parallel/fsdp.py applies them: zero 3 gathers in forward and
-    again in backward (reshard_after_forward), zero 1/2 gather once (kept to backward), zero 0 none; gradients
-    are reduced once per step (sync off but on the last micro-batch: fsdp_collectives_per_step)."""
+    again in backward (reshard_after_forward); zero 1/2 keep the parameters gathered until the step's last
+    backward (set_gradient_sync), zero 0 gathers nothing: fsdp_collectives_per_step counts theirs."""
     zero = np.asarray(zero)
-    return np.where(fsdp, np.where(zero == 3, 2.0, np.where(zero > 0, 1.0, 0.0)), 0.0)
+    return np.where(fsdp & (zero == 3), 2.0, 0.0)
+
+
+def fsdp_collectives_per_step(zero: Any, fsdp: Any) -> Any:
+    """FSDP2 collectives per unit once per step: the gradient reduction after the last micro-batch (gradient sync
+    is off for the others) and, at zero 1/2, the one gather of the step's first forward."""
+    zero = np.asarray(zero)
+    return np.where(fsdp, 1.0 + np.where((zero == 1) | (zero == 2), 1.0, 0.0), 0.0)
 
 
 def fsdp_unit_overhead_time(hw: Hardware, units: Any, slots: Any, zero: Any, fsdp: Any) -> Any:
-    """units * (slots * c_mb + 1) * t_unit: each FSDP unit's hooks and copy-in/out per collective, c_mb gathers per
-    micro-batch (fsdp_collectives_per_microbatch) plus one gradient reduction per step (measured t_unit)."""
-    per_mb = fsdp_collectives_per_microbatch(zero, fsdp)
-    calls = np.asarray(slots, dtype=float) * per_mb + np.where(fsdp, 1.0, 0.0)
+    """units * (slots * c_mb + c_step) * t_unit: each FSDP unit's hooks and copy-in/out per collective, c_mb per
+    micro-batch and c_step per step (fsdp_collectives_per_microbatch / _per_step; measured t_unit)."""
+    calls = np.asarray(slots, dtype=float) * fsdp_collectives_per_microbatch(zero, fsdp) \
+        + fsdp_collectives_per_step(zero, fsdp)
     return np.asarray(units, dtype=float) * calls * hw.runtime.fsdp_unit_us * 1e-6
 
 
@@ -855,7 +862,7 @@ def collective_calls(slots: Any, zero: Any, fsdp: Any, units: Any, blocks: Any, 
     pipeline action, 4 all-to-alls per MoE layer and micro-batch with ep > 1 (dispatch, combine; forward, backward)."""
     slots, zero = np.asarray(slots, dtype=float), np.asarray(zero)
     fsdp_calls = np.asarray(units, dtype=float) * (slots * fsdp_collectives_per_microbatch(zero, fsdp)
-                                                     + np.where(fsdp, 1.0, 0.0))
+                                                     + fsdp_collectives_per_step(zero, fsdp))
     ddp = np.where(~np.asarray(fsdp, dtype=bool) & (np.asarray(dp) > 1),
                    np.maximum(np.ceil(np.asarray(grad_bytes, dtype=float) / DDP_BUCKET_BYTES), 1.0), 0.0)
     tp_calls = np.where(np.asarray(tp) > 1, 4.0 * np.asarray(blocks, dtype=float) * slots, 0.0)
