@@ -50,6 +50,9 @@ def test_fsdp_unit_term_counts_collectives_per_zero() -> None:
     # zero 0 on FSDP2 (with tp/pp): the reduction only; plain DDP: nothing
     assert C.fsdp_unit_overhead_time(hw, 5, 4, 0, True) == pytest.approx(5 * 1e-4)
     assert C.fsdp_unit_overhead_time(hw, 5, 4, 0, False) == 0.0
+    # zero 3 in a pipeline stage: gathered after each backward until the step's last (torch pipelining), so one
+    # gather per micro-batch (backward) + the first forward's + the reduction
+    assert C.fsdp_unit_overhead_time(hw, 5, 4, 3, True, pp=2) == pytest.approx(5 * 6 * 1e-4)
 
 
 def test_tp_pipeline_ep_terms_only_when_used() -> None:

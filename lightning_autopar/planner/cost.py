@@ -813,26 +813,30 @@ def microbatch_overhead_time(hw: Hardware, slots: Any) -> Any:
     return np.asarray(slots, dtype=float) * hw.runtime.microbatch_us * 1e-6
 
 
-def fsdp_collectives_per_microbatch(zero: Any, fsdp: Any) -> Any:
+def fsdp_collectives_per_microbatch(zero: Any, fsdp: Any, pp: Any = 1) -> Any:
     """FSDP2 collectives per unit and micro-batch as parallel/fsdp.py applies them: zero 3 gathers in forward and
-    again in backward (reshard_after_forward); zero 1/2 keep the parameters gathered until the step's last
-    backward (set_gradient_sync), zero 0 gathers nothing: fsdp_collectives_per_step counts theirs."""
+    again in backward (reshard_after_forward) -- in a pipeline stage only in backward, as torch.distributed.
+    pipelining keeps the parameters gathered after each backward until the step's last; zero 1/2 keep them
+    gathered until the step's last backward (set_gradient_sync); zero 0 gathers nothing
+    (fsdp_collectives_per_step counts the once-per-step ones)."""
     zero = np.asarray(zero)
-    return np.where(fsdp & (zero == 3), 2.0, 0.0)
+    return np.where(fsdp & (zero == 3), np.where(np.asarray(pp) > 1, 1.0, 2.0), 0.0)
 
 
-def fsdp_collectives_per_step(zero: Any, fsdp: Any) -> Any:
+def fsdp_collectives_per_step(zero: Any, fsdp: Any, pp: Any = 1) -> Any:
     """FSDP2 collectives per unit once per step: the gradient reduction after the last micro-batch (gradient sync
-    is off for the others) and, at zero 1/2, the one gather of the step's first forward."""
+    is off for the others) and the one gather of the step's first forward at zero 1/2 (and at zero 3 in a
+    pipeline stage)."""
     zero = np.asarray(zero)
-    return np.where(fsdp, 1.0 + np.where((zero == 1) | (zero == 2), 1.0, 0.0), 0.0)
+    first = ((zero == 1) | (zero == 2)) | ((zero == 3) & (np.asarray(pp) > 1))
+    return np.where(fsdp, 1.0 + np.where(first, 1.0, 0.0), 0.0)
 
 
-def fsdp_unit_overhead_time(hw: Hardware, units: Any, slots: Any, zero: Any, fsdp: Any) -> Any:
+def fsdp_unit_overhead_time(hw: Hardware, units: Any, slots: Any, zero: Any, fsdp: Any, pp: Any = 1) -> Any:
     """units * (slots * c_mb + c_step) * t_unit: each FSDP unit's hooks and copy-in/out per collective, c_mb per
     micro-batch and c_step per step (fsdp_collectives_per_microbatch / _per_step; measured t_unit)."""
-    calls = np.asarray(slots, dtype=float) * fsdp_collectives_per_microbatch(zero, fsdp) \
-        + fsdp_collectives_per_step(zero, fsdp)
+    calls = np.asarray(slots, dtype=float) * fsdp_collectives_per_microbatch(zero, fsdp, pp) \
+        + fsdp_collectives_per_step(zero, fsdp, pp)
     return np.asarray(units, dtype=float) * calls * hw.runtime.fsdp_unit_us * 1e-6
 
 
@@ -861,8 +865,8 @@ def collective_calls(slots: Any, zero: Any, fsdp: Any, units: Any, blocks: Any, 
     when dp > 1 without FSDP, 4 TP all-reduces per block and micro-batch (2 forward, 2 backward; Megatron), a p2p per
     pipeline action, 4 all-to-alls per MoE layer and micro-batch with ep > 1 (dispatch, combine; forward, backward)."""
     slots, zero = np.asarray(slots, dtype=float), np.asarray(zero)
-    fsdp_calls = np.asarray(units, dtype=float) * (slots * fsdp_collectives_per_microbatch(zero, fsdp)
-                                                     + fsdp_collectives_per_step(zero, fsdp))
+    fsdp_calls = np.asarray(units, dtype=float) * (slots * fsdp_collectives_per_microbatch(zero, fsdp, pp)
+                                                     + fsdp_collectives_per_step(zero, fsdp, pp))
     ddp = np.where(~np.asarray(fsdp, dtype=bool) & (np.asarray(dp) > 1),
                    np.maximum(np.ceil(np.asarray(grad_bytes, dtype=float) / DDP_BUCKET_BYTES), 1.0), 0.0)
     tp_calls = np.where(np.asarray(tp) > 1, 4.0 * np.asarray(blocks, dtype=float) * slots, 0.0)
@@ -886,7 +890,7 @@ def runtime_fixed_time(hw: Hardware, slots: Any, zero: Any, fsdp: Any, units: An
     calls = collective_calls(slots, zero, fsdp, units, blocks, moe_blocks, tp, pp, vpp, ep, dp, grad_bytes)
     return {"step": step_overhead_time(hw) + 0.0 * np.asarray(slots, dtype=float),
             "microbatch": microbatch_overhead_time(hw, slots),
-            "fsdp_units": fsdp_unit_overhead_time(hw, units, slots, zero, fsdp),
+            "fsdp_units": fsdp_unit_overhead_time(hw, units, slots, zero, fsdp, pp),
             "tp_dispatch": tp_dispatch_time(hw, blocks, slots, tp),
             "pipeline_actions": pipeline_action_time(hw, slots, vpp, pp),
             "ep_dispatch": ep_dispatch_time(hw, moe_blocks, slots, ep),

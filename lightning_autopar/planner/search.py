@@ -348,7 +348,7 @@ def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int,
         # the last unit's reduction have no compute to hide behind
         edge = he * p_emb + hh * p_head
         tail = np.minimum(1.0, np.where(edge > 0, edge, unit) / np.maximum(p_d + p_e, 1.0))
-        _dp_rank_terms(hw, dpc, zero, prec_d, dp_d, cp_d, tp_d, ep_d, ds, p_d, p_e, unit, tail)
+        _dp_rank_terms(hw, dpc, zero, prec_d, dp_d, cp_d, tp_d, ep_d, ds, p_d, p_e, unit, tail, pp_d)
     return mid, dpc
 
 
@@ -412,7 +412,8 @@ def _unit_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measur
         p_d = w @ u.params
         unit = (w * u.params).max(axis=1)  # the largest FSDP unit: zero-3 gather buffers
         tail = np.minimum(1.0, rows_d[:, r, 2] / np.maximum(p_d, 1.0))
-        _dp_rank_terms(hw, dpc, D["zero"], D["precision"], dp_d, cp_d, tp_d, ep_d, ds, p_d, 0.0 * p_d, unit, tail)
+        _dp_rank_terms(hw, dpc, D["zero"], D["precision"], dp_d, cp_d, tp_d, ep_d, ds, p_d, 0.0 * p_d, unit, tail,
+                       f(Lt["pp"][dl]))
     return mid, dpc
 
 
@@ -439,11 +440,14 @@ DPC_TERMS = ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem", "mb")
 
 def _dp_rank_terms(hw: C.Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d: np.ndarray, dp_d: np.ndarray,
                    cp_d: np.ndarray, tp_d: np.ndarray, ep_d: np.ndarray, ds: np.ndarray, p_d: np.ndarray,
-                   p_e: np.ndarray, unit: np.ndarray, tail: np.ndarray) -> None:
+                   p_e: np.ndarray, unit: np.ndarray, tail: np.ndarray, pp: Any = 1.0) -> None:
     """Append one representative rank's data-parallel traffic, parameter work and model-state memory to ``dpc``.
 
     ``p_d`` / ``p_e``: dense / expert parameters on the rank; ``unit``: the largest FSDP unit (zero-3 gather
-    buffers); ``tail``: the share of the rank's gather/reduction that no compute hides (first / last unit).
+    buffers); ``tail``: the share of the rank's gather/reduction that no compute hides (first / last unit);
+    ``pp``: the pipeline degree (a pipeline stage keeps its FSDP parameters gathered from one micro-batch's
+    backward to the next one's forward: torch.distributed.pipelining turns reshard_after_backward off until the
+    step's last).
     """
     frag = 1 + C.FRAGMENTATION
     wbytes = C.WEIGHT_BYTES[prec_d]
@@ -463,13 +467,14 @@ def _dp_rank_terms(hw: C.Hardware, dpc: dict[str, list], zero: np.ndarray, prec_
     # gradients are reduced once per step, after the last micro-batch (runtime.step turns gradient sync off for
     # the others: parallel.fsdp.set_gradient_sync): all-reduce at zero 0, reduce-scatter at 1-3 (+ HSDP's
     # all-reduce across replicas)
-    once = np.where(zero == 0, ar, rs + hsdp)
+    staged = np.asarray(pp) > 1  # zero 3 in a pipeline stage: the forward gathers once per step, not per micro-batch
+    once = np.where(zero == 0, ar, rs + hsdp) + np.where(z3 & staged, ag, 0.0)
     # per micro-batch exposed = max(a1 - tf, b1) + max(a2 - tb, b2); once per step = max(a3 - tb, b3) + c3
     # (plus the interference share of the hidden part, search.slot_of). zero 3 gathers every unit in forward and
     # again in backward per micro-batch; zero 1/2 gather once per step and keep the parameters until the last
     # micro-batch's backward (set_gradient_sync), priced as one exposed gather per step (c3).
-    dpc["a1"].append(np.where(z3, ag, 0.0))
-    dpc["b1"].append(np.where(z3, ag * tail, 0.0))
+    dpc["a1"].append(np.where(z3 & ~staged, ag, 0.0))
+    dpc["b1"].append(np.where(z3 & ~staged, ag * tail, 0.0))
     dpc["a2"].append(np.where(z3, ag, 0.0))
     dpc["b2"].append(np.where(z3, ag * tail, 0.0))
     dpc["a3"].append(once)
