@@ -39,20 +39,28 @@ def torchrun(script: Path | str, nproc: int, *args: str, timeout: int = 900, ext
 EXIT_ABORT = "terminate called without an active exception"
 
 
-def aborted_only_at_exit(proc: subprocess.CompletedProcess, out: Path, names: list[str]) -> bool:
+def aborted_only_at_exit(proc: subprocess.CompletedProcess, files: list[Path]) -> bool:
+    """A launch whose only failure is a rank's abort in interpreter teardown (EXIT_ABORT, exit -6) after every one
+    of ``files`` was written: the work is done and checked by the test (the abort is an open issue, not a result)."""
     text = proc.stdout + proc.stderr
-    return EXIT_ABORT in text and "exitcode: -6" in text and all((out / f"{n}.pt").exists() for n in names)
+    return (EXIT_ABORT in text and (proc.returncode == -6 or "exitcode: -6" in text)
+            and all(f.exists() for f in files))
+
+
+def check_launch(proc: subprocess.CompletedProcess, files: list[Path], what: str) -> None:
+    """Fail on a failed launch, unless it only aborted at exit after writing ``files`` (then a warning)."""
+    if proc.returncode == 0:
+        return
+    if aborted_only_at_exit(proc, files):
+        import warnings
+
+        warnings.warn(f"{what}: a rank aborted at exit after writing every result ({EXIT_ABORT})", stacklevel=2)
+        return
+    pytest.fail(f"{what} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 
 
 def run_scenarios(tmp_path_factory, nproc: int, names: list[str], script: str = "scenarios.py") -> Path:
     out = tmp_path_factory.mktemp(f"{Path(script).stem}_w{nproc}")
     proc = torchrun(DIST / script, nproc, str(out), ",".join(names))
-    if proc.returncode != 0:
-        if aborted_only_at_exit(proc, out, names):
-            import warnings
-
-            warnings.warn(f"torchrun {script} ({nproc} procs): a rank aborted at exit after writing every result "
-                          f"({EXIT_ABORT})", stacklevel=2)
-            return out
-        pytest.fail(f"torchrun {script} ({nproc} procs) failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    check_launch(proc, [out / f"{n}.pt" for n in names], f"torchrun {script} ({nproc} procs)")
     return out

@@ -18,7 +18,7 @@ import csv
 
 import pytest
 import torch
-from conftest import DIST, torchrun
+from conftest import DIST, check_launch, torchrun
 from common import STEPS, reference_run
 
 LOSS_RTOL = 1e-5
@@ -36,8 +36,7 @@ def runs(tmp_path_factory):
     for nproc, names, extra in ((4, ["elastic_save"], ()), (2, WORLD2, ("--max-restarts=2",))):
         proc = torchrun(DIST / "callback_scenarios.py", nproc, str(out), ",".join(names), timeout=600,
                         torchrun_args=extra)
-        if proc.returncode != 0:
-            pytest.fail(f"callback scenarios ({nproc} procs) failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        check_launch(proc, [out / f"{name}.pt" for name in names], f"callback scenarios ({nproc} procs)")
     return out
 
 

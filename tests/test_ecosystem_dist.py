@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from common import STEPS, reference_run
-from conftest import DIST, ROOT, run_scenarios
+from conftest import DIST, ROOT, check_launch, run_scenarios
 from test_strategy import assert_equivalent
 
 try:
@@ -127,7 +127,7 @@ def test_own_launcher_shares_the_cores(tmp_path, mode):
 
     proc = subprocess.run([sys.executable, str(DIST / "launcher_threads.py"), str(tmp_path), mode], cwd=ROOT,
                           env=without_thread_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    check_launch(proc, [tmp_path / f"{mode}_rank{rank}.txt" for rank in (0, 1)], f"launcher_threads.py {mode}")
     share = max(1, cpu_count() // 2)
     threads = [int((tmp_path / f"{mode}_rank{rank}.txt").read_text()) for rank in (0, 1)]
     assert all(1 <= t <= share for t in threads), (threads, share)

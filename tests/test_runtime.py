@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DIST, torchrun
+from conftest import DIST, check_launch, torchrun
 
 from lightning_autopar.runtime.batches import leading_size, micro_batches, slice_batch, split_rows
 from lightning_autopar.runtime.logs import LogRecorder, recording_logs
@@ -81,8 +81,7 @@ def test_log_recorder_weights_reduces_and_logs_once():
 def trial_world2(tmp_path_factory):
     out = tmp_path_factory.mktemp("runtime_w2")
     proc = torchrun(DIST / "runtime_scenarios.py", 2, str(out))
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun runtime_scenarios.py failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    check_launch(proc, [out / f"trial_r{rank}.pt" for rank in range(2)], "torchrun runtime_scenarios.py")
     return [torch.load(out / f"trial_r{rank}.pt", weights_only=False) for rank in range(2)]
 
 
