@@ -257,11 +257,14 @@ class RuntimeCosts:
     sync_us: float = 0.0
     source: str = ""  # where the figures come from ("profile 2026-12-01", "refit on 3 trials", ...)
 
+    def figures(self) -> dict[str, float]:
+        """The costs by field name, microseconds (every field but ``source``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "source"}
+
     def validate(self, where: str = "cluster.runtime") -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name != "source" and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-                raise ConfigError(f"{where}.{f.name}", f"must be a number >= 0 (microseconds), got {value!r}")
+        for name, value in self.figures().items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"{where}.{name}", f"must be a number >= 0 (microseconds), got {value!r}")
 
 
 @dataclass

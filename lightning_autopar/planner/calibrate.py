@@ -267,9 +267,8 @@ def fit_links(cluster: ClusterSpec, samples: Sequence[CollectiveSample]) -> tupl
 
 def merged_runtime(base: RuntimeCosts, measured: RuntimeCosts, source: str) -> RuntimeCosts:
     """``base`` with every figure ``measured`` has (> 0) taken from it."""
-    values = {f.name: getattr(measured, f.name) or getattr(base, f.name)
-              for f in dataclasses.fields(RuntimeCosts) if f.name != "source"}
-    return RuntimeCosts(**values, source=source)
+    ours = measured.figures()
+    return RuntimeCosts(**{name: ours[name] or value for name, value in base.figures().items()}, source=source)
 
 
 def calibrate(cluster: ClusterSpec, model: ModelSpec, profile: RuntimeProfile, precision: str = "fp32") -> ClusterSpec:
@@ -305,8 +304,7 @@ def scaled(cluster: ClusterSpec, factor: float) -> ClusterSpec:
     links = [dataclasses.replace(link, bandwidth_gbs=link.bandwidth_gbs / factor, latency_us=link.latency_us * factor)
              for link in cluster.links]
     rt = cluster.runtime
-    runtime = RuntimeCosts(**{f.name: float(getattr(rt, f.name) * factor) for f in dataclasses.fields(rt)
-                              if f.name != "source"}, source=rt.source)
+    runtime = RuntimeCosts(**{name: float(value * factor) for name, value in rt.figures().items()}, source=rt.source)
     return dataclasses.replace(cluster, device=device, links=links, runtime=runtime)
 
 

@@ -166,8 +166,7 @@ def describe_cluster(cluster: ClusterSpec) -> list[str]:
         lines.append(f"link {link.level}: {link.latency_us:.4g} us latency, "
                      f"{link.bandwidth_gbs * link.efficiency:.4g} GB/s per device{rs}")
     rt = cluster.runtime
-    named = [(f.name, getattr(rt, f.name)) for f in dataclasses.fields(rt) if f.name != "source"]
-    measured = ", ".join(f"{name.removesuffix('_us')} {value:.4g} us" for name, value in named if value)
+    measured = ", ".join(f"{name.removesuffix('_us')} {value:.4g} us" for name, value in rt.figures().items() if value)
     if measured:
         lines.append(f"runtime fixed costs ({rt.source or 'given'}): {measured}")
     return lines

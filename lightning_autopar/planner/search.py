@@ -238,8 +238,7 @@ def _runtime_terms(model: ModelSpec, hw: C.Hardware, space: Space) -> dict[str, 
     """The runtime's fixed costs per candidate by term (cost.runtime_fixed_time) on the busiest rank: the
     first pipeline stage (ceil(L/pp) blocks, plus the embedding's FSDP unit); None when none is measured."""
     rt = hw.runtime
-    if not any((rt.step_us, rt.microbatch_us, rt.fsdp_unit_us, rt.tp_block_us, rt.pipeline_action_us,
-                rt.ep_layer_us, rt.sync_us)):
+    if not any(rt.figures().values()):
         return None
     K, M, Cn, D, Lt = space.keys, space.mids, space.cands, space.dpcs, space.layouts
     mid = Cn["mid"]

@@ -460,20 +460,8 @@ def pass_seconds(forward: Callable[[], torch.Tensor], device: torch.device, reps
 def optimizer_step_seconds(params: Sequence[torch.Tensor], device: torch.device, reps: int = 3) -> float:
     """Median seconds of one AdamW step (torch's default implementation for the device) over fp32 copies of
     ``params`` with gradients, every rank at once after a barrier (the cost model prices Adam: cost.optimizer_time)."""
-    import statistics
-
-    import torch.distributed as dist
-
     copies = [torch.zeros_like(p, device=device, dtype=torch.float32, requires_grad=True) for p in params]
     for c in copies:
         c.grad = torch.full_like(c, 1e-3)
     opt = torch.optim.AdamW(copies, lr=1e-3)
-    opt.step()  # the first step allocates the states
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start = time.perf_counter()
-        opt.step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_time(opt.step, device, None, reps, warmup=1)  # the warm-up step allocates the states

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_autopar.profile.runtime import slowest
 from lightning_autopar.specs import ClusterSpec, ModelSpec, Plan, RuntimeCosts
 
 FIELDS = ("step_us", "microbatch_us", "fsdp_unit_us", "tp_block_us", "pipeline_action_us")
@@ -117,16 +118,16 @@ def measure_paths(cluster: ClusterSpec, device: torch.device, budget_s: float) -
     cluster = tiny_device(cluster, module, spec, device)
     timings: list[PathTiming] = []
     for name, plan in path_plans(world):
-        elapsed = _slowest(time.perf_counter() - started, device)
+        elapsed = slowest([time.perf_counter() - started], device)[0]
         if pace and elapsed + pace > budget_s:
             break
         tick = time.perf_counter()
         steps = run_trial(module, plan, [batch], STEPS, device)
-        measured = _slowest(statistics.median(steps[1:]), device)
+        measured = slowest([statistics.median(steps[1:])], device)[0]
         predicted = _predicted(cluster, spec, plan, global_batch)
         timings.append(PathTiming(name, plan.to_dict(), measured, predicted,
                                   occurrences(cluster, spec, plan, global_batch)))
-        pace = max(pace, _slowest(time.perf_counter() - tick, device))
+        pace = max(pace, slowest([time.perf_counter() - tick], device)[0])
     return fit_costs(timings) if timings else RuntimeCosts(), timings
 
 
@@ -142,10 +143,10 @@ def tiny_device(cluster: ClusterSpec, module: Any, spec: ModelSpec, device: torc
     samples = []
     for mbs in (1, ROWS_PER_RANK):
         forward = token_forward(module.model, mbs, spec.seq_len, spec.vocab, "fp32", device)
-        fwd, bwd = (_slowest(t, device) for t in pass_seconds(forward, device, reps=3, warmup=1))
+        fwd, bwd = slowest(list(pass_seconds(forward, device, reps=3, warmup=1)), device)
         samples.append(BlockSample("model", mbs, spec.seq_len, "fp32", fwd, bwd))
     step = optimizer_step_seconds(list(module.parameters()), device, reps=3)
-    samples.append(BlockSample("optimizer", 0, 0, "fp32", _slowest(step, device), 0.0))
+    samples.append(BlockSample("optimizer", 0, 0, "fp32", slowest([step], device)[0], 0.0))
     for p in module.parameters():
         p.grad = None  # the trials copy the module: no gradient from these passes
     return fit_device(cluster, spec, samples)[0]
@@ -156,12 +157,3 @@ def _predicted(cluster: ClusterSpec, spec: ModelSpec, plan: Plan, global_batch: 
 
     bare = dataclasses.replace(cluster, runtime=RuntimeCosts())
     return estimate(spec, bare, plan, global_batch=global_batch, seq_len=spec.seq_len).step_time_s
-
-
-def _slowest(value: float, device: torch.device) -> float:
-    """The largest ``value`` over the ranks (every rank decides on the same figure)."""
-    import torch.distributed as dist
-
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())

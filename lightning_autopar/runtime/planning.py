@@ -400,15 +400,14 @@ class PlanningMixin(ABC):
         profile runs its training step."""
         import torch
 
+        from lightning_autopar.profile.runtime import kept_gradients
+
         module = self.lightning_module
-        params = list(module.parameters())
-        grads = [p.grad for p in params]
         buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
         try:
-            yield
+            with kept_gradients(module):
+                yield
         finally:
-            for p, grad in zip(params, grads):
-                p.grad = grad
             with torch.no_grad():
                 for name, b in module.named_buffers():
                     if name in buffers:
