@@ -14,7 +14,12 @@ from typing import Any, Mapping
 
 from lightning_autopar.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# pipeline schedules (torch.distributed.pipelining): interleaved-zb = ScheduleInterleavedZeroBubble (vpp >= 2
+# chunks per rank, round-robin), zbv = ScheduleZBVZeroBubble and dualpipev = ScheduleDualPipeV (exactly two
+# chunks per rank in a V: rank r holds stages r and 2*pp-1-r; plan.vpp == 2)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
+INTERLEAVED_SCHEDULES = ("interleaved", "interleaved-zb")  # vpp >= 2 chunks per rank, placed round-robin
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank, placed in a V
 RECOMPUTE_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "fp8-mixed")  # fp8-mixed: fp8 GEMMs, the rest bf16 (planner only)
 FFN_KINDS = ("gelu", "swiglu")
@@ -223,6 +228,10 @@ class DeviceSpec:
     # fp8 output cast, RoPE, gated activation, bias-dropout-add; planner.cost.block_memory_ops); False: eager
     # PyTorch ops, as autopar's runtime runs HF Llama and models.GPT
     fused_elementwise: bool = False
+    # torch.compile (inductor) fuses each block's element-wise ops into generated kernels on this device and the
+    # planner prices compile=true by that (Triton on CUDA GPUs: set on the GPU presets); False: compile=true is
+    # priced as eager unless a measured speed-up is carried (RuntimeCosts.compile_speedup)
+    compile_fuses: bool = False
 
 
 @dataclass
@@ -256,15 +265,21 @@ class RuntimeCosts:
     # collective's own latency (ranks drift apart between calls; large when processes time-share cores)
     sync_us: float = 0.0
     source: str = ""  # where the figures come from ("profile 2026-12-01", "refit on 3 trials", ...)
+    # a block's eager fwd+bwd time over its torch.compile'd time at the plan's micro-batch shape, measured at
+    # set-up (profile/runtime.py phase_compile); 0: not measured (planner.cost.compiled_block_time)
+    compile_speedup: float = 0.0
 
     def figures(self) -> dict[str, float]:
-        """The costs by field name, microseconds (every field but ``source``)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "source"}
+        """The costs by field name, microseconds (the ``_us`` fields)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name.endswith("_us")}
 
     def validate(self, where: str = "cluster.runtime") -> None:
         for name, value in self.figures().items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{where}.{name}", f"must be a number >= 0 (microseconds), got {value!r}")
+        speedup = self.compile_speedup
+        if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) or speedup < 0:
+            raise ConfigError(f"{where}.compile_speedup", f"must be a ratio >= 0 (0: not measured), got {speedup!r}")
 
 
 @dataclass
@@ -402,6 +417,7 @@ class RuntimeProfile:
 # --------------------------------------------------------------------------------------------- plan
 
 PLAN_INT_FIELDS = ("dp", "zero", "dp_shard", "tp", "pp", "vpp", "ep", "cp", "mbs", "grad_accum")
+PLAN_BOOL_FIELDS = ("sp", "compile")
 PLAN_CHOICE_FIELDS = {"schedule": SCHEDULES, "recompute": RECOMPUTE_MODES, "precision": PRECISIONS}
 
 
@@ -423,6 +439,7 @@ class Plan:
     grad_accum: int = 1
     recompute: str = "none"
     precision: str = "fp32"
+    compile: bool = False  # torch.compile per block (contract additions 2026-12-01)
 
     @property
     def world_size(self) -> int:
@@ -458,6 +475,8 @@ class Plan:
             parts.append(f"rc={self.recompute}")
         if self.precision != "fp32":
             parts.append(self.precision)
+        if self.compile:
+            parts.append("compile")
         return " ".join(parts)
 
     def validate(self, world_size: int | None = None, global_batch: int | None = None) -> None:
@@ -479,8 +498,12 @@ class Plan:
                               "choose a divisor of dp")
         if self.sp and self.tp == 1:
             raise ConfigError("plan.sp", "sequence parallel needs tp > 1", "set tp >= 2 or sp=false")
-        if self.vpp > 1 and self.schedule != "interleaved":
-            raise ConfigError("plan.vpp", f"vpp={self.vpp} needs schedule=interleaved", "set schedule=interleaved")
+        if self.vpp > 1 and self.schedule not in INTERLEAVED_SCHEDULES + V_SCHEDULES:
+            raise ConfigError("plan.vpp", f"vpp={self.vpp} needs an interleaved or V schedule",
+                              "set schedule=interleaved, interleaved-zb, zbv or dualpipev")
+        if self.schedule in V_SCHEDULES and self.pp > 1 and self.vpp != 2:
+            raise ConfigError("plan.vpp", f"schedule={self.schedule} runs two stages per pipeline rank (a V), got "
+                              f"vpp={self.vpp}", "set vpp=2")
         if world_size is not None and self.world_size != world_size:
             raise ConfigError("plan", f"dp*tp*pp*cp = {self.dp}*{self.tp}*{self.pp}*{self.cp} = {self.world_size} "
                               f"!= world size {world_size}", "choose degrees whose product is the world size")
@@ -552,7 +575,7 @@ def _coerce(name: str, raw: Any) -> Any:
             rng = "0..3" if name == "zero" else ">= 1"
             raise ConfigError(f"fix.{name}", f"{value} is out of range", f"use a value {rng}")
         return value
-    if name == "sp":
+    if name in PLAN_BOOL_FIELDS:
         if isinstance(raw, bool):
             return raw
         text = str(raw).strip().lower()
@@ -560,7 +583,7 @@ def _coerce(name: str, raw: Any) -> Any:
             return True
         if text in ("0", "false", "no", "off"):
             return False
-        raise ConfigError("fix.sp", f"expected true or false, got {raw!r}")
+        raise ConfigError(f"fix.{name}", f"expected true or false, got {raw!r}")
     choices = PLAN_CHOICE_FIELDS[name]
     text = str(raw).strip().lower()
     aliases = {"32": "fp32", "32-true": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-mixed": "fp16-mixed",

@@ -4,6 +4,7 @@ train exactly like the single-process loop (2 processes), and the Hydra app runs
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +113,7 @@ def test_hydra_app_with_lightning_launcher(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "autopar plan: GPT on cpu (1 x 2 cpu)" in proc.stdout
     planned = next(line for line in proc.stdout.splitlines() if line.startswith("autopar: planned in"))
-    assert " tp=2 " in planned, planned
+    assert re.search(r" tp=2(\+sp)? ", planned), planned  # sequence parallel when the planner prices it better
     assert "final train_loss" in proc.stdout
     assert (run_dir / "train_ddp_process_1.log").exists()  # rank 1 ran through Lightning's Hydra command
     assert (run_dir / ".hydra" / "overrides.yaml").exists()

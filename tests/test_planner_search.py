@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -35,11 +36,24 @@ def test_tiny_on_cpu_is_fast_and_valid() -> None:
 
 
 def test_full_space_counts() -> None:
-    report = plan("gpt-tiny", cpu(), global_batch=8, precision="fp32", top=1000, explain_choice=False)
+    # top=5000: the zero-bubble schedules (interleaved-zb, zbv, dualpipev: issue 15) took the space past 1000
+    report = plan("gpt-tiny", cpu(), global_batch=8, precision="fp32", top=5000, explain_choice=False)
     plans = {tuple(sorted(c.plan.to_dict().items())) for c in report.candidates}
     assert len(plans) == len(report.candidates) == report.feasible  # no duplicates, all fit
     seen = {(c.plan.tp, c.plan.pp, c.plan.schedule, c.plan.recompute, c.plan.zero) for c in report.candidates}
-    assert {s[2] for s in seen} == {"gpipe", "1f1b", "interleaved"}
+    assert {s[2] for s in seen} == {"gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev"}
+    # 4 layers: every multi-chunk schedule runs pp=2 x vpp=2. interleaved-zb keeps interleaved's rows (grad_accum
+    # % pp) without recompute or compile (the split backward: space.recompute_rule, compile_rule), so a third of
+    # the eager ones; zbv takes any grad_accum (torch pads the V), adding the grad_accum=1 rows; dualpipev needs
+    # grad_accum >= 2*pp = 4
+    eager = [c for c in report.candidates if not c.plan.compile]
+    n = Counter(c.plan.schedule for c in eager)
+    rows = lambda f: sum(1 for c in eager if f(c.plan))  # noqa: E731
+    assert n["interleaved-zb"] * 3 == n["interleaved"]
+    assert n["zbv"] == n["interleaved-zb"] + rows(lambda p: p.schedule == "zbv" and p.grad_accum == 1)
+    assert n["dualpipev"] == rows(lambda p: p.schedule == "interleaved-zb" and p.grad_accum >= 4)
+    assert all(c.plan.vpp == 2 and c.plan.pp == 2 and c.plan.recompute == "none" and not c.plan.compile
+               for c in report.candidates if c.plan.schedule in ("interleaved-zb", "zbv", "dualpipev"))
     assert {s[3] for s in seen} == {"none", "selective", "full"} and {s[4] for s in seen} == {0, 1, 2, 3}
     for c in report.candidates:
         c.plan.validate(world_size=4, global_batch=8)

@@ -173,7 +173,8 @@ def test_the_planner_is_told_why_tp_is_not_offered():
     module = S.LitLM(S.nano_model())
     strategy = AutoParallelStrategy(cluster="cpu", print_plan=False)
     strategy.connect(module)
-    restrict = strategy._restrictions(None, analyze(find_transformer(module)[1], runner=module), "fp32")
+    transformer = find_transformer(module)[1]
+    restrict = strategy._restrictions(transformer, analyze(transformer, runner=module), "fp32")
     assert restrict["tp"] == [1]
     assert "does not run on a TP rank's local heads" in strategy.excluded["tp"]
 

@@ -544,8 +544,8 @@ def _log_scale_if_spread(ax: Any) -> None:
 def pipeline_schedule(pp: int, microbatches: int, schedule: str, fwd: float, bwd: float) \
         -> list[tuple[int, int, str, float, float]]:
     """(stage, micro-batch, "F"/"B", start, end) of a GPipe or 1F1B schedule with uniform stage times
-    (interleaved is drawn as 1F1B). A dependency simulation: F(s, i) after F(s-1, i), B(s, i) after
-    B(s+1, i), each stage one op at a time in its schedule's order."""
+    (interleaved, zero-bubble and V schedules are drawn as 1F1B). A dependency simulation: F(s, i) after
+    F(s-1, i), B(s, i) after B(s+1, i), each stage one op at a time in its schedule's order."""
     orders = []
     for s in range(pp):
         if schedule == "gpipe":
@@ -596,7 +596,8 @@ def draw_pipeline(ax: Any, pred: Any) -> None:
                 edgecolor="k", linewidth=0.3)
         if plan.grad_accum <= 16:
             ax.text((start + end) / 2, stage, str(mb), ha="center", va="center", fontsize=6)
-    drawn = "1f1b" if plan.schedule == "interleaved" else plan.schedule
+    # the zero-bubble and V schedules are drawn in 1F1B's order (their B/W split and V placement are not drawn)
+    drawn = plan.schedule if plan.schedule in ("gpipe", "1f1b") else f"{plan.schedule} drawn as 1f1b"
     ax.set(title=f"predicted pipeline: {drawn}, pp={plan.pp}, {plan.grad_accum} micro-batches (F blue, B orange)",
            xlabel="seconds", ylabel="stage")
     ax.set_yticks(range(plan.pp))

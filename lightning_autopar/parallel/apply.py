@@ -1,10 +1,15 @@
 """Apply a plan to a model in the one canonical order:
 
-    PP split -> TP/SP -> EP -> BatchNorm sync -> recompute -> FSDP/DP -> precision
+    PP split -> TP/SP -> CP -> EP -> BatchNorm sync -> compile -> recompute -> FSDP/DP -> precision
 
 1. PP split (``pipeline``): this rank keeps its chunks' blocks (original names) and the pieces it owns. A model in
    unit form is split by ``pipeline.traced`` (torch.export of the user's call, cut at unit boundaries).
-2. TP (``tensor``): DTensor layouts on the remaining blocks (all experts still present, each split inside).
+2. TP (``tensor``): DTensor layouts on the remaining blocks (all experts still present, each split inside); with
+   plan.sp, SP (``sequence``): the hidden states between the TP regions split along the sequence over the tp ranks.
+2b. CP (``context``): the transformer's sequence inputs split over the cp ranks and its outputs gathered back,
+   attention over the whole sequence (K/V all-gathered); after TP (heads local), checked live on a short sequence;
+   with PP before the split (the hooks must reach the embeddings the stages swap in and out, and the whole model
+   runs only then); FSDP then reduces over dp x cp (``context.data_mesh``).
 3. EP (``experts``): remote experts removed, MoE forwards routed through all-to-all; with data parallelism alone
    (ep=1) the MoE forward is replaced too, so the balance loss covers the global micro-batch.
 3b. BatchNorm (``batchnorm``): with data parallelism every BatchNorm layer computes its statistics over the dp
@@ -14,6 +19,9 @@
 4. Recompute (``recompute``): composable checkpoint hooks per block (outside FSDP, as torchtitan does); for a
    model in unit form (any ``nn.Module``: CNNs, U-Nets; ``analysis.spec.unit_form``) per unit of the analysis,
    or per pipeline chunk when its stages are traced graphs (``pipeline.traced``: the unit modules no longer run).
+4b. Compile (``compile``, plan.compile): each block's (unit's) forward compiled, hooks left eager; a block class
+   that fails to compile runs eager with one warning (torchtitan: TP -> AC -> compile -> FSDP). Its first-call
+   check hook is registered before recompute's hooks (the compiled forward does not depend on the order).
 5. FSDP/DP (``fsdp``): experts on the expert-data-parallel mesh first, then blocks, then the modules owning
    the rest (or, with PP, each chunk) on the data-parallel mesh; zero=0 with data parallelism alone: DDP
    (``replicate``). The units are chosen (``units.choose_units``) before step 1, from one meta forward of the
@@ -37,6 +45,8 @@ from torch import nn
 
 
 if TYPE_CHECKING:
+    from lightning_autopar.parallel.compile import CompiledBlocks
+    from lightning_autopar.parallel.context import ContextParallel
     from lightning_autopar.parallel.experts import ExpertLayer
     from lightning_autopar.parallel.pipeline import Pipeline
     from lightning_autopar.profile.analyze import ModelAnalysis
@@ -51,6 +61,8 @@ class Applied:
     pipeline_root: nn.Module | None = None  # the module the pipeline splits and runs (parallel.pipeline)
     experts: list[ExpertLayer] = field(default_factory=list)
     expert_meshes: dict[str, Any] = field(default_factory=dict)
+    context: ContextParallel | None = None  # the cp hooks (cp > 1; parallel.context)
+    compiled: CompiledBlocks | None = None  # plan.compile: the blocks compiled and their checks (parallel.compile)
 
     def expert_params(self) -> set[int]:
         """Expert parameters that differ between the ranks of an EP group (norms combined over it). Not those
@@ -115,9 +127,18 @@ def pipeline_split(root: nn.Module, transformer: nn.Module, analysis: ModelAnaly
     return split, (analysis if split is transformer else analyze(split, trace=False))
 
 
+def applied_schedule(plan: Plan) -> str:
+    """The schedule torch runs for ``plan``: 1F1B with fewer micro-batches than stages is GPipe's order (torch
+    rejects it as 1F1B)."""
+    if plan.schedule == "1f1b" and plan.grad_accum < plan.pp:
+        return "gpipe"
+    return plan.schedule
+
+
 def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer: nn.Module,
                example: tuple[tuple, dict] | None = None) -> None:
     """Raise one ConfigError for what the runtime cannot apply to this model."""
+    from lightning_autopar.parallel.context import check_cp
     from lightning_autopar.parallel.experts import check_ep
     from lightning_autopar.parallel.pipeline import check_pipeline
     from lightning_autopar.parallel.tensor import check_tp
@@ -129,10 +150,18 @@ def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer
             check_unit_pipeline(root, transformer, analysis, example, plan.pp, plan.vpp)
         return
     check_tp(analysis, plan.tp)
+    if plan.sp:
+        from lightning_autopar.parallel.sequence import check_sp
+
+        check_sp(analysis, transformer, plan.tp, runner=root)
     if plan.pp > 1:
+        from lightning_autopar.parallel.pipeline import check_schedule
+
+        check_schedule(applied_schedule(plan), plan.pp, plan.grad_accum, plan.recompute, plan.compile)
         split, split_analysis = pipeline_split(root, transformer, analysis)
         check_pipeline(split_analysis, split, root, plan.pp, plan.vpp)
     check_ep(analysis, transformer, plan.ep)
+    check_cp(analysis, transformer, plan.cp, plan.compile)
 
 
 def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis, plan: Plan, layout: MeshLayout,
@@ -142,6 +171,8 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     """Apply ``plan`` to ``transformer`` (inside ``root``, the LightningModule; for a model in unit form, the
     model the training step calls, ``example`` being that call) in place; see the module doc."""
     from lightning_autopar.parallel.batchnorm import batchnorm_modules, sync_batchnorm
+    from lightning_autopar.parallel.context import apply_context_parallel, data_mesh, self_check
+    from lightning_autopar.parallel.compile import check_compile, compile_blocks, enable_async_tp
     from lightning_autopar.parallel.experts import apply_expert_parallel
     from lightning_autopar.parallel.fsdp import (apply_data_parallel, apply_data_parallel_chunks, apply_replicate,
                                                  shard_experts)
@@ -152,18 +183,22 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     from lightning_autopar.topology.mesh import expert_meshes
 
     check_plan(plan, analysis, root, transformer, example)
+    check_compile(plan.compile, plan.pp, device.type, schedule=applied_schedule(plan))
     ties = tie_groups(root)
     units = None
     if plan.pp == 1:  # chosen on the untouched model: TP and EP below change its parameters
         units = choose_units(root, transformer, [b.fqn for b in analysis.blocks], analysis.spec.seq_len,
                              wrap_blocks=not plain_ddp(plan, analysis), example=example)
     pipeline = split = None
+    context = None
+    if plan.cp > 1 and plan.pp > 1:  # 2b. CP, before the split: hooks on every piece, the whole model checked
+        context = apply_context_parallel(transformer, [transformer.get_submodule(b.fqn) for b in analysis.blocks],
+                                         layout["cp"].get_group(), analysis.spec.name, root)
+        self_check(transformer, context, analysis.spec.vocab, analysis.spec.seq_len)
     if plan.pp > 1:  # 1. PP split
         if loss_fn is None:
             raise ValueError("pipeline parallelism needs the loss function run on the last stage")
-        schedule = plan.schedule
-        if schedule == "1f1b" and plan.grad_accum < plan.pp:
-            schedule = "gpipe"  # 1F1B with fewer micro-batches than stages is GPipe's order (torch rejects it)
+        schedule = applied_schedule(plan)
         if analysis.spec.unit_form:  # stages traced from the user's call, split at unit boundaries
             split = transformer
             pipeline = TracedPipeline(split, example, [b.fqn for b in analysis.blocks], layout["pp"], schedule,
@@ -174,7 +209,19 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
             pipeline = Pipeline(split, split_analysis, layout["pp"], schedule, plan.vpp, plan.grad_accum, device,
                                 loss_fn, layers_per_stage)
     local = present_blocks(analysis, transformer)
-    apply_tensor_parallel(transformer, local, layout["tp"])  # 2. TP
+    apply_tensor_parallel(transformer, local, layout["tp"], sp=plan.sp)  # 2. TP
+    if plan.sp:  # 2. SP (parallel.sequence): hooks on the blocks this rank keeps, cut between pipeline chunks
+        from lightning_autopar.parallel.sequence import apply_sequence_parallel
+
+        chunks = [list(c.blocks) for c in pipeline.chunks] if isinstance(pipeline, Pipeline) else None
+        apply_sequence_parallel(transformer, local, layout["tp"], chunks)
+    if plan.cp > 1 and plan.pp == 1:  # 2b. CP
+        context = apply_context_parallel(transformer, [transformer.get_submodule(b.fqn) for b in local.blocks],
+                                         layout["cp"].get_group(), analysis.spec.name, root)
+        self_check(transformer, context, analysis.spec.vocab, analysis.spec.seq_len)
+    if plan.cp > 1:
+        dp_mesh = data_mesh(layout, plan)
+    divide = plan.dp if plan.cp > 1 else None
     experts, meshes = [], {}
     if has_moe(local) and (plan.ep > 1 or plan.dp > 1):  # 3. EP
         meshes = expert_meshes(layout, plan) if plan.ep > 1 else {}
@@ -187,17 +234,23 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     blocks = {b.fqn: transformer.get_submodule(b.fqn) for b in local.blocks}  # 4. recompute
     attention_of = {blocks[b.fqn]: blocks[b.fqn].get_submodule(b.attention.fqn) if b.attention else blocks[b.fqn]
                     for b in local.blocks if b.moe is not None}
+    # 4b. compile before recompute's hooks: its first-call check sees the block's inputs after the earlier hooks
+    # (SP's scatter) and before the checkpoint's saved-tensor context; the compiled forward is unaffected by order
+    compiled = compile_blocks(blocks) if plan.compile else None
     apply_recompute(pipeline.recompute_modules if traced else blocks.values(), plan.recompute, attention_of)
+    if plan.compile and plan.tp > 1 and plan.sp and device.type == "cuda":  # async TP (GPU only; priced so)
+        enable_async_tp(layout["tp"])
     if meshes:  # 5. FSDP / DP
         shard_experts([e for layer in experts for e in layer.experts], meshes["edp"], plan.zero, plan.dp,
                       plan.precision)
     if pipeline is not None:
-        roots = apply_data_parallel_chunks(pipeline.chunks, dp_mesh, plan.zero, plan.precision)
+        roots = apply_data_parallel_chunks(pipeline.chunks, dp_mesh, plan.zero, plan.precision, divide)
         if traced:
             pipeline.rebind_parameters()  # the sharded parameters back under the user's names
     elif plain_ddp(plan, local):
         roots = apply_replicate(root, units, layout["dp_flat"].get_group())
     else:
-        roots = apply_data_parallel(root, units, dp_mesh, plan.zero, plan.precision)
+        roots = apply_data_parallel(root, units, dp_mesh, plan.zero, plan.precision, divide)
     check_applied(root, ties, every_param=pipeline is None)
-    return Applied(fsdp_roots=roots, pipeline=pipeline, pipeline_root=split, experts=experts, expert_meshes=meshes)
+    return Applied(fsdp_roots=roots, pipeline=pipeline, pipeline_root=split, experts=experts, expert_meshes=meshes,
+                   compiled=compiled, context=context)

@@ -23,6 +23,10 @@ Mapping (FSDP2 has no separate ZeRO-1/2 switches; these are the nearest semantic
 With ``dp_shard < dp`` the mesh is 2-D (HSDP): shard inside groups of ``dp_shard``, replicate across them.
 Gradients are averaged over all data-parallel ranks.
 
+Context parallelism (``parallel.context``): the units shard over the dp x cp ranks (``dp_shard_cp``, as
+torchtitan), gradients summed over cp (each cp rank's are its tokens' part) and divided by ``dp`` only; with
+zero=0 that mesh is (dp, cp): states sharded over cp, kept gathered from forward to backward.
+
 Expert parallelism: each local expert (fused layout: the experts module, its DTensor parameters sharded on dim
 1) is its own unit on the expert-data-parallel mesh (the ``dp / ep`` ranks holding the same experts), wrapped
 before its block so the block's unit leaves its parameters alone; its gradients are summed over that mesh and
@@ -97,7 +101,10 @@ def keep_hf_output_recording(modules: Iterable[nn.Module]) -> None:
             registry[module] = recordable
 
 
-def _shard_units(units: list[nn.Module], n_blocks: int, dp_mesh: DeviceMesh, zero: int, precision: str) -> None:
+def _shard_units(units: list[nn.Module], n_blocks: int, dp_mesh: DeviceMesh, zero: int, precision: str,
+                 divide: int | None = None) -> None:
+    """``fully_shard`` each unit; ``divide``: gradients summed over the mesh, then divided by it (not the mesh
+    size) -- context parallelism's dp x cp mesh, summed over cp, averaged over dp."""
     from torch.distributed.fsdp import fully_shard
 
     from lightning_autopar.parallel.tensor import fsdp_placement
@@ -108,16 +115,20 @@ def _shard_units(units: list[nn.Module], n_blocks: int, dp_mesh: DeviceMesh, zer
         # the last block is gathered again right away by backward: keeping it saves one all-gather
         reshard = zero == 3 and i < n_blocks - 1
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=place)
+        if divide is not None:
+            unit.set_gradient_divide_factor(float(divide))
+            unit.set_force_sum_reduction_for_comms(True)  # plain SUM then divide (gloo has no PREMUL_SUM)
     keep_hf_output_recording(units)
 
 
 def apply_data_parallel(root: nn.Module, units: UnitChoice, dp_mesh: DeviceMesh, zero: int,
-                        precision: str = "fp32") -> list[nn.Module]:
+                        precision: str = "fp32", divide: int | None = None) -> list[nn.Module]:
     """``fully_shard`` the chosen units of ``root``, blocks first; returns the units owning what the blocks leave
     plus any FSDP module outside them (the roots: what the strategy toggles gradient sync on, recursively, for
-    accumulation). Experts sharded by ``shard_experts`` before this call keep their own units."""
+    accumulation). Experts sharded by ``shard_experts`` before this call keep their own units. ``divide``: see
+    ``_shard_units``."""
     modules = units.modules(root)
-    _shard_units(modules, len(units.blocks), dp_mesh, zero, precision)
+    _shard_units(modules, len(units.blocks), dp_mesh, zero, precision, divide)
     rest = modules[len(units.blocks):]
     inside = {id(m) for unit in rest for m in unit.modules()}
     return rest + [m for m in synced_modules(root) if id(m) not in inside]
@@ -140,13 +151,13 @@ def apply_replicate(root: nn.Module, units: UnitChoice, dp_group: ProcessGroup,
 
 
 def apply_data_parallel_chunks(chunks: Iterable[nn.Module], dp_mesh: DeviceMesh, zero: int,
-                               precision: str = "fp32") -> list[nn.Module]:
+                               precision: str = "fp32", divide: int | None = None) -> list[nn.Module]:
     """Pipeline parallelism: ``fully_shard`` each chunk's blocks, then the chunk (``parallel.pipeline``);
-    returns the chunks."""
+    returns the chunks. ``divide``: see ``_shard_units``."""
     chunks = list(chunks)
     for chunk in chunks:
         blocks = list(chunk.blocks)
-        _shard_units(blocks + [chunk], len(blocks), dp_mesh, zero, precision)
+        _shard_units(blocks + [chunk], len(blocks), dp_mesh, zero, precision, divide)
     return chunks
 
 

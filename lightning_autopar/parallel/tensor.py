@@ -43,6 +43,11 @@ shallow copy) was found by the analysis's meta dry run (``AttentionInfo.tp_attrs
 code run on local shapes (nanoGPT's ``view(B, T, n_head, C // n_head)`` with C the full width), ``check_tp``
 refuses tp > 1 with that reason.
 
+Sequence parallelism (plan.sp, ``parallel.sequence``): every attention and dense-MLP projection is a ``LocalShard``
+with ``sp`` set -- column projections without f (their module gathers the sequence), row projections reduce-scatter
+along the sequence (``row_output_sp``) instead of g; the sequence collectives (``GatherSeq``, ``SplitSeq``) live
+here. Experts keep f and g.
+
 Checkpoints: a row-permuted weight (and its optimizer states) reaches a checkpoint as W, replicated over TP,
 which DCP writes as is. ``_StridedShard`` DTensors give correct full tensors, but DCP writes a DTensor's local
 shard as one contiguous chunk, which a strided shard is not. ``plain_shards`` redistributes such tensors (parameters and
@@ -150,6 +155,85 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+@dataclass(frozen=True)
+class SeqComm:
+    """The TP group as sequence parallelism uses it (``parallel.sequence``): ``group`` None simulates the
+    collectives shape-wise for a meta dry run (gather = ``tp`` copies concatenated, split = chunk 0)."""
+
+    group: Any
+    tp: int
+    rank: int = 0
+
+
+def _all_gather_seq(x: torch.Tensor, comm: SeqComm) -> torch.Tensor:
+    """The TP ranks' pieces of ``x`` concatenated along the sequence dim (1), in rank order."""
+    if comm.group is None:
+        return torch.cat([x] * comm.tp, 1)
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(comm.tp)]
+    dist.all_gather(parts, x, group=comm.group)
+    return torch.cat(parts, 1)
+
+
+def _split_seq(x: torch.Tensor, comm: SeqComm, summed: bool) -> torch.Tensor:
+    """This rank's chunk of ``x`` along the sequence dim (1); ``summed``: of the sum of ``x`` over the TP group (a
+    reduce-scatter; gloo has none, so there an all-reduce and the chunk)."""
+    if comm.group is None:
+        return x.chunk(comm.tp, 1)[0]
+    import torch.distributed as dist
+
+    if not summed:
+        return x.chunk(comm.tp, 1)[comm.rank].contiguous()
+    if dist.get_backend(comm.group) == "gloo":
+        total = x.contiguous().clone()
+        dist.all_reduce(total, group=comm.group)
+        return total.chunk(comm.tp, 1)[comm.rank].contiguous()
+    rows = x.transpose(0, 1).contiguous()  # the sequence dim first: reduce_scatter_tensor cuts dim 0
+    out = rows.new_empty((rows.shape[0] // comm.tp, *rows.shape[1:]))
+    dist.reduce_scatter_tensor(out, rows, group=comm.group)
+    return out.transpose(0, 1).contiguous()
+
+
+class GatherSeq(torch.autograd.Function):
+    """Forward: all-gather along the sequence dim. Backward: this rank's chunk of the gradient, summed over the TP
+    group (``summed_grad``: each rank's gradient is a partial sum, as after column projections without f) or
+    not (the gradient is the same on every TP rank)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: SeqComm, summed_grad: bool) -> torch.Tensor:
+        ctx.comm, ctx.summed = comm, summed_grad
+        return _all_gather_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _split_seq(grad, ctx.comm, ctx.summed), None, None
+
+
+class SplitSeq(torch.autograd.Function):
+    """Forward: this rank's chunk along the sequence dim (``summed``: of the sum over the TP group, a
+    reduce-scatter). Backward: all-gather of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: SeqComm, summed: bool) -> torch.Tensor:
+        ctx.comm = comm
+        return _split_seq(x, comm, summed)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather_seq(grad, ctx.comm), None, None
+
+
+def row_output_sp(output: torch.Tensor, comm: SeqComm, where: str) -> torch.Tensor:
+    """A row-parallel projection's partial output [B, S, H] reduce-scattered to this rank's tokens [B, S/tp, H]
+    (Megatron SP's g-bar; backward all-gather)."""
+    if output.dim() != 3 or output.shape[1] % comm.tp:
+        raise ConfigError("plan.sp", f"{where}: output {tuple(output.shape)} is not [batch, seq, hidden] with the "
+                          f"sequence divisible by tp={comm.tp}", "use sp=false")
+    return SplitSeq.apply(output, comm, True)
+
+
 class _SliceOfReplicated(torch.autograd.Function):
     """This rank's slice of a TP-replicated tensor (a fused bias); backward sums the ranks' slice gradients, so
     every rank's replicated gradient is the full, identical one."""
@@ -190,6 +274,10 @@ class LocalShardSpec:
     transposed: bool = False
     pieces: int = 1
     widths: tuple[int, ...] = ()
+    # sequence parallelism (``parallel.sequence``): the input of a column projection is the sequence gathered by
+    # its module (no f: that gather's backward reduce-scatters the partial input gradients); a row projection
+    # reduce-scatters its output along the sequence (no g) and adds its bias on this rank's tokens
+    sp: bool = False
 
 
 @dataclass(frozen=True)
@@ -259,8 +347,9 @@ def _local_style() -> type:
                 rank = device_mesh.get_local_rank()
                 bias_index = order.local_index(rank) if order is not None else \
                     piece_index(out_features, spec.pieces, tp, rank)
+            comm = SeqComm(group, tp, device_mesh.get_local_rank()) if spec.sp else None
             module.register_forward_pre_hook(_pre_hook(spec, group, bias_index), with_kwargs=True)
-            module.register_forward_hook(_post_hook(spec, group))
+            module.register_forward_hook(_post_hook(spec, group, comm))
             return module
 
     return LocalShard
@@ -295,21 +384,27 @@ def _pre_hook(spec: LocalShardSpec, group: Any, bias_index: torch.Tensor | None)
                 params["bias"] = _SliceOfReplicated.apply(local, bias_index.to(local.device), group)
             else:
                 params["bias"] = local
-        if spec.kind == "col" and args:
+        if spec.kind == "col" and args and not spec.sp:
             args = (_CopyToTP.apply(args[0], group), *args[1:])
         return args, kwargs
 
     return hook
 
 
-def _post_hook(spec: LocalShardSpec, group: Any) -> Callable:
+def _post_hook(spec: LocalShardSpec, group: Any, comm: SeqComm | None) -> Callable:
     def hook(module: nn.Module, args: tuple, output: torch.Tensor):
         _swap_back(module)
         if spec.kind != "row":
             return output
-        output = _ReduceFromTP.apply(output, group)
+        if comm is None:
+            output = _ReduceFromTP.apply(output, group)
+        else:
+            output = row_output_sp(output, comm, type(module).__name__)
         bias = module._parameters.get("bias")
-        return output if bias is None else output + bias.to_local()
+        if bias is None:
+            return output
+        # with SP the bias meets only this rank's tokens: its gradient is summed over the TP group (f)
+        return output + (bias.to_local() if comm is None else _CopyToTP.apply(bias.to_local(), group))
 
     return hook
 
@@ -317,23 +412,24 @@ def _post_hook(spec: LocalShardSpec, group: Any) -> Callable:
 # ------------------------------------------------------------------------------------------- layouts
 
 
-def _style(name: str, kind: str, transposed: set[str], pieces: int = 1) -> Any:
+def _style(name: str, kind: str, transposed: set[str], pieces: int = 1, sp: bool = False) -> Any:
+    """torch's style for a plain nn.Linear without SP, else ``LocalShard`` (SP needs its sequence collectives)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    if name not in transposed and pieces == 1:
+    if name not in transposed and pieces == 1 and not sp:
         return ColwiseParallel() if kind == "col" else RowwiseParallel()
-    return _local_style()(LocalShardSpec(kind, name in transposed, pieces))
+    return _local_style()(LocalShardSpec(kind, name in transposed, pieces, sp=sp))
 
 
-def _mlp_layout(prefix: str, mlp: MLPInfo) -> dict:
+def _mlp_layout(prefix: str, mlp: MLPInfo, sp: bool = False) -> dict:
     """The MLP's projections below ``prefix`` (relative to the block; "" when the MLP spans the block's own
     children, as HF BERT's ``intermediate.dense`` -> ``output.dense``)."""
     join = (lambda n: _join(prefix, n))
     flipped = set(mlp.transposed)
-    layout = {join(mlp.up): _style(mlp.up, "col", flipped, 2 if mlp.gate_up else 1),
-              join(mlp.down): _style(mlp.down, "row", flipped)}
+    layout = {join(mlp.up): _style(mlp.up, "col", flipped, 2 if mlp.gate_up else 1, sp),
+              join(mlp.down): _style(mlp.down, "row", flipped, sp=sp)}
     if mlp.gate:
-        layout[join(mlp.gate)] = _style(mlp.gate, "col", flipped)
+        layout[join(mlp.gate)] = _style(mlp.gate, "col", flipped, sp=sp)
     return layout
 
 
@@ -342,29 +438,31 @@ def _join(*names: str) -> str:
     return ".".join(n for n in names if n)
 
 
-def _attention_layout(attn: AttentionInfo) -> dict:
+def _attention_layout(attn: AttentionInfo, sp: bool = False) -> dict:
     """The attention's projections relative to the block. ``attn.fqn`` is the innermost module holding all of them,
     which need not be their parent: HF BERT's "attention" with q "self.query" and o "output.dense"."""
     flipped = set(attn.transposed)
     if attn.qkv and attn.qkv_layout == "sequential" and len(set(attn.qkv_pieces)) > 1:  # GQA: row-permuted
         layout = {_join(attn.fqn, attn.qkv): _local_style()(LocalShardSpec("col", attn.qkv in flipped,
-                                                                            widths=tuple(attn.qkv_pieces)))}
+                                                                            widths=tuple(attn.qkv_pieces), sp=sp))}
     elif attn.qkv:
         pieces = 3 if attn.qkv_layout == "sequential" else 1
-        layout = {_join(attn.fqn, attn.qkv): _style(attn.qkv, "col", flipped, pieces)}
+        layout = {_join(attn.fqn, attn.qkv): _style(attn.qkv, "col", flipped, pieces, sp)}
     else:
-        layout = {_join(attn.fqn, name): _style(name, "col", flipped) for name in (attn.q, attn.k, attn.v)}
-    layout[_join(attn.fqn, attn.o)] = _style(attn.o, "row", flipped)
+        layout = {_join(attn.fqn, name): _style(name, "col", flipped, sp=sp) for name in (attn.q, attn.k, attn.v)}
+    layout[_join(attn.fqn, attn.o)] = _style(attn.o, "row", flipped, sp=sp)
     return layout
 
 
-def block_layout(block: BlockInfo, num_experts_local: int | None = None) -> dict:
-    """FQN (relative to the block) -> ParallelStyle for one block."""
+def block_layout(block: BlockInfo, num_experts_local: int | None = None, sp: bool = False) -> dict:
+    """FQN (relative to the block) -> ParallelStyle for one block. ``sp``: the attention's and the dense MLP's
+    projections run between sequence-parallel collectives (``parallel.sequence``); experts keep f and g (the MoE
+    module sees the whole sequence)."""
     attn = block.attention
     assert attn is not None
-    layout = _attention_layout(attn)
+    layout = _attention_layout(attn, sp)
     if block.mlp is not None:
-        layout.update(_mlp_layout(block.mlp.fqn, block.mlp))
+        layout.update(_mlp_layout(block.mlp.fqn, block.mlp, sp))
     if block.moe is not None and block.moe.expert_mlp is not None:
         base = f"{block.moe.fqn}.{block.moe.experts}" if block.moe.fqn else block.moe.experts
         count = block.moe.num_experts if num_experts_local is None else num_experts_local
@@ -373,8 +471,11 @@ def block_layout(block: BlockInfo, num_experts_local: int | None = None) -> dict
     return layout
 
 
-def apply_tensor_parallel(transformer: nn.Module, analysis: ModelAnalysis, tp_mesh: DeviceMesh) -> None:
-    """Shard every block of ``transformer`` over ``tp_mesh`` in place; parameter names are unchanged."""
+def apply_tensor_parallel(transformer: nn.Module, analysis: ModelAnalysis, tp_mesh: DeviceMesh,
+                          sp: bool = False) -> None:
+    """Shard every block of ``transformer`` over ``tp_mesh`` in place; parameter names are unchanged. ``sp``: the
+    projections' layout for sequence parallelism, whose hooks ``parallel.sequence.apply_sequence_parallel``
+    adds."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
@@ -387,7 +488,7 @@ def apply_tensor_parallel(transformer: nn.Module, analysis: ModelAnalysis, tp_me
         if info.moe is not None and not info.moe.fused:
             moe_mod = block.get_submodule(info.moe.fqn) if info.moe.fqn else block
             moe_list = len(moe_mod.get_submodule(info.moe.experts))  # EP may have removed remote experts
-        parallelize_module(block, tp_mesh, block_layout(info, moe_list))
+        parallelize_module(block, tp_mesh, block_layout(info, moe_list, sp))
         divide_attributes(block.get_submodule(info.attention.fqn), info.attention.tp_attrs, tp)
         if info.moe is not None and info.moe.fused:
             moe_mod = block.get_submodule(info.moe.fqn) if info.moe.fqn else block

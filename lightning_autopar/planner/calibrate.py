@@ -266,9 +266,10 @@ def fit_links(cluster: ClusterSpec, samples: Sequence[CollectiveSample]) -> tupl
 
 
 def merged_runtime(base: RuntimeCosts, measured: RuntimeCosts, source: str) -> RuntimeCosts:
-    """``base`` with every figure ``measured`` has (> 0) taken from it."""
+    """``base`` with every figure ``measured`` has (> 0) taken from it, the compile speed-up too."""
     ours = measured.figures()
-    return RuntimeCosts(**{name: ours[name] or value for name, value in base.figures().items()}, source=source)
+    return RuntimeCosts(**{name: ours[name] or value for name, value in base.figures().items()}, source=source,
+                        compile_speedup=measured.compile_speedup or base.compile_speedup)
 
 
 def calibrate(cluster: ClusterSpec, model: ModelSpec, profile: RuntimeProfile, precision: str = "fp32") -> ClusterSpec:
@@ -304,7 +305,8 @@ def scaled(cluster: ClusterSpec, factor: float) -> ClusterSpec:
     links = [dataclasses.replace(link, bandwidth_gbs=link.bandwidth_gbs / factor, latency_us=link.latency_us * factor)
              for link in cluster.links]
     rt = cluster.runtime
-    runtime = RuntimeCosts(**{name: float(value * factor) for name, value in rt.figures().items()}, source=rt.source)
+    runtime = RuntimeCosts(**{name: float(value * factor) for name, value in rt.figures().items()}, source=rt.source,
+                           compile_speedup=rt.compile_speedup)  # a ratio: the same on a uniformly slower machine
     return dataclasses.replace(cluster, device=device, links=links, runtime=runtime)
 
 

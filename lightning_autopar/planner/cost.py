@@ -7,6 +7,7 @@ source on one line. Constants that are not datasheet figures are first-principle
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,7 @@ class Hardware:
     runtime: RuntimeCosts = field(default_factory=RuntimeCosts)  # the runtime's measured fixed costs (runtime_fixed_time)
     fused_ew: bool = False  # the stack fuses the blocks' element-wise ops (DeviceSpec.fused_elementwise)
     rs_factor: float = 1.0  # reduce-scatter time / all-gather time (LinkSpec.reduce_scatter_factor, inner level)
+    compile_fuses: bool = False  # torch.compile fuses element-wise ops on this device (DeviceSpec.compile_fuses)
 
     @staticmethod
     def from_cluster(cluster: ClusterSpec) -> "Hardware":
@@ -109,6 +111,7 @@ class Hardware:
             runtime=cluster.runtime,
             fused_ew=bool(dev.fused_elementwise),
             rs_factor=max(inner.reduce_scatter_factor, 0.0) or 1.0,
+            compile_fuses=bool(dev.compile_fuses),
         )
 
 
@@ -238,16 +241,20 @@ def attention_work_quantisation(hw: Hardware, mbs: Any, heads: Any, sq: Any, seq
 
 def attention_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, peak: Any, elem: Any,
                    fused: bool = True) -> tuple[Any, Any]:
-    """Fused: 4b(s/cp)s(h/tp)*causal at the kernel's fwd/bwd rate (bwd 2.5x FLOPs) x work quantisation (Dao 2023); unfused: 3 s^2 passes."""
+    """Fused: 4b(s/cp)s(h/tp)*causal at the kernel's fwd/bwd rate (bwd 2.5x FLOPs) x work quantisation (Dao 2023); unfused: 3 s^2 passes.
+    With cp > 1 the queries of a rank's two load-balanced chunks meet all keys through an explicit position mask
+    (parallel/context.py): no causal skip (causal = 1) and the mask read per head, (s/cp)*s*e bytes."""
     d = m.head_dim
     sq = seq / cp
     heads = m.heads / tp
+    split = np.asarray(cp) > 1
     if fused:
-        frac = causal_fraction(seq)
+        frac = np.where(split, 1.0, causal_fraction(seq))
         flops = 4.0 * mbs * heads * sq * seq * d * frac
         quant = attention_work_quantisation(hw, mbs, heads, sq, seq)
         q_elems = mbs * sq * heads * d
-        io = elem * (2 * q_elems + 2 * mbs * sq * m.kv_heads / tp * d)  # q, k, v in, o out
+        io = elem * (2 * q_elems + 2 * mbs * sq * m.kv_heads / tp * d  # q, k, v in, o out
+                     + np.where(split, mbs * heads * sq * seq, 0.0))  # the cp position mask
         fwd = np.maximum(flops / (peak * attention_efficiency(hw, d) * quant), io / hw.mem_bw) + hw.overhead_s
         # backward: dq, dk, dv from q, k, v, o, do (2x io), plus the softmax-dot preprocess (read o, do) and the
         # fp32 dq accumulator's conversion (read 4, write e): two more kernels (FlashAttention-2 backward)
@@ -382,6 +389,45 @@ def dense_block_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp
     return BlockTimes(fwd, bwd, fa)
 
 
+def compiled_block_time(hw: Hardware, eager: BlockTimes, fused: BlockTimes | None, compile: Any) -> BlockTimes:
+    """A block's time with ``compile`` (plan.compile, per candidate): what inductor removes is the element-wise
+    and norm memory traffic between the GEMMs and their per-op launches (Ansel et al. 2024, "PyTorch 2", ASPLOS:
+    pointwise/reduction fusion; torchtitan per-block compile).
+
+    Measured (``RuntimeCosts.compile_speedup`` s > 0, eager/compiled fwd+bwd of one block at set-up): eager / s.
+    Else on a device where compile fuses (``Hardware.compile_fuses``, the GPU presets): ``fused``, the block priced
+    with fused element-wise traffic and kernel counts (block_memory_ops / norm_traffic ``fused``), never above
+    eager. Else (a CPU cluster, no measurement): eager -- compile=true is not predicted faster blindly. The
+    compile warm-up is set-up time, not step time."""
+    speedup = hw.runtime.compile_speedup
+    if speedup > 0:
+        now = BlockTimes(eager.fwd / speedup, eager.bwd / speedup, eager.attn_fwd / speedup)
+    elif fused is not None and hw.compile_fuses:
+        now = BlockTimes(np.minimum(fused.fwd, eager.fwd), np.minimum(fused.bwd, eager.bwd), fused.attn_fwd)
+    else:
+        return eager
+    pick = lambda a, b: np.where(compile, a, b)  # noqa: E731
+    return BlockTimes(pick(now.fwd, eager.fwd), pick(now.bwd, eager.bwd), pick(now.attn_fwd, eager.attn_fwd))
+
+
+def compile_hardware(hw: Hardware) -> Hardware:
+    """``hw`` as a compiled block sees it: element-wise ops fused (``fused_ew``), for compiled_block_time."""
+    return dataclasses.replace(hw, fused_ew=True)
+
+
+def async_tp_exposed(hw: Hardware, tp_f: Any, tp_b: Any, block: BlockTimes, tp: Any, on: Any) -> tuple[Any, Any]:
+    """Exposed TP collectives of a block with async TP where ``on`` (compile, tp > 1, sp, a device where compile
+    fuses; torch's micro-pipelined TP, CUDA symmetric memory): each all-gather -> matmul and matmul ->
+    reduce-scatter is split into tp steps so one step's transfer overlaps the previous step's partial matmul
+    (Wang et al. 2023, "Overlap communication with dependent computation via decomposition", ASPLOS; torchtitan
+    async TP): exposed = overlapped_exposed(c, W, c/tp, comm_sm), W the block's time outside the attention core
+    (its TP matmuls; backward 2.5x the core), c/tp the first step's transfer that nothing hides."""
+    def one(comm: Any, window: Any) -> Any:
+        hidden = overlapped_exposed(comm, hw.overlap * np.maximum(window, 0.0), comm / np.maximum(tp, 1), hw.comm_sm)
+        return np.where(on, hidden, comm)
+    return one(tp_f, block.fwd - block.attn_fwd), one(tp_b, block.bwd - 2.5 * block.attn_fwd)
+
+
 def mlp_time(hw: Hardware, m: ModelSpec, tokens: Any, ffn_local: Any, peak: Any, elem: Any,
              batch: Any = 1) -> tuple[Any, Any]:
     """(n_matrices-1) up/gate GEMMs (T, f/tp, h) + down GEMM (T, h, f/tp), fwd and bwd (Shazeer 2020)."""
@@ -465,10 +511,13 @@ def embedding_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, cp: Any, elem
 
 
 def head_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, peak: Any, elem: Any) -> tuple[Any, Any]:
-    """Final norm (norm_traffic) + LM head GEMM (T, V/tp, h) + fp32 cross-entropy: fwd e+16, bwd e+20 bytes per logit (F.cross_entropy on .float())."""
+    """Final norm (norm_traffic) + LM head GEMM (T, V/tp, h) + fp32 cross-entropy: fwd e+16, bwd e+20 bytes per logit (F.cross_entropy on .float()).
+    With cp the model's output (the logits) is all-gathered and the user's loss runs on the whole sequence on every
+    cp rank (parallel/context.py): the cross-entropy over mbs*seq tokens, plus that all-gather forward."""
     T = mbs * seq / cp
     hf, hb = gemm_fwd_bwd(hw, T, m.vocab / tp, m.hidden, peak, elem)
-    logits = T * m.vocab / tp
+    logits = mbs * seq * m.vocab / tp
+    hf = hf + np.where(cp > 1, allgather_time(hw, logits * elem, cp, tp), 0.0)
     # fwd: upcast (read e, write 4), log-softmax (max and sum-exp passes read 4 each, write 4), nll gather
     ce_f = stream_time(hw, logits * (elem + 4 + 4 + 4 + 4), 4)
     # bwd: nll grad (zero-fill 4), log-softmax grad (read grad 4, read output 4, write 4), downcast (read 4, write e)
@@ -673,16 +722,13 @@ def tp_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, c
     return 2 * one, 2 * one
 
 
-def cp_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any,
-                      attn_fwd: Any, attn_bwd: Any) -> tuple[Any, Any]:
-    """Ring attention: (cp-1) K/V chunk sends per block, exposed = max(0, send - attention step) (Liu et al. 2023)."""
-    kv = 2 * mbs * (seq / cp) * m.kv_heads * m.head_dim / tp * elem
-    local, nodes = group_nodes(hw, cp, tp)
-    send = p2p_time(hw, kv, nodes > 1)
-    steps = np.maximum(cp - 1, 0)
-    hide_f, hide_b = hw.overlap * attn_fwd / np.maximum(cp, 1), hw.overlap * attn_bwd / np.maximum(cp, 1)
-    fwd = steps * overlapped_exposed(send, hide_f, 0.0, hw.comm_sm) + np.where(cp > 1, send, 0)
-    bwd = steps * overlapped_exposed(2 * send, hide_b, 0.0, hw.comm_sm) + np.where(cp > 1, 2 * send, 0)
+def cp_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any) -> tuple[Any, Any]:
+    """All-gather based CP (Llama 3; Dubey et al. 2024, sec. 3.3.2): per block forward an all-gather of K and V
+    (2*mbs*seq*kv_heads*head_dim/tp*e bytes gathered over the cp group), backward a reduce-scatter of their
+    gradients (parallel/context.py); both run inside the attention call, so nothing hides them."""
+    kv = 2 * mbs * seq * m.kv_heads * m.head_dim / tp * elem
+    fwd = np.where(cp > 1, allgather_time(hw, kv, cp, tp), 0.0)
+    bwd = np.where(cp > 1, reduce_scatter_time(hw, kv, cp, tp), 0.0)
     return fwd, bwd
 
 
@@ -705,17 +751,66 @@ def ep_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, c
 # ============================================================================================ pipeline
 
 
-def bubble_fraction(pp: Any, microbatches: Any, vpp: Any) -> Any:
-    """(pp-1)/(m*vpp): idle share of the step for GPipe/1F1B (vpp=1) and interleaved 1F1B (Narayanan et al. 2021)."""
-    return (pp - 1) / (microbatches * vpp)
+# Schedule codes (specs.SCHEDULES.index): gpipe, 1f1b, interleaved, interleaved-zb, zbv, dualpipev.
+SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED, SCHED_IZB, SCHED_ZBV, SCHED_DUALPIPEV = range(6)
+# Split backward: B (input gradients) and W (weight gradients) as shares of a micro-batch's F+B+W. The weight
+# gradients are the forward's GEMMs again (dW = x^T dy), the input gradients the others: F = B = W = 1/3, the
+# split Qi et al. 2023 ("Zero Bubble Pipeline Parallelism", ICLR 2024, §2) assume; the FLOPs are unchanged.
+WGRAD_SHARE = 1.0 / 3.0
+FWD_SHARE = 1.0 / 3.0
+
+
+def bubble_fraction(pp: Any, microbatches: Any, vpp: Any, schedule: Any = SCHED_1F1B) -> Any:
+    """Idle share of the step, in micro-batch slots per micro-batch, by schedule code: GPipe/1F1B (pp-1)/m,
+    interleaved 1F1B (pp-1)/(m*vpp) (Narayanan et al. 2021), interleaved zero bubble ``zero_bubble_fraction``,
+    ZBV ``zbv_bubble_fraction``, DualPipeV ``dualpipev_bubble_fraction``."""
+    pp, m, vpp, schedule = np.asarray(pp, dtype=float), np.asarray(microbatches, dtype=float), np.asarray(vpp), \
+        np.asarray(schedule)
+    plain = (pp - 1) / (m * vpp)  # vpp = 1 for GPipe and 1F1B
+    out = np.select([schedule == SCHED_IZB, schedule == SCHED_ZBV, schedule == SCHED_DUALPIPEV],
+                    [zero_bubble_fraction(pp, m, vpp), zbv_bubble_fraction(pp, m), dualpipev_bubble_fraction(pp, m)],
+                    plain)
+    return out if out.ndim else float(out)
+
+
+def zero_bubble_fraction(pp: Any, microbatches: Any, vpp: Any) -> Any:
+    """(p-1)(F+B-2W) / (m*v*(F+B)) with B the full backward: ZB-H1 / ZB1P, 1F1B's memory with the weight
+    gradients filling the drain (Qi et al. 2023, §3.1; the DualPipe README's ZB1P row); over v round-robin chunks
+    per rank the fill shrinks by v as for interleaved 1F1B (torch's ScheduleInterleavedZeroBubble runs ZB1P per
+    chunk). F = B_input = W: (p-1)/(3*m*v)."""
+    full = 1.0 - FWD_SHARE  # B + W
+    return (pp - 1) * (FWD_SHARE + full - 2 * WGRAD_SHARE) / (microbatches * vpp)
+
+
+def zbv_bubble_fraction(pp: Any, microbatches: Any) -> Any:
+    """max(0, 2p-1-m)/m: ZB-V (Qi et al. 2023 §6; Qi et al. 2024, "Pipeline Parallelism with Controllable Memory",
+    V-ZB) is bubble-free for F = B = W once the V is full; torch's ScheduleZBVZeroBubble fills it with 2p-1
+    micro-batch slots, idle where m < 2p-1."""
+    return np.maximum(0.0, 2 * pp - 1 - microbatches) / microbatches
+
+
+def dualpipev_bubble_fraction(pp: Any, microbatches: Any) -> Any:
+    """(PP/2-1)(F&B+B-3W) over a rank's m(F+B): DualPipe (DeepSeek-V3 technical report 2024, Table 2; README
+    table), PP its stage count, F, B, W per chunk; DualPipeV (Sea AI Lab 2025, DualPipe cut in half: PP = 2p
+    stages on p ranks, two chunks each) keeps the formula. F&B = F+B: our stages run the overlapped pair one
+    after the other (torch without an overlap callback). Per rank (2 chunks): (p-1)(F+2B-3W)/(2m) with B the full
+    backward; F = B_input = W: (p-1)/(3m)."""
+    full = 1.0 - FWD_SHARE
+    return (pp - 1) * (FWD_SHARE + 2 * full - 3 * WGRAD_SHARE) / (2 * microbatches)
 
 
 def inflight_microbatches(schedule: Any, pp: Any, vpp: Any, microbatches: Any, stage: Any) -> Any:
-    """Stage-sized activation sets held: GPipe m; 1F1B min(pp-i, m); interleaved (min(2(pp-i-1)+(v-1)pp, mv)+1)/v (Megatron)."""
+    """Stage-sized activation sets held (a rank's whole stage per micro-batch): GPipe m; 1F1B min(pp-i, m);
+    interleaved 1F1B and interleaved zero bubble (ZB1P keeps 1F1B's memory, Qi et al. 2023 §3.2)
+    (min(2(pp-i-1)+(v-1)pp, mv)+1)/v (Megatron); ZBV min(pp, m) on every rank (V-ZB: 1F1B's peak, balanced over
+    the V; Qi et al. 2024); DualPipeV min(pp + 1/2, m): PP+1 chunk sets with PP = 2p stages (DualPipe README)."""
     gpipe = microbatches
     one_f = np.minimum(pp - stage, microbatches)
     inter = (np.minimum(2 * (pp - stage - 1) + (vpp - 1) * pp, microbatches * vpp) + 1) / vpp
-    return np.where(schedule == 0, gpipe, np.where(schedule == 1, one_f, inter))
+    zbv = np.minimum(pp + 0.0 * stage, microbatches)
+    dualv = np.minimum(pp + 0.5 + 0.0 * stage, microbatches)
+    return np.select([schedule == SCHED_GPIPE, schedule == SCHED_1F1B, schedule == SCHED_ZBV,
+                      schedule == SCHED_DUALPIPEV], [gpipe, one_f, zbv, dualv], inter)
 
 
 def partition_layers(weights: np.ndarray, parts: int) -> list[int]:
@@ -777,8 +872,9 @@ def activation_bytes_per_block(m: ModelSpec, mbs: Any, seq: Any, tp: Any, sp: An
 
 
 def logits_bytes(m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any) -> Any:
-    """T*V/tp*(e + 4 + 4): logits, their fp32 copy and the fp32 gradient of the loss (one micro-batch at a time)."""
-    return mbs * seq / cp * m.vocab / tp * (elem + 8.0)
+    """T*V/tp*(e + 4 + 4): logits, their fp32 copy and the fp32 gradient of the loss (one micro-batch at a time);
+    T = mbs*seq whatever cp: the logits are gathered and the loss runs on the whole sequence (parallel/context.py)."""
+    return mbs * seq * m.vocab / tp * (elem + 8.0)
 
 
 def memory_total(states: Any, activations: Any, buffers: Any, hw: Hardware) -> Any:
@@ -845,10 +941,21 @@ def tp_dispatch_time(hw: Hardware, blocks: Any, slots: Any, tp: Any) -> Any:
     return np.where(np.asarray(tp) > 1, np.asarray(blocks, dtype=float) * slots * hw.runtime.tp_block_us * 1e-6, 0.0)
 
 
-def pipeline_action_time(hw: Hardware, slots: Any, vpp: Any, pp: Any) -> Any:
-    """2 * vpp * slots * t_action when pp > 1: a forward and a backward action per chunk and micro-batch slot, each
-    with its schedule bookkeeping and p2p posts (torch.distributed.pipelining; measured t_action)."""
-    return np.where(np.asarray(pp) > 1, 2.0 * np.asarray(vpp, dtype=float) * slots
+SPLIT_BACKWARD_SCHEDULES = (SCHED_IZB, SCHED_ZBV, SCHED_DUALPIPEV)  # backward split in B and W
+
+
+def pipeline_actions_per_chunk(schedule: Any) -> Any:
+    """Schedule actions per chunk and micro-batch: 2 (forward, backward); 3 for the zero-bubble schedules, whose
+    backward runs as two actions, input gradients (B) then weight gradients (W) (Qi et al. 2023;
+    torch.distributed.pipelining's I and W actions)."""
+    return np.where(np.isin(np.asarray(schedule), SPLIT_BACKWARD_SCHEDULES), 3.0, 2.0)
+
+
+def pipeline_action_time(hw: Hardware, slots: Any, vpp: Any, pp: Any, schedule: Any = 1) -> Any:
+    """actions(schedule) * vpp * slots * t_action when pp > 1: every action of each chunk and micro-batch slot
+    (``pipeline_actions_per_chunk``), each with its schedule bookkeeping and p2p posts
+    (torch.distributed.pipelining; measured t_action)."""
+    return np.where(np.asarray(pp) > 1, pipeline_actions_per_chunk(schedule) * np.asarray(vpp, dtype=float) * slots
                     * hw.runtime.pipeline_action_us * 1e-6, 0.0)
 
 
@@ -882,16 +989,17 @@ def collective_sync_time(hw: Hardware, calls: Any) -> Any:
 
 
 def runtime_fixed_time(hw: Hardware, slots: Any, zero: Any, fsdp: Any, units: Any, blocks: Any, moe_blocks: Any,
-                       tp: Any, pp: Any, vpp: Any, ep: Any, dp: Any = 1, grad_bytes: Any = 0.0) -> dict[str, Any]:
+                       tp: Any, pp: Any, vpp: Any, ep: Any, dp: Any = 1, grad_bytes: Any = 0.0,
+                       schedule: Any = 1) -> dict[str, Any]:
     """The runtime's fixed costs per step by term name (RUNTIME_TERMS), on the busiest rank: ``slots`` micro-batch
     slots of the step (micro-batches plus the pipeline's fill and drain), ``units`` FSDP units and ``blocks`` /
     ``moe_blocks`` on that rank, ``fsdp`` whether FSDP2 runs (not plain DDP), ``grad_bytes`` the rank's gradient
-    bytes (DDP buckets)."""
+    bytes (DDP buckets), ``schedule`` the SCHEDULES code (zero-bubble schedules run more actions per chunk)."""
     calls = collective_calls(slots, zero, fsdp, units, blocks, moe_blocks, tp, pp, vpp, ep, dp, grad_bytes)
     return {"step": step_overhead_time(hw) + 0.0 * np.asarray(slots, dtype=float),
             "microbatch": microbatch_overhead_time(hw, slots),
             "fsdp_units": fsdp_unit_overhead_time(hw, units, slots, zero, fsdp, pp),
             "tp_dispatch": tp_dispatch_time(hw, blocks, slots, tp),
-            "pipeline_actions": pipeline_action_time(hw, slots, vpp, pp),
+            "pipeline_actions": pipeline_action_time(hw, slots, vpp, pp, schedule),
             "ep_dispatch": ep_dispatch_time(hw, moe_blocks, slots, ep),
             "collective_sync": collective_sync_time(hw, calls)}

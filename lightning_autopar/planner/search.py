@@ -18,6 +18,8 @@ from lightning_autopar.planner.report import PlanReport, explain
 from lightning_autopar.planner.space import Space, enumerate_space, space_from_plans, unit_form_restrict
 from lightning_autopar.specs import (
     PRECISIONS,
+    SCHEDULES,
+    V_SCHEDULES,
     BlockMeasure,
     Breakdown,
     ClusterSpec,
@@ -106,37 +108,42 @@ def stage_chunks(weights: np.ndarray, emb: float, head: float, pp: int, vpp: int
 
 
 _STAGE_CACHE: dict[tuple, tuple[np.ndarray, list[int]]] = {}
+V_CODES = [SCHEDULES.index(s) for s in V_SCHEDULES]  # two chunks per rank in a V
 
 
 def stage_table(model: ModelSpec, weights: np.ndarray, emb: float, head: float, pp: int, vpp: int,
-                uneven: bool) -> tuple[np.ndarray, list[int]]:
-    """Representative ranks (first, last, heaviest middle) as rows [n_dense, n_moe, has_emb, has_head, rank]."""
-    key = (weights.tobytes(), emb, head, pp, vpp, uneven, model.experts, model.moe_every)
+                uneven: bool, v_shape: bool = False) -> tuple[np.ndarray, list[int]]:
+    """Representative ranks (first, last, heaviest middle) as rows [n_dense, n_moe, has_emb, has_head, rank];
+    ``v_shape``: chunks placed in a V (zbv, dualpipev: rank r holds chunks r and 2*pp-1-r, so the head is on
+    rank 0 with the embedding), else round-robin."""
+    key = (weights.tobytes(), emb, head, pp, vpp, uneven, model.experts, model.moe_every, v_shape)
     if key not in _STAGE_CACHE:
         if len(_STAGE_CACHE) > 4096:
             _STAGE_CACHE.clear()
-        _STAGE_CACHE[key] = _stage_table(model, weights, emb, head, pp, vpp, uneven)
+        _STAGE_CACHE[key] = _stage_table(model, weights, emb, head, pp, vpp, uneven, v_shape)
     return _STAGE_CACHE[key]
 
 
 def _stage_table(model: ModelSpec, weights: np.ndarray, emb: float, head: float, pp: int, vpp: int,
-                 uneven: bool) -> tuple[np.ndarray, list[int]]:
+                 uneven: bool, v_shape: bool) -> tuple[np.ndarray, list[int]]:
     chunks = stage_chunks(weights, emb, head, pp, vpp, uneven)
     is_moe = moe_mask(model)
     bounds = np.concatenate([[0], np.cumsum(chunks)])
     rank_rows = np.zeros((pp, 5))
     rank_w = np.zeros(pp)
+    n_chunks = len(chunks)
     for j, n in enumerate(chunks):
-        r = j % pp
+        r = n_chunks - 1 - j if v_shape and j >= pp else j % pp
         lo, hi = bounds[j], bounds[j + 1]
         moe = int(is_moe[lo:hi].sum())
         rank_rows[r, 0] += n - moe
         rank_rows[r, 1] += moe
         rank_w[r] += weights[lo:hi].sum()
+    last = 0 if v_shape else pp - 1
     rank_rows[0, 2] = 1
-    rank_rows[pp - 1, 3] = 1
+    rank_rows[last, 3] = 1
     rank_w[0] += emb
-    rank_w[pp - 1] += head
+    rank_w[last] += head
     rank_rows[:, 4] = np.arange(pp)
     middle = 1 + int(np.argmax(rank_w[1:-1])) if pp > 2 else 0
     return rank_rows[[0, pp - 1, middle]], chunks
@@ -201,15 +208,17 @@ def _unit_reps(model: ModelSpec, units: C.UnitArrays, hw: C.Hardware, space: Spa
 
 
 def _stage_reps(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, fused: bool, pp: np.ndarray,
-                vpp: np.ndarray) -> np.ndarray:
-    """Representative ranks for each row's (pp, vpp): array (rows, N_REP, 5) from one partition per distinct pair."""
+                vpp: np.ndarray, schedule: np.ndarray) -> np.ndarray:
+    """Representative ranks for each row's (pp, vpp, V placement or not): array (rows, N_REP, 5) from one
+    partition per distinct triple."""
     prec0 = int(space.keys["precision"][0]) if len(space.keys["precision"]) else 0
     weights, emb_w, head_w = layer_weights(model, hw, seq, prec0, fused)
-    table = np.zeros((int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, N_REP, 5))
-    for code in np.unique(pp * 4096 + vpp):
-        p_, v_ = divmod(int(code), 4096)
-        table[p_, v_] = stage_table(model, weights, emb_w, head_w, p_, v_, space.uneven)[0]
-    return table[pp, vpp]
+    v = np.isin(schedule, V_CODES).astype(np.int64)
+    table = np.zeros((int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, 2, N_REP, 5))
+    for code in np.unique((pp * 4096 + vpp) * 2 + v):
+        (p_, v_), shape = divmod(int(code) // 2, 4096), int(code) % 2
+        table[p_, v_, shape] = stage_table(model, weights, emb_w, head_w, p_, v_, space.uneven, bool(shape))[0]
+    return table[pp, vpp, v]
 
 
 def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq: int,
@@ -247,7 +256,7 @@ def _runtime_terms(model: ModelSpec, hw: C.Hardware, space: Space) -> dict[str, 
     tp, pp, cp, dp, ep = (Lt[n][lay].astype(float) for n in ("tp", "pp", "cp", "dp", "ep"))
     ga, vpp = K["ga"][key].astype(float), M["vpp"][mid].astype(float)
     zero = D["zero"][Cn["dpc"]]
-    slots = ga + C.bubble_fraction(pp, ga, vpp) * ga  # micro-batches plus the pipeline's fill and drain
+    slots = ga + C.bubble_fraction(pp, ga, vpp, M["schedule"][mid]) * ga  # micro-batches plus fill and drain
     if model.unit_form:
         n_units = float(sum(1 for u in model.units if u.params > 0))
         blocks, moe_blocks, units = np.ceil(n_units / pp), 0.0 * pp, np.ceil(n_units / pp)
@@ -260,7 +269,7 @@ def _runtime_terms(model: ModelSpec, hw: C.Hardware, space: Space) -> dict[str, 
     plain_ddp = (zero == 0) & (dp > 1) & (tp == 1) & (pp == 1) & (ep == 1) & (cp == 1) & (not has_moe)
     grad_bytes = 4.0 * model.total_params() / (tp * pp)  # fp32 gradients (GRAD_REDUCE_BYTES), the rank's share
     return C.runtime_fixed_time(hw, slots, zero, ~plain_ddp, units, blocks, moe_blocks, tp, pp, vpp, ep, dp,
-                                grad_bytes)
+                                grad_bytes, M["schedule"][mid])
 
 
 def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measured: Measured | None,
@@ -277,8 +286,16 @@ def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int,
     # fp8-mixed: GEMMs at the fp8 rate (fp8), the attention core, the LM head and the rest at bf16 (peak)
     peak, elem, fp8 = hw.peak[C.BASE_PREC[prec]], C.ACT_BYTES[prec], prec == C.FP8
     has_moe = m.moe_layers > 0
-    dense = C.dense_block_time(hw, m, mbs, seq, tp, cp, sp, peak, elem, fused, fp8)
-    moe = C.moe_block_time(hw, m, mbs, seq, tp, cp, ep, sp, peak, elem, fused, fp8) if has_moe else dense
+
+    def blocks(h: C.Hardware) -> tuple[C.BlockTimes, C.BlockTimes]:
+        dense = C.dense_block_time(h, m, mbs, seq, tp, cp, sp, peak, elem, fused, fp8)
+        return dense, (C.moe_block_time(h, m, mbs, seq, tp, cp, ep, sp, peak, elem, fused, fp8) if has_moe else dense)
+
+    dense, moe = blocks(hw)
+    comp = K["compile"].astype(bool)
+    if comp.any():  # plan.compile: the blocks priced compiled (cost.compiled_block_time)
+        fz_dense, fz_moe = blocks(C.compile_hardware(hw)) if hw.compile_fuses else (None, None)
+        dense, moe = C.compiled_block_time(hw, dense, fz_dense, comp), C.compiled_block_time(hw, moe, fz_moe, comp)
     emb_f, emb_b = C.embedding_time(hw, m, mbs, seq, cp, elem, tp)
     head_f, head_b = C.head_time(hw, m, mbs, seq, tp, cp, peak, elem)
     act = [C.activation_bytes_per_block(m, mbs, seq, tp, sp, cp, mode, elem, fused) for mode in range(3)]
@@ -288,8 +305,10 @@ def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int,
         dense, moe, emb_f, emb_b, head_f, head_b, act, act_moe = _apply_measured(
             measured, m, hw, seq, fused, dense, moe, emb_f, emb_b, head_f, head_b, act, act_moe)
     tp_f, tp_b = C.tp_comm_per_block(hw, m, mbs, seq, tp, cp, elem)
+    if hw.compile_fuses and comp.any():  # async TP: compiled blocks with tp > 1 and SP on a GPU preset
+        tp_f, tp_b = C.async_tp_exposed(hw, tp_f, tp_b, dense, tp, comp & sp & (tp > 1))
     tp_edge = C.allreduce_time(hw, mbs * seq / cp * m.hidden * elem, tp, 1)  # embedding fwd / head bwd
-    cp_f, cp_b = C.cp_comm_per_block(hw, m, mbs, seq, tp, cp, elem, dense.attn_fwd, 2.5 * dense.attn_fwd)
+    cp_f, cp_b = C.cp_comm_per_block(hw, m, mbs, seq, tp, cp, elem)
     zero_k = np.zeros_like(tp)
     ep_f, ep_b = C.ep_comm_per_block(hw, m, mbs, seq, tp, cp, ep, sp, elem) if has_moe else (zero_k, zero_k)
     p2p_inter = np.full(len(tp), hw.nodes > 1)  # pp is the outermost mesh dim: some stage boundary crosses nodes
@@ -302,7 +321,7 @@ def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int,
     mk = M["key"]
     g = lambda a: np.asarray(a)[mk] if np.ndim(a) else np.full(len(mk), float(a))  # noqa: E731
     vpp_m, sched_m = f(M["vpp"]), M["schedule"]
-    reps_m = _stage_reps(m, hw, space, seq, fused, Lt["pp"][kl][mk], M["vpp"])
+    reps_m = _stage_reps(m, hw, space, seq, fused, Lt["pp"][kl][mk], M["vpp"], M["schedule"])
     pp_m, ga_m = g(pp), g(ga)
     p2p_mb = np.where(pp_m > 1, 2 * vpp_m * g(p2p), 0.0)
     mid = {name: [] for name in ("tf", "tb", "base", "mem")}
@@ -330,7 +349,7 @@ def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int,
     tp_d, pp_d, cp_d, dp_d, ep_d = (f(Lt[n][dl]) for n in ("tp", "pp", "cp", "dp", "ep"))
     zero, prec_d = D["zero"], D["precision"]
     ds = np.where(D["dp_shard"] > 0, D["dp_shard"], Lt["dp"][dl]).astype(float)
-    reps_d = _stage_reps(m, hw, space, seq, fused, Lt["pp"][dl], D["vpp"])
+    reps_d = _stage_reps(m, hw, space, seq, fused, Lt["pp"][dl], D["vpp"], D["schedule"])
     p_dense_blk = m.block_params() / tp_d
     p_moe_shared = (m.attention_params() + 4 * m.hidden + m.hidden * m.experts) / tp_d
     p_moe_expert = m.mlp_params() * m.experts / (tp_d * ep_d) if has_moe else 0.0 * tp_d
@@ -371,6 +390,9 @@ def _unit_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measur
     mbs, ga, prec = f(K["mbs"]), f(K["ga"]), K["precision"]
     peak, elem = hw.peak[C.BASE_PREC[prec]], C.ACT_BYTES[prec]  # units do not single out their GEMMs: fp8-mixed at bf16
     uf, ub = C.unit_time(hw, u, mbs, peak, elem)
+    if K["compile"].any():  # plan.compile: a measured speed-up only (units have no fused-traffic model)
+        units = C.compiled_block_time(hw, C.BlockTimes(uf, ub, 0.0 * uf), None, K["compile"].astype(bool)[:, None])
+        uf, ub = units.fwd, units.bwd
     act = [C.unit_activation_bytes(u, mbs, elem, mode) for mode in range(3)]
     if measured is not None:
         uf, ub, act = _apply_measured_units(measured, model, u, hw, uf, ub, act)
@@ -511,9 +533,10 @@ def _assemble(hw: C.Hardware, space: Space, mid: dict[str, list], dpc: dict[str,
     by_mid = t32([hw.overlap * np.stack(mid["tf"], axis=1), hw.overlap * np.stack(mid["tb"], axis=1)])
     by_dpc = t32([np.stack(dpc[k], axis=1) for k in ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem", "mb")])
     f_sm = np.float32(hw.comm_sm)
-    # steady state + fill/drain: (m + (pp-1)/vpp) slots (Narayanan et al. 2021), then the once-per-step tail
+    # steady state + fill/drain: m * (1 + the schedule's bubble fraction) slots (cost.bubble_fraction; 1F1B:
+    # (m + (pp-1)/vpp), Narayanan et al. 2021), then the once-per-step tail
     ga_m = ga[mk]
-    span = (ga_m + C.bubble_fraction(pp[mk], ga_m, vpp_m) * ga_m).astype(np.float32)
+    span = (ga_m + C.bubble_fraction(pp[mk], ga_m, vpp_m, M["schedule"]) * ga_m).astype(np.float32)
     n = len(cm)
     step, memory = np.empty(n), np.empty(n)
     for lo in range(0, n, CHUNK):

@@ -2,8 +2,10 @@
 
 Candidates are built as factor tables (see Space) so the search prices shared work once per distinct value.
 Divisibility rules (contract): heads and kv_heads by tp, experts by ep, global batch by dp*mbs, layers over
-pp*vpp (interleaved needs layers % (pp*vpp) == 0 and micro-batches % pp == 0; plain 1F1B/GPipe may split
-layers unevenly unless ``restrict={"uneven": [False]}``), seq by 2*cp (load-balanced causal ring attention).
+pp*vpp (interleaved and interleaved-zb need layers % (pp*vpp) == 0 and micro-batches % pp == 0; zbv and
+dualpipev run vpp == 2 chunks per rank in a V with layers % (2*pp) == 0, dualpipev with micro-batches >= 2*pp
+(``microbatch_rule``); plain 1F1B/GPipe may split layers unevenly unless ``restrict={"uneven": [False]}``),
+seq by 2*cp (load-balanced causal ring attention).
 EP groups are carved from the data-parallel ranks (ep divides dp).
 """
 
@@ -16,9 +18,12 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from lightning_autopar.errors import ConfigError
-from lightning_autopar.specs import PRECISIONS, RECOMPUTE_MODES, SCHEDULES, ModelSpec, Plan
+from lightning_autopar.specs import (INTERLEAVED_SCHEDULES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, V_SCHEDULES,
+                                      ModelSpec, Plan)
 
 LAYOUT_FIELDS = ("tp", "pp", "cp", "dp", "ep")
+SPLIT_BACKWARD = ("interleaved-zb",) + V_SCHEDULES  # input and weight gradients in two passes (zero bubble)
+UNIT_FORM_EXCLUDED = INTERLEAVED_SCHEDULES + V_SCHEDULES  # several stages per rank: not for the traced pipeline
 EXTRA_RESTRICT = ("uneven",)  # restrict-only switch: allow uneven pipeline partitions (default True)
 
 
@@ -31,7 +36,7 @@ def divisors(n: int) -> list[int]:
 class Space:
     """The candidate space as factor tables, so shared work is priced once per distinct value:
 
-    layouts (tp, pp, cp, dp, ep) -> keys (+ mbs, sp, precision; ga derived) -> mids (+ schedule, vpp: pipeline
+    layouts (tp, pp, cp, dp, ep) -> keys (+ mbs, sp, compile, precision; ga derived) -> mids (+ schedule, vpp: pipeline
     stage contents) and dpcs (layout, precision, schedule, vpp, zero, dp_shard: data-parallel traffic and model
     states) -> cands (mid, dpc, recompute). Categorical fields are indices into SCHEDULES etc.; dp_shard 0 = all of dp.
     """
@@ -78,7 +83,7 @@ class Space:
         return Plan(dp=get("dp"), zero=get("zero"), dp_shard=get("dp_shard") or None, tp=get("tp"), sp=bool(get("sp")),
                     pp=get("pp"), schedule=SCHEDULES[get("schedule")], vpp=get("vpp"), ep=get("ep"), cp=get("cp"),
                     mbs=get("mbs"), grad_accum=get("ga"), recompute=RECOMPUTE_MODES[get("recompute")],
-                    precision=PRECISIONS[get("precision")])
+                    precision=PRECISIONS[get("precision")], compile=bool(get("compile")))
 
 
 def _compact(table: dict[str, np.ndarray], refs: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -96,7 +101,7 @@ def space_from_plans(plans: Sequence[Plan], uneven: bool = True) -> Space:
     prec = col(lambda p: PRECISIONS.index(p.precision))
     sched, vpp = col(lambda p: SCHEDULES.index(p.schedule)), col(lambda p: p.vpp)
     keys = {"layout": ar, "mbs": col(lambda p: p.mbs), "sp": col(lambda p: int(p.sp)), "precision": prec,
-            "ga": col(lambda p: p.grad_accum)}
+            "ga": col(lambda p: p.grad_accum), "compile": col(lambda p: int(p.compile))}
     mids = {"key": ar, "schedule": sched, "vpp": vpp}
     dpcs = {"layout": ar, "precision": prec, "schedule": sched, "vpp": vpp, "zero": col(lambda p: p.zero),
             "dp_shard": col(lambda p: 0 if p.dp_shard in (None, p.dp) else p.dp_shard)}
@@ -157,11 +162,7 @@ def check_fix(model: ModelSpec, world: int, global_batch: int, seq_len: int, fix
         raise ConfigError("fix.pp", f"pp={fix['pp']} exceeds layers={model.layers}", "use pp <= layers")
     if fix.get("sp") and fix.get("tp") == 1:
         raise ConfigError("fix.sp", "sequence parallel needs tp > 1", "set tp >= 2 or sp=false")
-    if fix.get("vpp", 1) > 1 and fix.get("schedule", "interleaved") != "interleaved":
-        raise ConfigError("fix.vpp", f"vpp={fix['vpp']} needs schedule=interleaved", "set schedule=interleaved")
-    if "pp" in fix and "vpp" in fix and fix["vpp"] > 1 and model.layers % (fix["pp"] * fix["vpp"]):
-        raise ConfigError("fix.vpp", f"layers={model.layers} is not divisible by pp*vpp={fix['pp'] * fix['vpp']}",
-                          "choose pp*vpp dividing the layer count")
+    check_schedule_fix(model, fix)
     for name in ("dp", "mbs", "grad_accum"):
         if name in fix and global_batch % fix[name]:
             raise ConfigError(f"fix.{name}", f"{name}={fix[name]} does not divide global batch {global_batch}",
@@ -171,6 +172,78 @@ def check_fix(model: ModelSpec, world: int, global_batch: int, seq_len: int, fix
                           f"!= global batch {global_batch}", "choose mbs and grad_accum with dp*mbs*grad_accum == global batch")
     if fix.get("dp_shard") and "dp" in fix and fix["dp"] % fix["dp_shard"]:
         raise ConfigError("fix.dp_shard", f"{fix['dp_shard']} does not divide dp={fix['dp']}", "choose a divisor of dp")
+
+
+def microbatch_rule(schedule: str, pp: int, microbatches: int) -> str | None:
+    """Why ``microbatches`` per step cannot run ``schedule`` over ``pp`` ranks, or None. Interleaved schedules:
+    micro-batches % pp == 0 (Megatron's rule; it also meets torch's "a multiple of max(1, m // pp) rounds" of
+    ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble); dualpipev: micro-batches >= 2*pp stages (torch's
+    ScheduleDualPipeV). GPipe, 1F1B (fewer micro-batches than stages run GPipe's order) and ZBV (torch fills
+    the V with empty slots) take any count."""
+    if pp == 1:
+        return None
+    if schedule in INTERLEAVED_SCHEDULES and microbatches % pp:
+        return f"schedule={schedule} needs micro-batches (grad_accum={microbatches}) divisible by pp={pp}"
+    if schedule == "dualpipev" and microbatches < 2 * pp:
+        return f"schedule=dualpipev needs micro-batches (grad_accum={microbatches}) >= 2*pp={2 * pp} stages"
+    return None
+
+
+def recompute_rule(schedule: str, recompute: str) -> str | None:
+    """Why ``recompute`` cannot run with ``schedule``, or None. The zero-bubble schedules split the backward into
+    two autograd passes (input gradients, then weight gradients: torch's stage_backward_input / _weight); a
+    checkpointed block recomputes its forward in each, and the composable checkpoint's recompute context
+    (torch.distributed._composable.checkpoint) can be entered only once per forward."""
+    if schedule in SPLIT_BACKWARD and recompute != "none":
+        return (f"schedule={schedule} splits the backward into input and weight passes, and recompute={recompute} "
+                "(composable checkpoint) can recompute a block only once per forward")
+    return None
+
+
+def context_compile_rule(cp: int, compile: bool) -> str | None:
+    """Why ``compile`` cannot run with context parallelism, or None: the cp attention swaps
+    scaled_dot_product_attention for an all-gathering one while the transformer runs (parallel/context.py), which
+    a compiled block would trace once and keep."""
+    if compile and cp > 1:
+        return "context parallelism swaps the attention call at run time, which compiled blocks would not see"
+    return None
+
+
+def compile_rule(schedule: str, pp: int, compile: bool) -> str | None:
+    """Why ``compile`` cannot run with ``schedule``, or None: torch's zero-bubble schedules refuse compiled stage
+    modules (schedules._check_torch_compile_compatibility: no input/weight backward split under torch.compile)."""
+    if compile and pp > 1 and schedule in SPLIT_BACKWARD:
+        return f"schedule={schedule} splits the backward into input and weight passes, which torch.compile cannot"
+    return None
+
+
+def check_schedule_fix(model: ModelSpec, fix: Mapping[str, Any]) -> None:
+    """Fixed schedule, vpp, pp and grad_accum that no plan can run (one ConfigError): vpp > 1 needs an interleaved
+    or V schedule, a V schedule runs vpp == 2, the chunks must divide the layers, and ``microbatch_rule``."""
+    schedule, vpp, pp = fix.get("schedule"), fix.get("vpp"), fix.get("pp")
+    if (vpp or 1) > 1 and schedule is not None and schedule not in INTERLEAVED_SCHEDULES + V_SCHEDULES:
+        raise ConfigError("fix.vpp", f"vpp={vpp} needs an interleaved or V schedule, got schedule={schedule}",
+                          "set schedule=interleaved, interleaved-zb, zbv or dualpipev, or vpp=1")
+    if schedule in V_SCHEDULES and vpp is not None and vpp != 2 and pp != 1:
+        raise ConfigError("fix.vpp", f"schedule={schedule} runs two stages per pipeline rank (a V), got vpp={vpp}",
+                          "set vpp=2")
+    chunks = 2 if schedule in V_SCHEDULES and pp != 1 else (vpp or 1)
+    if pp is not None and chunks > 1 and model.layers % (pp * chunks):
+        raise ConfigError("fix.vpp", f"layers={model.layers} is not divisible by pp*vpp={pp * chunks}",
+                          "choose pp*vpp dividing the layer count")
+    reason = recompute_rule(schedule, fix["recompute"]) if schedule and "recompute" in fix and pp != 1 else None
+    if reason:
+        raise ConfigError("fix.recompute", reason, "use recompute=none, or schedule=1f1b or interleaved")
+    reason = compile_rule(schedule, pp, bool(fix["compile"])) if schedule and pp and "compile" in fix else None
+    if reason:
+        raise ConfigError("fix.compile", reason, "use compile=false, or schedule=1f1b or interleaved")
+    reason = context_compile_rule(fix.get("cp", 1), bool(fix.get("compile")))
+    if reason:
+        raise ConfigError("fix.compile", reason, "use compile=false, or cp=1")
+    if schedule is not None and pp is not None and "grad_accum" in fix:
+        reason = microbatch_rule(schedule, pp, fix["grad_accum"])
+        if reason:
+            raise ConfigError("fix.grad_accum", reason, "choose grad_accum accordingly, or another schedule")
 
 
 def check_unit_fix(model: ModelSpec, fix: Mapping[str, Any]) -> None:
@@ -183,9 +256,10 @@ def check_unit_fix(model: ModelSpec, fix: Mapping[str, Any]) -> None:
                               f"{name}={fix[name]} has nothing to split", f"use {name}=1")
     if fix.get("sp"):
         raise ConfigError("fix.sp", "sequence parallel needs a transformer with tp > 1", "set sp=false")
-    if fix.get("schedule") == "interleaved" or fix.get("vpp", 1) != 1:
-        raise ConfigError("fix.schedule", "interleaved stages need a stack of identical blocks; a model in unit "
-                          "form has one contiguous run of units per pipeline rank", "use schedule=1f1b or gpipe, vpp=1")
+    if fix.get("schedule") in UNIT_FORM_EXCLUDED or fix.get("vpp", 1) != 1:
+        raise ConfigError("fix.schedule", f"{fix.get('schedule', 'vpp > 1')}: more than one stage per rank needs a "
+                          "stack of identical blocks; a model in unit form has one contiguous run of units per "
+                          "pipeline rank", "use schedule=1f1b or gpipe, vpp=1")
 
 
 def unit_form_restrict(model: ModelSpec, fix: Mapping[str, Any],
@@ -196,8 +270,9 @@ def unit_form_restrict(model: ModelSpec, fix: Mapping[str, Any],
     SyncBatchNorm statistics cover each rank's whole batch as on one device, unless the user fixes grad_accum."""
     out: dict[str, Sequence] = {**restrict, "tp": [1], "cp": [1], "ep": [1], "sp": [False]}
     why = dict.fromkeys(("tp", "cp", "ep", "sp"), "a model in unit form has no attention, MLP or sequence to split")
-    out["schedule"] = [s for s in restrict.get("schedule", SCHEDULES) if s != "interleaved"]
-    why["schedule"] = "interleaved needs identical blocks; each pipeline rank holds one contiguous run of units"
+    out["schedule"] = [s for s in restrict.get("schedule", SCHEDULES) if s not in UNIT_FORM_EXCLUDED]
+    why["schedule"] = (f"{', '.join(UNIT_FORM_EXCLUDED)} run several stages per rank, which needs identical blocks; "
+                       "each pipeline rank holds one contiguous run of units (the traced pipeline)")
     if not any("attention" in u.kinds for u in model.units) and "recompute" not in fix:
         out["recompute"] = [r for r in restrict.get("recompute", RECOMPUTE_MODES) if r != "selective"]
         why["recompute"] = "selective recompute keeps matmul/attention outputs; no unit holds attention"
@@ -228,6 +303,7 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
     zeros = _allowed("zero", [0, 1, 2, 3], fix, restrict)
     schedules = _allowed("schedule", SCHEDULES, fix, restrict)
     sps = _allowed("sp", [False, True], fix, restrict)
+    compiles = [int(c) for c in _allowed("compile", [False, True], fix, restrict)]  # eager first: wins ties
 
     lay_rows: list[tuple] = []
     key_rows: list[tuple] = []
@@ -276,19 +352,23 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
                     if not zds or not scheds or not sp_vals:
                         rejected["zero/dp_shard, schedule/vpp or sp"] += 1
                         continue
-                    # keys: mbs x sp x precision; mids: key x (schedule, vpp); dpcs: precision x (schedule, vpp)
-                    # x (zero, dp_shard); candidates: mid x (zero, dp_shard) x recompute (expanded below)
+                    # keys: mbs x sp x compile x precision; mids: key x (schedule, vpp); dpcs: precision x
+                    # (schedule, vpp) x (zero, dp_shard); candidates: mid x (zero, dp_shard) x recompute (expanded below)
                     nv, nz = len(scheds), len(zds)
                     for mbs in mbss:
                         ga = global_batch // (dp * mbs)
-                        for sp in sp_vals:
+                        for sp, comp in ((s, c) for s in sp_vals for c in compiles):
+                            if comp and cp > 1:  # context_compile_rule
+                                rejected["compile with cp > 1"] += len(precs) * nv * nz * len(recomputes)
+                                continue
                             for pi, prec in enumerate(precs):
                                 for vi, (sched, vpp) in enumerate(scheds):
-                                    if sched == 2 and ga % pp:  # interleaved: micro-batches % pp (Megatron)
-                                        rejected["grad_accum % pp (interleaved)"] += nz * len(recomputes)
+                                    name = SCHEDULES[sched]  # torch's micro-batch rules, no compiled split backward
+                                    if microbatch_rule(name, pp, ga) or compile_rule(name, pp, bool(comp)):
+                                        rejected[f"grad_accum or compile ({name})"] += nz * len(recomputes)
                                         continue
                                     mid_rows.append((n_key, sched, vpp, n_dpc + (pi * nv + vi) * nz, nz))
-                                key_rows.append((n_lay, mbs, sp, prec, ga))
+                                key_rows.append((n_lay, mbs, sp, prec, ga, comp))
                                 n_key += 1
                     dpc_rows.extend((n_lay, prec, sched, vpp, z, ds) for prec in precs for sched, vpp in scheds
                                     for z, ds in zds)
@@ -298,13 +378,20 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
     arr = lambda rows, width: np.ascontiguousarray(np.array(rows, dtype=np.int64).reshape(-1, width).T)  # noqa: E731
     mids = arr(mid_rows, 5)
     # candidates: each mid repeated over its layout's (zero, dp_shard) pairs and the recompute modes
-    nr = len(recomputes)
-    counts = mids[4] * nr
+    # (a split-backward schedule runs without recompute only: ``recompute_rule``)
+    pp_of_mid = (np.array(lay_rows, dtype=np.int64).reshape(-1, 5)[:, 1][np.array(key_rows, dtype=np.int64)
+                 .reshape(len(key_rows), -1)[:, 0]][mids[0]] if len(mids[0]) else mids[0])
+    split = np.isin(mids[1], [SCHEDULES.index(s) for s in SPLIT_BACKWARD]) & (pp_of_mid > 1)
+    nr_m = np.where(split, int(0 in recomputes), len(recomputes))
+    rejected["recompute with a split backward (zero-bubble)"] += int((mids[4] * (len(recomputes) - nr_m)).sum())
+    counts = mids[4] * nr_m
     mid_of = np.repeat(np.arange(mids.shape[1]), counts)
     within = np.arange(len(mid_of)) - np.repeat(np.cumsum(counts) - counts, counts)
-    cands = [mid_of, mids[3][mid_of] + within // nr, np.array(recomputes, dtype=np.int64)[within % nr]]
+    nr = np.maximum(nr_m[mid_of], 1)
+    cands = [mid_of, mids[3][mid_of] + within // nr,
+             np.where(split[mid_of], 0, np.array(recomputes, dtype=np.int64)[within % nr])]
     return Space(dict(zip(LAYOUT_FIELDS, arr(lay_rows, 5))),
-                 dict(zip(("layout", "mbs", "sp", "precision", "ga"), arr(key_rows, 5))),
+                 dict(zip(("layout", "mbs", "sp", "precision", "ga", "compile"), arr(key_rows, 6))),
                  dict(zip(("key", "schedule", "vpp"), np.ascontiguousarray(mids[:3]))),
                  dict(zip(("layout", "precision", "schedule", "vpp", "zero", "dp_shard"), arr(dpc_rows, 6))),
                  dict(zip(("mid", "dpc", "recompute"), cands)), rejected, uneven)
@@ -335,7 +422,8 @@ def _zero_shards(dp: int, cp: int, zeros: Sequence[int], fix: Mapping[str, Any],
 
 def _schedules(layers: int, pp: int, schedules: Sequence[str], fix: Mapping[str, Any],
                restrict: Mapping[str, Sequence]) -> list[tuple[int, int]]:
-    """(schedule, vpp) pairs: pp=1 -> 1f1b only; interleaved needs vpp >= 2 and layers % (pp*vpp) == 0."""
+    """(schedule, vpp) pairs: pp=1 -> 1f1b only; interleaved and interleaved-zb need vpp >= 2 and
+    layers % (pp*vpp) == 0; zbv and dualpipev run vpp == 2 (a V) with layers % (2*pp) == 0."""
     if pp == 1:
         if fix.get("vpp", 1) > 1:
             return []
@@ -344,7 +432,11 @@ def _schedules(layers: int, pp: int, schedules: Sequence[str], fix: Mapping[str,
         return [(SCHEDULES.index("1f1b"), 1)]
     out = []
     for s in schedules:
-        if s != "interleaved":
+        if s in V_SCHEDULES:
+            if fix.get("vpp", 2) == 2 and layers % (2 * pp) == 0:
+                out.append((SCHEDULES.index(s), 2))
+            continue
+        if s not in INTERLEAVED_SCHEDULES:
             if fix.get("vpp", 1) == 1:
                 out.append((SCHEDULES.index(s), 1))
             continue

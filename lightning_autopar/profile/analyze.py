@@ -1309,7 +1309,13 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
     blocks_fqn, blocks = found
     embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
     embeddings.sort(key=lambda nm: -nm[1].num_embeddings)
-    tok = embeddings[0] if embeddings else None
+    # the token embedding: the one an LM head outside the blocks maps back to (same table size and width, or the
+    # same weight), else the largest -- a learned position table longer than the vocabulary is not it
+    outside = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith(blocks_fqn + ".")]
+    tok = next(((n, e) for n, e in embeddings if any(
+        h.weight is e.weight or (h.out_features == e.num_embeddings and h.in_features == e.embedding_dim)
+        for h in outside)), embeddings[0] if embeddings else None)
+    embeddings = [tok] + [nm for nm in embeddings if nm[1] is not tok[1]] if tok else embeddings
     hidden = tok[1].embedding_dim if tok else next(
         (m.in_features for m in blocks[0].modules() if isinstance(m, nn.Linear)), 0)
     vocab = tok[1].num_embeddings if tok else 0

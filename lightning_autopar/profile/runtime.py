@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,8 @@ BLOCK_PASSES = 2 * BLOCK_REPS + 4  # forward + backward passes measure_blocks ma
 MAX_MBS = 3  # distinct micro-batch sizes timed
 MODEL_REPS = 3  # timed whole-model passes per mbs (the median, every rank at once)
 OPTIMIZER_REPS = 3  # timed optimizer steps
+COMPILE_REPS = 3  # timed eager / compiled block passes (the median of each)
+COMPILE_WARMUP_S = 30.0  # a priori: inductor compiling one block's forward and backward (CPU, tiny blocks: ~20 s)
 SYNC_CALLS = 8  # compute + all-reduce rounds timed for the collective sync cost
 SYNC_CHUNK_S = (0.002, 0.02)  # the compute between two collectives: one block's forward, within these bounds
 # A-priori link figures before any is measured (bytes/s, latency s): conservative so a budget is not overrun;
@@ -410,6 +413,43 @@ def phase_block_parts(model: nn.Module, analysis: Any, sizes: Sequence[int], seq
         pace = slowest([time.perf_counter() - started], clock.device)[0] / mbs
 
 
+def phase_compile(model: nn.Module, analysis: Any, plans: Sequence[Plan], seq_len: int, precision: str,
+                  clock: Clock, profile: RuntimeProfile) -> None:
+    """RuntimeCosts.compile_speedup when a plan has compile=true: one block's forward + backward eager over
+    the same compiled (``torch.compile`` of the block, the module untouched), at the first such plan's mbs, the
+    slowest rank's figures. The compile warm-up (COMPILE_WARMUP_S a priori) is set-up time, checked against the
+    budget; a block that does not run on hidden states alone, or does not compile, is skipped (one phrase)."""
+    wanted = [p for p in plans if p.compile]
+    if not wanted:
+        return
+    blocks, _, _ = model_blocks(model, analysis)
+    if not blocks:
+        profile.skipped.append("compile speed-up: no block to time")
+        return
+    if not clock.fits(COMPILE_WARMUP_S):
+        profile.skipped.append(f"compile speed-up: ~{COMPILE_WARMUP_S:.0f} s of compile warm-up over the budget")
+        return
+    block, mbs = blocks[0], wanted[0].mbs
+    compiled = torch.compile(block)
+
+    def times() -> list[float]:
+        block_pass_seconds(compiled, mbs, seq_len, precision, clock.device)  # the warm-up: compiles fwd and bwd
+        reps = [(block_pass_seconds(block, mbs, seq_len, precision, clock.device),
+                 block_pass_seconds(compiled, mbs, seq_len, precision, clock.device)) for _ in range(COMPILE_REPS)]
+        return [statistics.median(r[0] for r in reps), statistics.median(r[1] for r in reps)]
+
+    try:
+        measured = _guarded(times, model, clock.device)
+    except Exception:  # noqa: BLE001 -- inductor's own errors: no speed-up measured, compile priced as eager
+        measured = None
+    failed = slowest([0.0 if measured else 1.0], clock.device)[0]
+    if failed:
+        profile.skipped.append(f"compile speed-up: {type(block).__name__} did not run compiled on hidden states")
+        return
+    eager_s, compiled_s = slowest(measured, clock.device)
+    profile.runtime.compile_speedup = eager_s / max(compiled_s, 1e-9)
+
+
 def _guarded(run: Callable[[], Any], model: nn.Module, device: torch.device) -> Any:
     """``run()`` with the model's gradients kept; None on every rank when it failed on any (a block that needs
     more than hidden states: HF blocks' position embeddings), so that every rank takes the same path."""
@@ -437,6 +477,7 @@ def profile_runtime(model: nn.Module, analysis: Any, plans: Sequence[Plan], seq_
     with torch.random.fork_rng(devices=devices):  # the blocks' inputs and dropout draw from it
         phase_collectives(plans, spec, clock, link, profile)
         phase_blocks(model, analysis, plans, seq_len, precision, clock, profile, step_pass)
+        phase_compile(model, analysis, plans, seq_len, precision, clock, profile)
         phase_sync(analysis, clock, profile)
     profile.seconds = clock.elapsed()
     return profile

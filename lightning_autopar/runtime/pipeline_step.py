@@ -47,6 +47,7 @@ class PipelineSteps:
 
     def train(self, batch: Any, rest: tuple, kwargs: dict, grad_accum: int, global_batch: int) -> torch.Tensor:
         """Run the schedule as the training step; returns the step's mean loss (the same on every rank)."""
+        from lightning_autopar.parallel.context import hooks_off
         from lightning_autopar.parallel.pipeline import capture_model_call
 
         pipe, module, env = self.pipe, self.env.module, self.env
@@ -57,7 +58,7 @@ class PipelineSteps:
             raise ConfigError("DataLoader.batch_size", "pipeline parallelism runs fixed-size micro-batches: every "
                               f"batch must hold the planned global batch of {global_batch} rows, got {total}",
                               "use a fixed batch size and drop_last=True")
-        with recording_logs(module, LogRecorder()):
+        with recording_logs(module, LogRecorder()), hooks_off():  # cp: the stages split the captured inputs
             inputs = [capture_model_call(self.model, partial(module.training_step, mb.batch, *rest, **kwargs))
                       for mb in micro]
         step = self.current = PipelineBatch(micro, rest, kwargs, total)
@@ -77,6 +78,7 @@ class PipelineSteps:
     def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss on the last stage: the user's training_step on micro-batch ``target``, its model
         call returning the pipeline output; weighted like the non-pipelined micro-batch losses."""
+        from lightning_autopar.parallel.context import hooks_off
         from lightning_autopar.parallel.pipeline import model_call_replaced
 
         step, pipe = self.current, self.pipe
@@ -85,7 +87,8 @@ class PipelineSteps:
         rec = LogRecorder() if pipe.inferring else step.recorder  # shape inference: a real pass, not recorded
         rec.weight = rows / step.total
         model_output = pipe.last_chunk.rebuild(output)
-        with recording_logs(self.env.module, rec), model_call_replaced(self.model, lambda *a, **k: model_output):
+        with recording_logs(self.env.module, rec), model_call_replaced(self.model, lambda *a, **k: model_output), \
+                hooks_off():  # cp: the output is already gathered
             out = self.env.module.training_step(mb, *step.rest, **step.kwargs)
         loss = out["loss"] if isinstance(out, Mapping) else out
         if not isinstance(loss, torch.Tensor):
@@ -99,6 +102,7 @@ class PipelineSteps:
 
     def evaluate(self, hook: str, batch: Any, rest: tuple, kwargs: dict) -> Any:
         """Forward-only through the pipeline, then the user's hook on the last stage; logs reach every rank."""
+        from lightning_autopar.parallel.context import hooks_off
         from lightning_autopar.parallel.pipeline import capture_model_call, model_call_replaced
 
         pipe, module, env = self.pipe, self.env.module, self.env
@@ -106,14 +110,15 @@ class PipelineSteps:
         dp_rank, dp = env.group.rank_and_size()
         start, stop = split_rows(total, dp, dp_rank)
         step = partial(getattr(module, hook), slice_batch(batch, start, stop, total), *rest, **kwargs)
-        with recording_logs(module, LogRecorder()):
+        with recording_logs(module, LogRecorder()), hooks_off():
             inputs = capture_model_call(self.model, step, hook)
         recorder = LogRecorder((stop - start) / total)
         out = None
         with env.eval_context():
             output = pipe.forward_only(inputs)
             if pipe.has_last:
-                with recording_logs(module, recorder), model_call_replaced(self.model, lambda *a, **k: output):
+                with recording_logs(module, recorder), model_call_replaced(self.model, lambda *a, **k: output), \
+                        hooks_off():
                     out = step()
         recorder.values = pipe.broadcast_from_last(recorder.values if pipe.has_last else None)
         recorder.flush(module, env.group.reduce, total)

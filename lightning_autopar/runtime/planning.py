@@ -32,10 +32,10 @@ from lightning_autopar.runtime.trial import (MIN_SETUP_S, RngState, SetupOutcome
                                              run_trials)
 from lightning_autopar.specs import ClusterSpec, Plan, RuntimeProfile, TrialResult, parse_fix
 
-# What the runtime can apply today; the planner searches only inside it unless the user fixes a field.
-# pp and ep are further restricted per model in _restrictions (a splittable stack of blocks; MoE layers).
-RUNTIME_SUPPORT: dict[str, list[Any]] = {"cp": [1], "sp": [False], "schedule": ["gpipe", "1f1b", "interleaved"],
-                                         "recompute": ["none", "selective", "full"]}
+# What the runtime cannot apply on any model (the backend lacks it); the planner searches only inside it unless
+# the user fixes a field. Empty: every plan kind the planner searches runs (tests/test_plan_parity.py). What a
+# given model's structure refuses is excluded per model in _restrictions (tp, sp, cp, pp, ep), with the reason.
+RUNTIME_SUPPORT: dict[str, list[Any]] = {}
 
 
 class PlanningMixin(ABC):
@@ -217,8 +217,11 @@ class PlanningMixin(ABC):
         restrict[name] = list(values)
         self.excluded[name] = reason
 
-    def _restrictions(self, trainer: Any, analysis: Any, precision: str) -> dict[str, list[Any]]:
-        """The runtime's limits for a transformer (``trainer`` is not read; callers pass None)."""
+    def _restrictions(self, transformer: nn.Module, analysis: Any, precision: str) -> dict[str, list[Any]]:
+        """The runtime's limits for a transformer: what each parallelism's check refuses for this model's
+        structure, each with its reason in the report."""
+        from lightning_autopar.parallel.context import check_cp
+        from lightning_autopar.parallel.sequence import check_sp
         from lightning_autopar.parallel.tensor import check_tp
 
         restrict: dict[str, list[Any]] = {k: list(v) for k, v in RUNTIME_SUPPORT.items()}
@@ -227,6 +230,15 @@ class PlanningMixin(ABC):
             check_tp(analysis, 2, structure_only=True)
         except ConfigError as err:
             self._exclude(restrict, "tp", [1], str(err))
+        if restrict.get("tp") != [1]:
+            try:
+                check_sp(analysis, transformer, 2, runner=self.lightning_module)
+            except ConfigError as err:
+                self._exclude(restrict, "sp", [False], str(err))
+        try:  # cp=2 is the smallest split (2 * cp load-balanced chunks): what refuses it refuses every cp > 1
+            check_cp(analysis, transformer, 2)
+        except ConfigError as err:
+            self._exclude(restrict, "cp", [1], str(err))
         if not self._automatic_optimization():
             # the user's own loop does backward: one micro-batch per step
             self._exclude(restrict, "grad_accum", [1], "the user's loop runs backward (manual optimization)")
@@ -282,7 +294,7 @@ class PlanningMixin(ABC):
             check_tp(analysis, self._fix["tp"])
         started = time.perf_counter()
         restrict = (self._unit_restrictions(analysis, transformer, example) if unit_form
-                    else self._restrictions(None, analysis, precision))
+                    else self._restrictions(transformer, analysis, precision))
 
         def plan_on(cluster: Any) -> Any:  # enough candidates for the trials to have distinct plans
             return make_plan(analysis.spec, cluster, global_batch=global_batch, seq_len=seq_len, fix=self._fix,

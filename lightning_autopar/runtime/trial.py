@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import random
 import statistics
@@ -324,10 +325,17 @@ class SetupOutcome:
 
 
 def distinct_plans(candidates: Sequence[Any], count: int) -> list[Any]:
-    """The first ``count`` PricedPlans of ``candidates`` (best first) whose plans differ."""
+    """The first ``count`` PricedPlans of ``candidates`` (best first) whose plans differ. A compile=true plan
+    priced the same as its eager twin (a cluster with neither fused-traffic physics nor a measured compile
+    speed-up) is no distinct candidate: its trial would spend the compile warm-up to learn nothing priced."""
     out: list[Any] = []
+    eager = {dataclasses.astuple(p.plan): p.step_time_s for p in candidates if not p.plan.compile}
     for priced in candidates:
-        if len(out) < count and all(priced.plan != o.plan for o in out):
+        plan = priced.plan
+        if plan.compile and eager.get(dataclasses.astuple(dataclasses.replace(plan, compile=False))) == \
+                priced.step_time_s:
+            continue
+        if len(out) < count and all(plan != o.plan for o in out):
             out.append(priced)
     return out
 

@@ -8,7 +8,9 @@ chunks; the user's ``training_step`` is not rewritten.
 
 Modules, one concern each:
 
-* ``partition``: what is split (``pipeline_root``), whether it can be (``check_pipeline``), blocks per chunk;
+* ``partition``: what is split (``pipeline_root``), whether it can be (``check_pipeline``), blocks per chunk,
+  which rank holds each chunk (``stage_owners``: round-robin or a V), what torch's schedule can run
+  (``check_schedule``);
 * ``standins``: parameter-free modules in place of what a chunk does not own (names stay the user's);
 * ``moe``: MoE load-balancing values carried across stages to the user's loss on the last stage;
 * ``chunks``: the block-stack chunks (``PipelineChunk``) and the split of the model (``split_model``);
@@ -22,7 +24,8 @@ Modules, one concern each:
 from lightning_autopar.parallel.pipeline.capture import capture_model_call, model_call_replaced
 from lightning_autopar.parallel.pipeline.chunks import PipelineChunk, split_model
 from lightning_autopar.parallel.pipeline.moe import MoESource, moe_sources, router_recorder
-from lightning_autopar.parallel.pipeline.partition import check_pipeline, chunk_sizes, pipeline_root
+from lightning_autopar.parallel.pipeline.partition import (check_pipeline, check_schedule, chunk_sizes, pipeline_root,
+                                                           stage_owners)
 from lightning_autopar.parallel.pipeline.runtime import Pipeline, StagedPipeline
 from lightning_autopar.parallel.pipeline.standins import StageBlocks, ZeroEmbedding, stand_in_module
 from lightning_autopar.parallel.pipeline.trace import TracedSplit, check_traced_pipeline, flatten_inputs, trace_split
@@ -30,7 +33,7 @@ from lightning_autopar.parallel.pipeline.traced import TracedChunk, TracedPipeli
 
 __all__ = [
     "MoESource", "Pipeline", "PipelineChunk", "StageBlocks", "StagedPipeline", "TracedChunk", "TracedPipeline",
-    "TracedSplit", "ZeroEmbedding", "capture_model_call", "check_pipeline", "check_traced_pipeline", "chunk_sizes",
-    "flatten_inputs", "model_call_replaced", "moe_sources", "pipeline_root", "router_recorder", "split_model",
-    "stand_in_module", "trace_split",
+    "TracedSplit", "ZeroEmbedding", "capture_model_call", "check_pipeline", "check_schedule", "check_traced_pipeline",
+    "chunk_sizes", "flatten_inputs", "model_call_replaced", "moe_sources", "pipeline_root", "router_recorder",
+    "split_model", "stage_owners", "stand_in_module", "trace_split",
 ]

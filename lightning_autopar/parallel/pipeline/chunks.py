@@ -192,15 +192,18 @@ class PipelineChunk(nn.Module):
 
 
 def split_model(transformer: nn.Module, analysis: ModelAnalysis, pp_rank: int, pp: int, vpp: int,
-                sizes: Sequence[int], inputs: Callable[[int], tuple[tuple, dict]]) -> list[PipelineChunk]:
-    """Prune ``transformer`` in place to what pipeline rank ``pp_rank`` owns; return its chunks (stage order)."""
+                sizes: Sequence[int], inputs: Callable[[int], tuple[tuple, dict]],
+                owners: Sequence[int] | None = None) -> list[PipelineChunk]:
+    """Prune ``transformer`` in place to what pipeline rank ``pp_rank`` owns; return its chunks (stage order).
+    ``owners[j]`` is the rank of chunk j (``partition.stage_owners``; default round-robin, j % pp)."""
     blocks = transformer.get_submodule(analysis.blocks_fqn)
     all_items = list(blocks._modules.items())
     bounds = [0]
     for n in sizes:
         bounds.append(bounds[-1] + n)
     num_chunks = pp * vpp
-    mine = [j for j in range(num_chunks) if j % pp == pp_rank]
+    owners = list(owners) if owners is not None else [j % pp for j in range(num_chunks)]
+    mine = [j for j in range(num_chunks) if owners[j] == pp_rank]
     run_stub = ChunkRun()
     stand_ins: dict[str, nn.Module] = {}
     for fqn in (analysis.token_embedding, analysis.position_embedding):

@@ -1,9 +1,10 @@
 """Where the block-stack pipeline cuts: what is split, whether it can be, and how many blocks each chunk gets.
 
 The blocks are cut into ``pp * vpp`` contiguous chunks (the planner's ``layers_per_stage``, else an even split);
-chunk ``j`` lives on pipeline rank ``j % pp`` (GPipe and 1F1B: one chunk per rank; interleaved 1F1B: ``vpp``
-chunks per rank). The token and position embeddings go with the first chunk, the final norm and the LM head with
-the last.
+chunk ``j`` lives on pipeline rank ``j % pp`` (GPipe and 1F1B: one chunk per rank; interleaved 1F1B and
+interleaved zero bubble: ``vpp`` chunks per rank), or in a V for ZBV and DualPipeV (``stage_owners``: rank ``r``
+holds chunks ``r`` and ``2*pp-1-r``, so the first and the last chunk share rank 0). The token and position
+embeddings go with the first chunk, the final norm and the LM head with the last.
 
 What is split (``pipeline_root``): the innermost module holding every parameter of the LightningModule -- the
 transformer itself, or a wrapper adding the head to it (Hugging Face ``LlamaForCausalLM`` around ``LlamaModel``,
@@ -26,6 +27,36 @@ from lightning_autopar.errors import ConfigError
 
 if TYPE_CHECKING:
     from lightning_autopar.profile.analyze import ModelAnalysis
+
+
+def stage_owners(pp: int, num_chunks: int, schedule: str) -> list[int]:
+    """Pipeline rank of each chunk: a V for ``V_SCHEDULES`` (rank r holds chunks r and 2*pp-1-r, torch's
+    ``generate_stage_to_rank_mapping(style="v")``), else round-robin (chunk j on rank j % pp)."""
+    from lightning_autopar.specs import V_SCHEDULES
+
+    if schedule in V_SCHEDULES and num_chunks == 2 * pp:
+        return [j if j < pp else num_chunks - 1 - j for j in range(num_chunks)]
+    return [j % pp for j in range(num_chunks)]
+
+
+def check_schedule(schedule: str, pp: int, n_microbatches: int, recompute: str = "none",
+                   compile: bool = False) -> None:
+    """Raise one ConfigError when torch's schedule cannot run ``n_microbatches`` over ``pp`` ranks (the planner's
+    ``microbatch_rule``), or with ``recompute`` or ``compile`` (``recompute_rule``, ``compile_rule``: the
+    zero-bubble split backward). A V schedule's vpp == 2 is Plan.validate's rule."""
+    from lightning_autopar.planner.space import compile_rule, microbatch_rule, recompute_rule
+
+    if pp == 1:
+        return
+    reason = microbatch_rule(schedule, pp, n_microbatches)
+    if reason:
+        raise ConfigError("plan.grad_accum", reason, "choose grad_accum accordingly, or schedule=1f1b")
+    reason = recompute_rule(schedule, recompute)
+    if reason:
+        raise ConfigError("plan.recompute", reason, "use recompute=none, or schedule=1f1b or interleaved")
+    reason = compile_rule(schedule, pp, compile)
+    if reason:
+        raise ConfigError("plan.compile", reason, "use compile=false, or schedule=1f1b or interleaved")
 
 
 def chunk_sizes(num_blocks: int, pp: int, vpp: int = 1, layers_per_stage: Sequence[int] | None = None) -> list[int]:

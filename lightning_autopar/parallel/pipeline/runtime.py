@@ -2,7 +2,11 @@
 order (validation) and the broadcast from the last stage (``StagedPipeline``, shared by both pipelines), and the
 block-stack pipeline built on it (``Pipeline``).
 
-GPipe and 1F1B run one stage per rank; interleaved 1F1B (or more than one chunk per rank) runs ``vpp``.
+GPipe and 1F1B run one stage per rank; interleaved 1F1B (or more than one chunk per rank) runs ``vpp``, placed
+round-robin; interleaved zero bubble likewise with the backward split into input and weight gradients (the weight
+part fills the bubble); ZBV and DualPipeV run two chunks per rank placed in a V (``partition.stage_owners``), also
+with the split backward. DualPipeV's overlapped forward+backward pairs run one after the other (torch's default
+without a registered overlap callback): the same arithmetic, no overlap of their communication.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_autopar.parallel.pipeline.chunks import split_model
-from lightning_autopar.parallel.pipeline.partition import chunk_sizes
+from lightning_autopar.parallel.pipeline.partition import check_schedule, chunk_sizes, stage_owners
 from lightning_autopar.parallel.pipeline.stage import stage_class
 
 if TYPE_CHECKING:
@@ -36,18 +40,22 @@ class StagedPipeline:
         self.device = device
         self.inputs: list[tuple[tuple, dict]] = []
         self.n_microbatches = n_microbatches
+        self.owners: list[int] = []  # pipeline rank of each chunk, set with the schedule
 
     def _build_schedule(self, stage_cls: type, schedule: str,
                         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed import pipelining as tp
 
         self._stage_cls = stage_cls
+        self.owners = stage_owners(self.pp, self.chunks[0].num_chunks, schedule)
         self.stages = [stage_cls(c, c.index, c.num_chunks, self.device, group=self.group) for c in self.chunks]
-        if schedule == "interleaved" or len(self.stages) > 1:
-            self.schedule = ScheduleInterleaved1F1B(self.stages, self.n_microbatches, loss_fn=loss_fn,
-                                                    scale_grads=False)
+        multi = {"interleaved-zb": tp.ScheduleInterleavedZeroBubble, "zbv": tp.ScheduleZBVZeroBubble,
+                 "dualpipev": tp.ScheduleDualPipeV}
+        if schedule in multi or schedule == "interleaved" or len(self.stages) > 1:
+            kind = multi.get(schedule, tp.ScheduleInterleaved1F1B)
+            self.schedule = kind(self.stages, self.n_microbatches, loss_fn=loss_fn, scale_grads=False)
         else:
-            kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+            kind = tp.ScheduleGPipe if schedule == "gpipe" else tp.Schedule1F1B
             self.schedule = kind(self.stages[0], self.n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
     @property
@@ -68,8 +76,7 @@ class StagedPipeline:
 
     def last_rank(self) -> int:
         """Global rank of the last stage in this rank's pipeline group."""
-        num_chunks = self.chunks[0].num_chunks
-        return int(self.pp_mesh.mesh.flatten()[(num_chunks - 1) % self.pp].item())
+        return int(self.pp_mesh.mesh.flatten()[self.owners[-1]].item())
 
     def train_step(self, inputs: list[tuple[tuple, dict]]) -> None:
         """Forward and backward of all micro-batches through the schedule. ``inputs[i]`` are the (args, kwargs)
@@ -106,7 +113,7 @@ class StagedPipeline:
         try:
             with torch.no_grad():
                 for j in range(num_chunks):
-                    owner, prev = j % self.pp, (j - 1) % self.pp
+                    owner, prev = self.owners[j], self.owners[j - 1]
                     if owner != self.pp_rank:
                         continue
                     chunk = by_index[j]
@@ -122,7 +129,7 @@ class StagedPipeline:
                         out = chunk.rebuild(result)
                         break
                     received = result if isinstance(result, tuple) else (result,)
-                    nxt = (j + 1) % self.pp
+                    nxt = self.owners[j + 1]
                     if nxt != self.pp_rank:
                         meta = [[(tuple(t.shape), t.dtype) for t in received]]
                         dist.send_object_list(meta, dst=ranks[nxt], group=self.group)
@@ -164,8 +171,10 @@ class Pipeline(StagedPipeline):
                  n_microbatches: int, device: torch.device, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
                  layers_per_stage: Sequence[int] | None = None) -> None:
         self._join(pp_mesh, device, n_microbatches)
+        check_schedule(schedule, self.pp, n_microbatches)
         self.sizes = chunk_sizes(len(analysis.blocks), self.pp, vpp, layers_per_stage)
-        self.chunks = split_model(transformer, analysis, self.pp_rank, self.pp, vpp, self.sizes, self.input_of)
+        self.chunks = split_model(transformer, analysis, self.pp_rank, self.pp, vpp, self.sizes, self.input_of,
+                                  stage_owners(self.pp, self.pp * vpp, schedule))
         user_loss = loss_fn
 
         def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,332 @@
+"""Sequence parallelism on top of tensor parallelism (Megatron SP, Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models"), on local tensors, for ``plan.sp`` with tp > 1.
+
+Between the TP regions each TP rank holds only its chunk of the sequence (dim 1 of batch-first [B, S, H] hidden
+states), so the activations of norms, residual adds and dropout are divided by tp:
+
+* each run of consecutive blocks present on this rank (with PP: each contiguous run of each chunk) scatters its
+  hidden-state input along S at its first block (backward: all-gather of the gradients) and all-gathers its output
+  at its last block (backward: this rank's chunk of the TP-replicated gradient). Other block arguments (masks,
+  rotary cos/sin, position ids) stay whole;
+* the attention module and a dense MLP module all-gather their hidden-state input (backward: reduce-scatter,
+  summing the column projections' partial input gradients, which then run without Megatron's f); their row
+  projection reduce-scatters its output along S instead of all-reducing it (``tensor.row_output_sp``), its bias
+  added on this rank's tokens. Same traffic as TP's two all-reduces (all-reduce = reduce-scatter + all-gather);
+* an MoE module gathers the sequence at entry (backward: this rank's chunk; inside, the experts' TP f/g leave the
+  gradients TP-replicated) and keeps this rank's chunk of its output (backward: all-gather): the router sees the
+  whole sequence, so routing and balance losses are those of one device;
+* parameters outside those modules (norms, anything else in the block) see only this rank's tokens: while their
+  module runs they are swapped for ``_CopyToTP`` of themselves (identity forward, gradient summed over the TP group
+  backward). The swap happens in the owning module's own hooks, after FSDP2 has put its unsharded parameters in
+  place (FSDP unshards in the block's pre-hook); a recompute re-runs the hooks with the forward.
+
+The stack's output is gathered, so the final norm, the head and the loss run on the whole sequence (a loss over the
+sharded sequence is not done). ``check_sp`` decides from what the code does whether a block allows this: a meta
+dry run of a block with these hooks simulated shape-wise must give the block's output [B, S/tp, H] -- a BERT-style
+post-norm module adding the residual inside (its output module takes the attention's input) fails it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from lightning_autopar.errors import ConfigError
+from lightning_autopar.parallel.tensor import _CopyToTP, GatherSeq, SeqComm, SplitSeq, _join, row_output_sp
+from lightning_autopar.profile.analyze import BlockInfo, ModelAnalysis
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils.hooks import RemovableHandle
+
+
+@dataclass
+class _SeqState:
+    """Shared by one model's SP hooks: ``local`` is this rank's sequence length, set where a run scatters."""
+
+    comm: SeqComm
+    hidden: int
+    local: int = 0
+
+
+def _is_hidden(t: Any, state: _SeqState, length: int | None) -> bool:
+    """``t`` is hidden states [B, length, H] (any length when None)."""
+    return (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 3 and t.shape[-1] == state.hidden
+            and (length is None or t.shape[1] == length))
+
+
+def _map_hidden(value: Any, fn: Callable[[torch.Tensor], torch.Tensor], test: Callable[[Any], bool]) -> Any:
+    """``value`` (a tensor, or a tuple / list of them, one level) with ``fn`` applied to the tensors ``test`` picks."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(fn(v) if test(v) else v for v in value)
+    return fn(value) if test(value) else value
+
+
+def _map_call(args: tuple, kwargs: dict, fn: Callable, test: Callable[[Any], bool]) -> tuple[tuple, dict]:
+    return tuple(fn(a) if test(a) else a for a in args), {k: fn(v) if test(v) else v for k, v in kwargs.items()}
+
+
+# ------------------------------------------------------------------------------------------- hooks
+
+
+def _scatter_hook(state: _SeqState, where: str) -> Callable:
+    """First block of a run: its whole-sequence hidden-state input -> this rank's chunk. The chunk is tagged, so the
+    re-run of a recomputed block (called again with its chunked input) leaves it alone."""
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        seq, tp = t.shape[1], state.comm.tp
+        if seq % tp:
+            raise ConfigError("plan.sp", f"{where}: sequence length {seq} is not divisible by tp={tp}",
+                              "use sp=false, or a sequence length divisible by tp")
+        state.local = seq // tp
+        out = SplitSeq.apply(t, state.comm, False)
+        out._autopar_sp_local = True
+        return out
+
+    test = (lambda t: _is_hidden(t, state, None) and not getattr(t, "_autopar_sp_local", False))
+    return lambda module, args, kwargs: _map_call(args, kwargs, split, test)
+
+
+def _gather_hook(state: _SeqState, summed_grad: bool) -> Callable:
+    """A module's [B, S/tp, H] inputs gathered to the whole sequence (the attention and dense MLP: gradients
+    reduce-scattered, ``summed_grad``; an MoE module: this rank's chunk of the replicated gradient)."""
+    gather = (lambda t: GatherSeq.apply(t, state.comm, summed_grad))
+    return lambda module, args, kwargs: _map_call(args, kwargs, gather, lambda t: _is_hidden(t, state, state.local))
+
+
+def _gather_output_hook(state: _SeqState) -> Callable:
+    """Last block of a run: its output gathered to the whole sequence (backward: this rank's chunk)."""
+    gather = (lambda t: GatherSeq.apply(t, state.comm, False))
+    return lambda module, args, output: _map_hidden(output, gather, lambda t: _is_hidden(t, state, state.local))
+
+
+def _split_output_hook(state: _SeqState) -> Callable:
+    """An MoE module's whole-sequence output -> this rank's chunk (backward: all-gather)."""
+    split = (lambda t: SplitSeq.apply(t, state.comm, False))
+    return lambda module, args, output: _map_hidden(
+        output, split, lambda t: _is_hidden(t, state, state.local * state.comm.tp))
+
+
+def _sum_grads_pre(group: Any) -> Callable:
+    """Swap ``module``'s own parameters for ``_CopyToTP`` of them for this call (their gradient, from this rank's
+    tokens only, summed over the TP group)."""
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        params = module._parameters
+        stash = {n: p for n, p in params.items() if p is not None and p.requires_grad}
+        params.update({n: _CopyToTP.apply(p, group) for n, p in stash.items()})
+        module._sp_stash = (stash, {n: params[n] for n in stash})
+
+    return hook
+
+
+def _sum_grads_post(module: nn.Module, args: tuple, output: Any) -> None:
+    """Undo ``_sum_grads_pre``, except where something else (FSDP's reshard) already replaced the parameter."""
+    stash, swapped = getattr(module, "_sp_stash", ({}, {}))
+    for name, param in stash.items():
+        if module._parameters.get(name) is swapped[name]:
+            module._parameters[name] = param
+    module._sp_stash = ({}, {})
+
+
+# ------------------------------------------------------------------------------------------- structure
+
+
+def _regions(block: BlockInfo) -> list[tuple[str, bool]]:
+    """(path in the block, is MoE) of the modules that run on the whole sequence."""
+    found = [(block.attention.fqn, False)] if block.attention is not None else []
+    if block.mlp is not None:
+        found.append((block.mlp.fqn, False))
+    if block.moe is not None:
+        found.append((block.moe.fqn, True))
+    return found
+
+
+def _check_structure(block: BlockInfo) -> None:
+    """Attention and MLP/MoE must be distinct proper submodules of the block, neither inside the other."""
+    if block.attention is None or (block.mlp is None and block.moe is None):
+        raise ConfigError("plan.sp", f"{block.fqn}: attention or MLP not recognised", "use sp=false")
+    (attn, _), (ffn, _) = _regions(block)[:2]
+    if not attn or not ffn:
+        raise ConfigError("plan.sp", f"{block.fqn}: the {'attention' if not attn else 'MLP'} spans the block "
+                          "itself (not a submodule whose output the block adds to its residual)", "use sp=false")
+    if attn == ffn or attn.startswith(ffn + ".") or ffn.startswith(attn + "."):
+        raise ConfigError("plan.sp", f"{block.fqn}: attention '{attn}' and MLP '{ffn}' are not distinct modules",
+                          "use sp=false")
+
+
+def block_runs(transformer: nn.Module, analysis: ModelAnalysis,
+               chunks: list[list[nn.Module]] | None = None) -> list[list[str]]:
+    """The blocks of ``analysis`` (those present on this rank) as runs of consecutive indices, cut also between
+    pipeline chunks (``chunks``: each chunk's block modules; a V schedule gives one rank two adjacent chunks)."""
+    chunk_of = {id(m): i for i, chunk in enumerate(chunks or []) for m in chunk}
+    runs: list[list[BlockInfo]] = []
+    for info in analysis.blocks:
+        chunk = chunk_of.get(id(transformer.get_submodule(info.fqn)))
+        if runs and runs[-1][-1].index + 1 == info.index and chunk == chunk_of.get(
+                id(transformer.get_submodule(runs[-1][-1].fqn))):
+            runs[-1].append(info)
+        else:
+            runs.append([info])
+    return [[b.fqn for b in run] for run in runs]
+
+
+def install(transformer: nn.Module, analysis: ModelAnalysis, comm: SeqComm, runs: list[list[str]],
+            gather_runs: bool = True) -> list[RemovableHandle]:
+    """Add the SP hooks (module doc) to the blocks of ``analysis`` in ``transformer``; ``runs``: the block paths of
+    each contiguous run (``block_runs``); ``gather_runs`` False leaves the runs' outputs split (the dry run).
+    Returns the hooks' handles."""
+    state = _SeqState(comm, analysis.spec.hidden)
+    handles = []
+    for run in runs:
+        first, last = transformer.get_submodule(run[0]), transformer.get_submodule(run[-1])
+        handles.append(first.register_forward_pre_hook(_scatter_hook(state, run[0]), with_kwargs=True))
+        if gather_runs:
+            handles.append(last.register_forward_hook(_gather_output_hook(state)))
+    for info in analysis.blocks:
+        _check_structure(info)
+        block = transformer.get_submodule(info.fqn)
+        handles += _region_hooks(block, info, state)
+        if comm.group is not None:  # a shape-only dry run has no gradients to sum
+            handles += _grad_sum_hooks(block, info, comm.group)
+    return handles
+
+
+def _region_hooks(block: nn.Module, info: BlockInfo, state: _SeqState) -> list[RemovableHandle]:
+    """The attention / dense MLP gather their input (backward reduce-scatter); an MoE module gathers it (backward:
+    this rank's chunk) and keeps this rank's chunk of its output."""
+    handles = []
+    for path, moe in _regions(info):
+        module = block.get_submodule(path)
+        handles.append(module.register_forward_pre_hook(_gather_hook(state, summed_grad=not moe), with_kwargs=True))
+        if moe:
+            handles.append(module.register_forward_hook(_split_output_hook(state)))
+    return handles
+
+
+def _grad_sum_hooks(block: nn.Module, info: BlockInfo, group: Any) -> list[RemovableHandle]:
+    """``_sum_grads_pre`` / ``_sum_grads_post`` on every module of ``block`` owning parameters outside the regions
+    that run on the whole sequence (norms, the block's own parameters)."""
+    paths = [p for p, _ in _regions(info)]
+    inside = tuple(p + "." for p in paths)
+    handles = []
+    for name, module in block.named_modules():
+        if name in paths or name.startswith(inside) or not module._parameters:
+            continue
+        handles.append(module.register_forward_pre_hook(_sum_grads_pre(group)))
+        handles.append(module.register_forward_hook(_sum_grads_post))
+    return handles
+
+
+def apply_sequence_parallel(transformer: nn.Module, analysis: ModelAnalysis, tp_mesh: DeviceMesh,
+                            chunks: list[list[nn.Module]] | None = None) -> None:
+    """SP on the blocks of ``analysis`` present in ``transformer`` (``chunks``: the pipeline chunks' block
+    modules), after ``tensor.apply_tensor_parallel`` with ``sp=True`` laid out their projections."""
+    if tp_mesh.size() > 1:
+        comm = SeqComm(tp_mesh.get_group(), tp_mesh.size(), tp_mesh.get_local_rank())
+        install(transformer, analysis, comm, block_runs(transformer, analysis, chunks))
+
+
+# ------------------------------------------------------------------------------------------- check
+
+
+class _Captured(Exception):
+    def __init__(self, call: tuple[tuple, dict]) -> None:
+        super().__init__("captured")
+        self.call = call
+
+
+def _meta_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters and buffers as meta tensors (for ``functional_call``)."""
+    from lightning_autopar.profile.analyze import meta_buffer
+
+    state = {n: torch.empty_like(p, device="meta") for n, p in module.named_parameters()}
+    state.update({n: meta_buffer(b) for n, b in module.named_buffers()})
+    return state
+
+
+def _block_call(transformer: nn.Module, analysis: ModelAnalysis, block: nn.Module, seq: int,
+                runner: nn.Module | None = None) -> tuple[tuple, dict]:
+    """``block``'s (args, kwargs) in a meta forward of ``transformer`` on [1, seq] token ids, stopped there; a
+    transformer without a forward of its own (litgpt's and nanoGPT's ``transformer`` ModuleDict) runs through its
+    innermost ancestor in ``runner`` that has one, as the analysis traces it."""
+    from torch.func import functional_call
+
+    from lightning_autopar.profile.analyze import _traced_module
+
+    def stop(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        raise _Captured((args, kwargs))
+
+    _, model = _traced_module(transformer, runner)
+    handle = block.register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
+    try:
+        with torch.no_grad():
+            functional_call(model, _meta_state(model),
+                            (torch.zeros(1, seq, dtype=torch.long, device="meta"),), strict=False)
+    except _Captured as got:
+        return got.call
+    except Exception as err:  # noqa: BLE001 -- a model not run on token ids alone: no dry run, no SP offered
+        why = f" ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"
+    else:
+        why = ""
+    finally:
+        handle.remove()
+    raise ConfigError("plan.sp", f"{analysis.spec.name}: block {analysis.blocks[0].fqn} did not run in a meta forward "
+                      f"on token ids{why}, so the sequence split cannot be checked", "use sp=false")
+
+
+def _dry_run(transformer: nn.Module, analysis: ModelAnalysis, info: BlockInfo, tp: int,
+            runner: nn.Module | None = None) -> None:
+    """Run block ``info`` alone on meta tensors with the SP hooks simulated (gather = concatenation, split = chunk,
+    row projections' reduce-scatter = chunk): it must run and give hidden states [1, S/tp, H]."""
+    from torch.func import functional_call
+
+    seq = 4 * tp  # S/tp > 1: a residual added across the split cannot broadcast
+    block = transformer.get_submodule(info.fqn)
+    call = _block_call(transformer, analysis, block, seq, runner)
+    comm = SeqComm(None, tp)
+    handles = install(transformer, dataclasses.replace(analysis, blocks=[info]), comm, [[info.fqn]],
+                      gather_runs=False)
+    attn = info.attention
+    rows = [_join(attn.fqn, attn.o)] + ([_join(info.mlp.fqn, info.mlp.down)] if info.mlp is not None else [])
+    for path in rows:
+        handles.append(block.get_submodule(path).register_forward_hook(
+            lambda m, a, out, p=path: row_output_sp(out, comm, f"{info.fqn}.{p}")))
+    try:
+        with torch.no_grad():
+            out = functional_call(block, _meta_state(block), *call, strict=False)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 -- the block's own code refusing the split is the answer
+        why = str(err).splitlines()[0][:160] if str(err) else ""
+        raise ConfigError("plan.sp", f"{info.fqn}: the block does not run on a sequence split over TP "
+                          f"({type(err).__name__}: {why}); a module adding the residual inside (post-norm) "
+                          "cannot", "use sp=false") from err
+    finally:
+        for handle in handles:
+            handle.remove()
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    want = (1, seq // tp, analysis.spec.hidden)
+    if not isinstance(first, torch.Tensor) or tuple(first.shape) != want:
+        raise ConfigError("plan.sp", f"{info.fqn}: with the sequence split over TP the block gives "
+                          f"{getattr(first, 'shape', None)} instead of {want}", "use sp=false")
+
+
+def check_sp(analysis: ModelAnalysis, transformer: nn.Module, tp: int = 2, runner: nn.Module | None = None) -> None:
+    """Raise one ConfigError ("plan.sp") when sequence parallelism cannot apply to this model: every block's
+    attention and MLP/MoE must be distinct proper submodules, and the first dense block (the dry run needs no
+    data-dependent routing; the MoE module itself sees the whole sequence) must run with the sequence split
+    (``_dry_run``). tp=2 is the smallest split: what refuses it refuses every tp > 1."""
+    if tp == 1:
+        return
+    if analysis.spec.unit_form:
+        raise ConfigError("plan.sp", f"{analysis.spec.name}: no block stack to split the sequence of", "use sp=false")
+    for info in analysis.blocks:
+        _check_structure(info)
+    dense = next((b for b in analysis.blocks if b.moe is None), None)
+    if dense is not None:
+        _dry_run(transformer, analysis, dense, tp, runner)

@@ -1,0 +1,145 @@
+"""Context parallelism (``parallel.context``): the load-balanced sequence layout, the refusals found from the
+model's structure, and (one torchrun at world 4, tests/dist/cp_scenarios.py) training under strategy="autopar"
+equal to the single-process loop -- our GPT at cp2 x dp2 (zero 3; zero 0 with accumulation and full recompute),
+cp4, tp2 x cp2 (sp off and on), pp2 x cp2, the tiny Hugging Face Llama (GQA) at cp2 x dp2 --, one-line refusals of a padding mask
+and of a RoPE computed from the sequence length, and less activation memory at cp2 than at cp1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_scenarios
+from common import reference_run
+from test_strategy import assert_equivalent, load
+
+from lightning_autopar.errors import ConfigError
+from lightning_autopar.parallel.context import check_cp, gathered_positions, local_positions
+from lightning_autopar.profile.analyze import analyze, find_transformer
+
+WORLD4 = ["memory", "gpt_cp2_dp2", "gpt_cp2_dp2_zero0_accum", "gpt_cp4", "gpt_tp2_cp2", "gpt_tp2_cp2_sp",
+          "gpt_pp2_cp2",
+          "llama_cp2_dp2", "refuse_padding", "refuse_rope"]
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return run_scenarios(tmp_path_factory, 4, WORLD4, script="cp_scenarios.py")
+
+
+# ------------------------------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_ranks_hold_every_position_once_with_equal_causal_work(cp):
+    seq = 8 * cp
+    parts = [local_positions(seq, cp, r) for r in range(cp)]
+    assert torch.equal(torch.cat(parts).sort().values, torch.arange(seq))
+    assert torch.equal(gathered_positions(seq, cp), torch.cat(parts))
+    work = {int((p + 1).sum()) for p in parts}  # keys each rank's queries see under the causal mask
+    assert len(work) == 1
+
+
+# ------------------------------------------------------------------------------------------- refusals
+
+
+def refusal(model: torch.nn.Module, cp: int = 2, **kwargs) -> str:
+    _, transformer = find_transformer(model)
+    with pytest.raises(ConfigError) as err:
+        check_cp(analyze(transformer), transformer, cp, **kwargs)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("plan.cp:") and "cp=1" in message
+    return message
+
+
+def gpt(**overrides):
+    from common import model_config
+
+    from lightning_autopar.models.gpt import GPT
+
+    return GPT(model_config(**overrides))
+
+
+def test_our_gpt_is_accepted_and_its_attention_found():
+    model = gpt()
+    check_cp(analyze(model), model, 2)
+    check_cp(analyze(model), model, 4)
+
+
+def test_structural_refusals():
+    assert "MoE layers" in refusal(gpt(experts=4, top_k=2))
+    assert "does not split into 2*cp = 8" in refusal(gpt(seq_len=12), cp=4)
+    assert "compile=false" in refusal(gpt(), compile=True)
+
+
+def test_an_attention_without_sdpa_is_refused():
+    pytest.importorskip("transformers")
+    import tp_layout_scenarios as S
+
+    assert "does not call scaled_dot_product_attention" in refusal(S.encoder_model())
+
+
+def test_litgpt_whose_blocks_run_from_a_module_dict_is_refused():
+    pytest.importorskip("litgpt")
+    import tp_layout_scenarios as S
+
+    assert "not one module whose forward runs" in refusal(S.litgpt_model())
+
+
+# ------------------------------------------------------------------------------------------- distributed
+
+
+@pytest.mark.parametrize("name, cp, sp", [("gpt_cp2_dp2", 2, False), ("gpt_cp4", 4, False),
+                                         ("gpt_tp2_cp2", 2, False), ("gpt_tp2_cp2_sp", 2, True)])
+def test_gpt_matches_single_process(world4, name, cp, sp):
+    result = load(world4, name)
+    assert (result["plan"]["cp"], result["plan"]["sp"]) == (cp, sp)
+    assert_equivalent(result, *reference_run())
+
+
+def test_gpt_zero0_accumulation_recompute_matches(world4):
+    assert_equivalent(load(world4, "gpt_cp2_dp2_zero0_accum"), *reference_run(micro_batches=2, dp=2))
+
+
+def test_gpt_pipeline_matches(world4):
+    result = load(world4, "gpt_pp2_cp2")
+    assert (result["plan"]["pp"], result["plan"]["cp"]) == (2, 2)
+    assert_equivalent(result, *reference_run(micro_batches=4))
+
+
+def test_hf_llama_gqa_matches(world4):
+    from tests_hf import hf_reference_run
+
+    assert_equivalent(load(world4, "llama_cp2_dp2"), *hf_reference_run(8))
+
+
+@pytest.mark.parametrize("name, words", [("refuse_padding", "given a mask"),
+                                         ("refuse_rope", "differs from the plain forward")])
+def test_refusals_are_one_line(world4, name, words):
+    error = load(world4, name)["error"]
+    assert error is not None and "\n" not in error and words in error and error.endswith("use cp=1")
+
+
+def test_cp2_saves_less_for_backward_than_cp1(world4):
+    result = load(world4, "memory")
+    assert result["cp2"] < 0.8 * result["cp1"], result
+
+
+# ------------------------------------------------------------------------------------------- planner
+
+
+def test_the_planner_prices_what_runs():
+    """Per block: K/V all-gathered forward, reduce-scattered backward, nothing hidden; the logits gathered and
+    the loss on the whole sequence (its memory independent of cp)."""
+    from test_planner_comm import cluster
+
+    from lightning_autopar.planner import cost as C
+    from lightning_autopar.specs import ModelSpec
+
+    hw = C.Hardware.from_cluster(cluster())
+    m = ModelSpec(name="m", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=100, seq_len=64)
+    kv = 2 * 2 * 64 * m.kv_heads * m.head_dim / 1 * 2.0
+    fwd, bwd = C.cp_comm_per_block(hw, m, 2, 64, 1, 2, 2.0)
+    assert fwd == pytest.approx(C.allgather_time(hw, kv, 2, 1)) and fwd > 0
+    assert bwd == pytest.approx(C.reduce_scatter_time(hw, kv, 2, 1))
+    assert C.cp_comm_per_block(hw, m, 2, 64, 1, 1, 2.0) == (0.0, 0.0)
+    assert C.logits_bytes(m, 2, 64, 1, 2, 2.0) == C.logits_bytes(m, 2, 64, 1, 1, 2.0)
