@@ -4,19 +4,20 @@
     python benchmarks/sequence_context.py [--nproc 4] [--seq-len 2048] [--repeats 3] [--steps 4] [--warmup 1]
 
 One launch of ``--nproc`` CPU processes (gloo, started as a user's are: no thread setting; ``_common``), our GPT
-(hidden 64, 4 heads, 4 layers, vocab 256: activations dominate at a long sequence), AdamW. Two groups of plans,
+(hidden 256, 4 heads, 4 layers, vocab 256: activations dominate at a long sequence), AdamW. Two groups of plans,
 each pinned whole with ``fix=`` on ``AutoParallelStrategy(cluster="cpu")``:
 
 * ``sp``: global batch 2, dp=2 x tp=2, sequence parallel off and on;
-* ``cp``: global batch 1 (one long sequence, where data parallelism cannot split the batch further): cp1 = tp=4,
-  cp2 = tp=2 x cp=2, cp4 = cp=4.
+* ``cp``: global batch 1 (one long sequence, where data parallelism cannot split the batch further): cp1 = tp=4
+  (without and with sp), cp2 = tp=2 x cp=2, cp4 = cp=4.
 
 Per plan: the median optimizer step (timed between two barriers after ``--warmup``) pooled over ``--repeats``
 rounds, the plans of a group run next to each other, every other round in reverse order; memory per rank =
 activations (the bytes autograd saved for backward during the step's forward, distinct storages, counted with
 ``torch.autograd.graph.saved_tensors_hooks``: what SP and CP shard) + model states (parameters, gradients and
 optimizer states this rank holds); the planner's ``step_time_s`` and ``memory_gib_per_device`` of the same plan
-on the same cluster. Ratios are taken within a group, in one run. Writes OUT/sequence_context.json (default OUT:
+on the same cluster, less the cluster's fixed per-process reserve (``device.reserved_gib``: Python and torch,
+which the measured figure leaves out). Ratios are taken within a group, in one run. Writes OUT/sequence_context.json (default OUT:
 outputs/benchmarks).
 """
 
@@ -32,11 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (bench_main, common_args, guarded_run, init_workers, load_summary, median, timed_fit,  # noqa: E402
                      token_loader, write_result)
 
+HIDDEN = 256
 BASE = "zero=0,pp=1,ep=1,mbs=1,grad_accum=1,recompute=none,precision=fp32"
 GROUPS = {  # group -> (global batch, {name: plan fields})
     "sp": (2, {"tp2": "dp=2,tp=2,sp=false,cp=1", "tp2+sp": "dp=2,tp=2,sp=true,cp=1"}),
-    "cp": (1, {"cp1 (tp4)": "dp=1,tp=4,sp=false,cp=1", "cp2 (tp2 x cp2)": "dp=1,tp=2,sp=false,cp=2",
-               "cp4": "dp=1,tp=1,sp=false,cp=4"}),
+    "cp": (1, {"cp1 (tp4)": "dp=1,tp=4,sp=false,cp=1", "cp1 (tp4+sp)": "dp=1,tp=4,sp=true,cp=1",
+               "cp2 (tp2 x cp2)": "dp=1,tp=2,sp=false,cp=2", "cp4": "dp=1,tp=1,sp=false,cp=4"}),
 }
 
 
@@ -61,9 +63,14 @@ def lit_module(seq_len: int, saved: list[int]) -> Any:
             seen: dict[Any, int] = {}
 
             def pack(t: torch.Tensor) -> torch.Tensor:
-                if not isinstance(t, torch.nn.Parameter):
-                    key = t.untyped_storage().data_ptr()
-                    seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+                if isinstance(t, torch.nn.Parameter):
+                    return t
+                local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+                try:  # one count per storage (views of one tensor are saved many times)
+                    key, size = local.untyped_storage().data_ptr(), local.untyped_storage().nbytes()
+                except RuntimeError:  # a tensor without a plain storage (a wrapper subclass)
+                    key, size = id(local), local.numel() * local.element_size()
+                seen[key] = max(seen.get(key, 0), size)
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -71,7 +78,7 @@ def lit_module(seq_len: int, saved: list[int]) -> Any:
             saved.append(sum(seen.values()))
             return out
 
-    cfg = GPTConfig(vocab=256, seq_len=seq_len, layers=4, hidden=64, heads=4, ffn_hidden=256)
+    cfg = GPTConfig(vocab=256, seq_len=seq_len, layers=4, hidden=HIDDEN, heads=4, ffn_hidden=4 * HIDDEN)
     return Module(cfg, optimizer="adamw", lr=1e-3)
 
 
@@ -106,7 +113,8 @@ def run(name: str, fields: str, batch: int, args: argparse.Namespace) -> dict[st
         best = strategy.report.best
         return {"times": times, "memory_gib": (max(saved) + states) / 2**30, "activation_gib": max(saved) / 2**30,
                 "states_gib": states / 2**30, "predicted_s": best.step_time_s,
-                "predicted_gib": best.memory_gib_per_device, "plan": best.plan.short()}
+                "predicted_gib": best.memory_gib_per_device - strategy.report.cluster.device.reserved_gib,
+                "plan": best.plan.short()}
 
     return guarded_run(attempt, args)
 

@@ -853,7 +853,9 @@ def model_state_bytes(params: Any, zero: Any, shard: Any, prec: Any) -> Any:
 
 def activation_bytes_per_block(m: ModelSpec, mbs: Any, seq: Any, tp: Any, sp: Any, cp: Any, recompute: Any,
                                elem: Any, fused: bool = True, moe: bool = False) -> Any:
-    """sbh(10 + 24/t) + 5as^2b/t [SP: (34sbh + 5as^2b)/t]; selective drops the s^2 term; full keeps 2sbh (Korthikanti et al. 2022)."""
+    """sbh(10 + 24/t) + 5as^2b/t [SP: (34sbh + 5as^2b)/t]; selective drops the s^2 term; full keeps 2sbh (Korthikanti et al. 2022).
+    cp > 1: s = seq/cp, plus the K and V the attention gathered from the other cp ranks, 2b(seq - s)kvd/t, which
+    the attention keeps for backward (all-gather CP, parallel/context.py)."""
     s = seq / cp
     b, h = mbs, m.hidden
     kvd = m.kv_heads * m.head_dim
@@ -864,8 +866,9 @@ def activation_bytes_per_block(m: ModelSpec, mbs: Any, seq: Any, tp: Any, sp: An
     split = 2 * h + 4 * kvd + 2 * h + ffn_elems
     scores = 0.0 if fused else 5.0 * m.heads * seq  # softmax out 2, mask 1, dropout out 2 bytes per score (x s)
     rep_div = np.where(sp, tp, 1)
-    full_layer = s * b * (replicated / rep_div + split / tp + scores / tp)
-    selective = s * b * (replicated / rep_div + split / tp)
+    gathered_kv = (seq - s) * b * 4.0 * kvd / tp  # 2-byte units as above: K and V, 2 bytes each per element
+    full_layer = s * b * (replicated / rep_div + split / tp + scores / tp) + gathered_kv
+    selective = s * b * (replicated / rep_div + split / tp) + gathered_kv
     checkpoint = s * b * 2.0 * h / rep_div
     out = np.where(recompute == 0, full_layer, np.where(recompute == 1, selective, checkpoint))
     return out * elem / 2.0

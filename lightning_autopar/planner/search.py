@@ -471,6 +471,10 @@ def _dp_rank_terms(hw: C.Hardware, dpc: dict[str, list], zero: np.ndarray, prec_
     step's last).
     """
     frag = 1 + C.FRAGMENTATION
+    # context parallelism: FSDP runs over dp x cp (parallel/context.data_mesh, torchtitan's dp_shard_cp); at zero 0
+    # it replicates over dp and shards over cp, parameters kept gathered through the step: zero 2 over cp
+    cp_zero0 = (zero == 0) & (cp_d > 1)
+    zero, ds = np.where(cp_zero0, 2, zero), np.where(cp_zero0, 1.0, ds)
     wbytes = C.WEIGHT_BYTES[prec_d]
     gbytes = C.GRAD_REDUCE_BYTES[prec_d]  # gradients travel in fp32, parameters in the compute precision
     shard = ds * cp_d
