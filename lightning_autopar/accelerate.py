@@ -59,6 +59,10 @@ def accelerate_mapping(plan: Plan | dict | str) -> AccelerateMapping:
         if value is True or value > 1:
             raise ConfigError(f"plan.{name}", f"Accelerate has no {name}={value} (its ParallelismConfig is "
                               "dp_replicate x dp_shard x tp x cp)", f"plan with {fix}, or use strategy='autopar'")
+    if plan.compile:
+        raise ConfigError("plan.compile", "Accelerate compiles the whole model (its dynamo plugin), not each block",
+                          "plan with compile=false (and set Accelerate's dynamo backend yourself), or use "
+                          "strategy='autopar'")
     if plan.recompute == "selective":
         raise ConfigError("plan.recompute", "Accelerate only checkpoints whole blocks (activation_checkpointing)",
                           "plan with recompute=full or none")

@@ -236,7 +236,8 @@ def test_accelerate_mapping_pure():
 @pytest.mark.parametrize("plan, field", [("pp=2", "plan.pp"), ("ep=2,dp=2", "plan.ep"),
                                          ("tp=2,sp=true", "plan.sp"), ("dp=2,tp=2,zero=0", "plan.zero"),
                                          ("dp=2,zero=3,recompute=selective", "plan.recompute"),
-                                         ("dp=2,zero=0,recompute=full", "plan.recompute")])
+                                         ("dp=2,zero=0,recompute=full", "plan.recompute"),
+                                         ("dp=2,zero=3,compile=true", "plan.compile")])
 def test_accelerate_mapping_refusals(plan, field):
     from lightning_autopar.accelerate import accelerate_mapping
 

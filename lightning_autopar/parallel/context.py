@@ -414,6 +414,7 @@ def check_cp(analysis: ModelAnalysis, transformer: nn.Module, cp: int, compile: 
     a sequence length not split into ``2 * cp`` chunks, compile with it (compiled blocks would trace the
     attention replaced at run time), or a block whose attention does not call ``scaled_dot_product_attention``
     (a meta run on token ids). Sequence parallelism composes: it splits this rank's part further over tp."""
+    from lightning_autopar.planner.space import context_compile_rule
     from lightning_autopar.profile.analyze import implements_forward
 
     if cp <= 1:
@@ -424,9 +425,9 @@ def check_cp(analysis: ModelAnalysis, transformer: nn.Module, cp: int, compile: 
     if any(b.moe is not None for b in analysis.blocks):
         raise ConfigError("plan.cp", f"{name}: MoE layers (their balance loss is not a sum over tokens, and "
                           "expert gradients are reduced over expert groups without cp)", "use cp=1")
-    if compile:
-        raise ConfigError("plan.cp", f"{name}: compiled blocks would trace the attention cp replaces at run time",
-                          "use compile=false, or cp=1")
+    why = context_compile_rule(cp, compile)
+    if why:
+        raise ConfigError("plan.cp", f"{name}: {why}", "use compile=false, or cp=1")
     if not implements_forward(transformer):
         raise ConfigError("plan.cp", f"{name}: its embeddings and blocks are not one module whose forward runs "
                           f"({type(transformer).__name__}), so the sequence and its positions cannot be split there",
