@@ -853,7 +853,8 @@ def model_state_bytes(params: Any, zero: Any, shard: Any, prec: Any) -> Any:
 
 def activation_bytes_per_block(m: ModelSpec, mbs: Any, seq: Any, tp: Any, sp: Any, cp: Any, recompute: Any,
                                elem: Any, fused: bool = True, moe: bool = False) -> Any:
-    """sbh(10 + 24/t) + 5as^2b/t [SP: (34sbh + 5as^2b)/t]; selective drops the s^2 term; full keeps 2sbh (Korthikanti et al. 2022).
+    """sbh(10 + 24/t) + 5as^2b/t (Korthikanti et al. 2022) [SP as autopar runs it: sbh(4 + 6/t + 24/t) + 5as^2b/t,
+    the attention's and MLP's gathered inputs kept whole]; selective drops the s^2 term; full keeps 2sbh.
     cp > 1: s = seq/cp, plus the K and V the attention gathered from the other cp ranks, 2b(seq - s)kvd/t, which
     the attention keeps for backward (all-gather CP, parallel/context.py)."""
     s = seq / cp
@@ -862,13 +863,16 @@ def activation_bytes_per_block(m: ModelSpec, mbs: Any, seq: Any, tp: Any, sp: An
     ffn_elems = (4 if m.ffn_kind == "gelu" else 8) * m.ffn_hidden * (m.top_k if moe else 1)
     # 2-byte activations: replicated = LN inputs 4h, QKV input 2h, MLP input 2h, 2 dropout masks 2h = 10h;
     # TP-split = Q 2h, K,V 2*2kvd, proj input 2h, MLP intermediates (gelu 4f, swiglu 8f) (= 24h for MHA, f=4h gelu)
-    replicated = 10.0 * h
+    # SP splits the LN inputs and dropout masks (6h); the QKV and MLP inputs (4h) are the sequence the attention /
+    # MLP all-gathers, which autopar's SP keeps whole for backward (parallel/sequence.py; Megatron re-gathers it)
+    on_sequence, gathered_inputs = 6.0 * h, 4.0 * h
     split = 2 * h + 4 * kvd + 2 * h + ffn_elems
     scores = 0.0 if fused else 5.0 * m.heads * seq  # softmax out 2, mask 1, dropout out 2 bytes per score (x s)
     rep_div = np.where(sp, tp, 1)
+    replicated = on_sequence / rep_div + gathered_inputs
     gathered_kv = (seq - s) * b * 4.0 * kvd / tp  # 2-byte units as above: K and V, 2 bytes each per element
-    full_layer = s * b * (replicated / rep_div + split / tp + scores / tp) + gathered_kv
-    selective = s * b * (replicated / rep_div + split / tp) + gathered_kv
+    full_layer = s * b * (replicated + split / tp + scores / tp) + gathered_kv
+    selective = s * b * (replicated + split / tp) + gathered_kv
     checkpoint = s * b * 2.0 * h / rep_div
     out = np.where(recompute == 0, full_layer, np.where(recompute == 1, selective, checkpoint))
     return out * elem / 2.0
