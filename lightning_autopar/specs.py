@@ -20,7 +20,11 @@ from lightning_autopar.errors import ConfigError
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
 INTERLEAVED_SCHEDULES = ("interleaved", "interleaved-zb")  # vpp >= 2 chunks per rank, placed round-robin
 V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank, placed in a V
-RECOMPUTE_MODES = ("none", "selective", "full")
+# recompute: none; selective (the attention core, Korthikanti et al. 2022); full (each block's forward again);
+# ops (op-level selective checkpointing, torch.utils.checkpoint's policy: keep the outputs of matmuls, attention
+# and the other compute-bound ops, recompute the rest; issue 17). plan.recompute_every = k applies the mode to
+# one block in k (torchtitan's per-layer selective checkpointing), the others keep their activations.
+RECOMPUTE_MODES = ("none", "selective", "full", "ops")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "fp8-mixed")  # fp8-mixed: fp8 GEMMs, the rest bf16 (planner only)
 FFN_KINDS = ("gelu", "swiglu")
 # what a unit contains (UnitSpec.kinds); the cost model prices conv at the device's conv efficiency and norms /
@@ -416,7 +420,7 @@ class RuntimeProfile:
 
 # --------------------------------------------------------------------------------------------- plan
 
-PLAN_INT_FIELDS = ("dp", "zero", "dp_shard", "tp", "pp", "vpp", "ep", "cp", "mbs", "grad_accum")
+PLAN_INT_FIELDS = ("dp", "zero", "dp_shard", "tp", "pp", "vpp", "ep", "cp", "mbs", "grad_accum", "recompute_every")
 PLAN_BOOL_FIELDS = ("sp", "compile")
 PLAN_CHOICE_FIELDS = {"schedule": SCHEDULES, "recompute": RECOMPUTE_MODES, "precision": PRECISIONS}
 
@@ -440,6 +444,7 @@ class Plan:
     recompute: str = "none"
     precision: str = "fp32"
     compile: bool = False  # torch.compile per block (contract additions 2026-12-01)
+    recompute_every: int = 1  # the recompute mode on one block in k (1: every block); issue 17
 
     @property
     def world_size(self) -> int:
@@ -472,7 +477,7 @@ class Plan:
             parts.append(f"cp={self.cp}")
         parts.append(f"mbs={self.mbs} ga={self.grad_accum}")
         if self.recompute != "none":
-            parts.append(f"rc={self.recompute}")
+            parts.append(f"rc={self.recompute}" + (f"/{self.recompute_every}" if self.recompute_every > 1 else ""))
         if self.precision != "fp32":
             parts.append(self.precision)
         if self.compile:
@@ -498,6 +503,9 @@ class Plan:
                               "choose a divisor of dp")
         if self.sp and self.tp == 1:
             raise ConfigError("plan.sp", "sequence parallel needs tp > 1", "set tp >= 2 or sp=false")
+        if self.recompute_every > 1 and self.recompute == "none":
+            raise ConfigError("plan.recompute_every", f"recompute_every={self.recompute_every} with recompute=none "
+                              "recomputes nothing", "set recompute=full or ops, or recompute_every=1")
         if self.vpp > 1 and self.schedule not in INTERLEAVED_SCHEDULES + V_SCHEDULES:
             raise ConfigError("plan.vpp", f"vpp={self.vpp} needs an interleaved or V schedule",
                               "set schedule=interleaved, interleaved-zb, zbv or dualpipev")
@@ -536,6 +544,9 @@ class PricedPlan:
     feasible: bool = True
     reason: str = ""  # why infeasible (memory, divisibility), empty when feasible
     layers_per_stage: list[int] = field(default_factory=list)  # blocks per pipeline chunk (pp*vpp), if pp > 1
+    # GiB per device by term (search._memory_terms): parameters, gradients, optimizer, activations, buffers,
+    # reserved; sums to memory_gib_per_device (issue 17)
+    memory_breakdown: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = self.plan.to_dict()
@@ -555,6 +566,8 @@ class PricedPlan:
             out["reason"] = self.reason
         if self.layers_per_stage:
             out["layers_per_stage"] = list(self.layers_per_stage)
+        if self.memory_breakdown:
+            out["memory_breakdown_gib"] = dict(self.memory_breakdown)
         return out
 
 

@@ -43,18 +43,21 @@ def test_full_space_counts() -> None:
     seen = {(c.plan.tp, c.plan.pp, c.plan.schedule, c.plan.recompute, c.plan.zero) for c in report.candidates}
     assert {s[2] for s in seen} == {"gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev"}
     # 4 layers: every multi-chunk schedule runs pp=2 x vpp=2. interleaved-zb keeps interleaved's rows (grad_accum
-    # % pp) without recompute or compile (the split backward: space.recompute_rule, compile_rule), so a third of
-    # the eager ones; zbv takes any grad_accum (torch pads the V), adding the grad_accum=1 rows; dualpipev needs
+    # % pp) without recompute or compile (the split backward: space.recompute_rule, compile_rule), so a sixth of
+    # the eager ones (6 recompute options: none, selective, full, ops, and full / ops on every 2nd block,
+    # space.RECOMPUTE_EVERY, issue 17); zbv takes any grad_accum (torch pads the V), adding the grad_accum=1 rows; dualpipev needs
     # grad_accum >= 2*pp = 4
     eager = [c for c in report.candidates if not c.plan.compile]
     n = Counter(c.plan.schedule for c in eager)
     rows = lambda f: sum(1 for c in eager if f(c.plan))  # noqa: E731
-    assert n["interleaved-zb"] * 3 == n["interleaved"]
+    assert n["interleaved-zb"] * 6 == n["interleaved"]
     assert n["zbv"] == n["interleaved-zb"] + rows(lambda p: p.schedule == "zbv" and p.grad_accum == 1)
     assert n["dualpipev"] == rows(lambda p: p.schedule == "interleaved-zb" and p.grad_accum >= 4)
     assert all(c.plan.vpp == 2 and c.plan.pp == 2 and c.plan.recompute == "none" and not c.plan.compile
                for c in report.candidates if c.plan.schedule in ("interleaved-zb", "zbv", "dualpipev"))
-    assert {s[3] for s in seen} == {"none", "selective", "full"} and {s[4] for s in seen} == {0, 1, 2, 3}
+    assert {s[3] for s in seen} == {"none", "selective", "full", "ops"} and {s[4] for s in seen} == {0, 1, 2, 3}
+    assert {(c.plan.recompute, c.plan.recompute_every) for c in eager if c.plan.recompute_every > 1} == {
+        ("full", 2), ("ops", 2)}
     for c in report.candidates:
         c.plan.validate(world_size=4, global_batch=8)
         assert 4 % c.plan.tp == 0 and c.plan.global_batch == 8

@@ -237,7 +237,8 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     # 4b. compile before recompute's hooks: its first-call check sees the block's inputs after the earlier hooks
     # (SP's scatter) and before the checkpoint's saved-tensor context; the compiled forward is unaffected by order
     compiled = compile_blocks(blocks) if plan.compile else None
-    apply_recompute(pipeline.recompute_modules if traced else blocks.values(), plan.recompute, attention_of)
+    apply_recompute(pipeline.recompute_modules if traced else blocks.values(), plan.recompute, attention_of,
+                    every=plan.recompute_every)
     if plan.compile and plan.tp > 1 and plan.sp and device.type == "cuda":  # async TP (GPU only; priced so)
         enable_async_tp(layout["tp"])
     if meshes:  # 5. FSDP / DP

@@ -593,8 +593,11 @@ def unit_time(hw: Hardware, u: UnitArrays, mbs: Any, peak: Any, elem: Any) -> tu
     return fwd, bwd
 
 
-def unit_selective_time(hw: Hardware, u: UnitArrays, mbs: Any, elem: Any) -> np.ndarray:
+def unit_selective_time(hw: Hardware, u: UnitArrays, mbs: Any, elem: Any, every_unit: bool = False) -> np.ndarray:
     """Selective recompute per (candidate, unit): attention units re-run their memory-bound ops, b*M*e/4/BW + ops*launch; others 0.
+
+    ``every_unit`` (recompute=ops): every unit re-runs them (the op-level policy keeps each unit's conv/matmul
+    outputs, whatever the unit holds; the memory estimate keeps the unit's activations, an upper bound as below).
 
     Units without attention price selective as none (no time, all activations kept). Units with attention are
     charged the re-run of their element-wise work but keep their full activations in the memory estimate: both
@@ -602,11 +605,12 @@ def unit_selective_time(hw: Hardware, u: UnitArrays, mbs: Any, elem: Any) -> np.
     keeps matmul and fused-attention outputs).
     """
     b, e = (np.asarray(x, dtype=float)[..., None] for x in (mbs, elem))
-    return np.where(u.attention, b * u.memory * e / 4.0 / hw.mem_bw + u.ops * hw.overhead_s, 0.0)
+    return np.where(u.attention | every_unit, b * u.memory * e / 4.0 / hw.mem_bw + u.ops * hw.overhead_s, 0.0)
 
 
 def unit_activation_bytes(u: UnitArrays, mbs: Any, elem: Any, recompute: int) -> np.ndarray:
-    """Saved bytes per (candidate, unit): none/selective b*act*e/4; full b*input*e/4 (the checkpointed unit keeps its input only)."""
+    """Saved bytes per (candidate, unit): none/selective/ops b*act*e/4 (ops: an upper bound, unit_selective_time);
+    full b*input*e/4 (the checkpointed unit keeps its input only)."""
     b, e = (np.asarray(x, dtype=float)[..., None] for x in (mbs, elem))
     return b * (u.inputs if recompute == 2 else u.act) * e / 4.0
 
@@ -802,11 +806,13 @@ def dualpipev_bubble_fraction(pp: Any, microbatches: Any) -> Any:
 def inflight_microbatches(schedule: Any, pp: Any, vpp: Any, microbatches: Any, stage: Any) -> Any:
     """Stage-sized activation sets held (a rank's whole stage per micro-batch): GPipe m; 1F1B min(pp-i, m);
     interleaved 1F1B and interleaved zero bubble (ZB1P keeps 1F1B's memory, Qi et al. 2023 §3.2)
-    (min(2(pp-i-1)+(v-1)pp, mv)+1)/v (Megatron); ZBV min(pp, m) on every rank (V-ZB: 1F1B's peak, balanced over
+    min(2(pp-i-1)+(v-1)pp+1, mv)/v (Megatron's warm-up + 1, capped by the mv chunk passes: measured,
+    benchmarks/memory.py); ZBV min(pp, m) on every rank (V-ZB: 1F1B's peak, balanced over
     the V; Qi et al. 2024); DualPipeV min(pp + 1/2, m): PP+1 chunk sets with PP = 2p stages (DualPipe README)."""
     gpipe = microbatches
     one_f = np.minimum(pp - stage, microbatches)
-    inter = (np.minimum(2 * (pp - stage - 1) + (vpp - 1) * pp, microbatches * vpp) + 1) / vpp
+    # the warm-up forwards plus the one in flight, never more than the rank's m*v chunk passes (m = pp: all of them)
+    inter = np.minimum(2 * (pp - stage - 1) + (vpp - 1) * pp + 1, microbatches * vpp) / vpp
     zbv = np.minimum(pp + 0.0 * stage, microbatches)
     dualv = np.minimum(pp + 0.5 + 0.0 * stage, microbatches)
     return np.select([schedule == SCHED_GPIPE, schedule == SCHED_1F1B, schedule == SCHED_ZBV,
@@ -841,20 +847,49 @@ def partition_layers(weights: np.ndarray, parts: int) -> list[int]:
 # ============================================================================================ memory
 
 
-def model_state_bytes(params: Any, zero: Any, shard: Any, prec: Any) -> Any:
-    """Weights w + grads g + Adam states o per param (16 B mixed: 2+2+12); zero 1 /N on o, 2 also g, 3 all (Rajbhandari et al. 2020)."""
+def model_state_parts(params: Any, zero: Any, shard: Any, prec: Any) -> tuple[Any, Any, Any]:
+    """(weights, gradients, optimizer states) bytes: w, g, o per param (16 B mixed: 2+2+12); zero 1 /N on o, 2 also
+    g, 3 all (Rajbhandari et al. 2020)."""
     w, g, o = WEIGHT_BYTES[prec], WEIGHT_BYTES[prec], OPTIM_BYTES[prec]
     shard = np.maximum(shard, 1)
-    per_param = np.where(zero == 0, w + g + o,
-                np.where(zero == 1, w + g + o / shard,
-                np.where(zero == 2, w + (g + o) / shard, (w + g + o) / shard)))
-    return params * per_param
+    return (params * np.where(zero == 3, w / shard, w), params * np.where(zero >= 2, g / shard, g),
+            params * np.where(zero >= 1, o / shard, o))
+
+
+def model_state_bytes(params: Any, zero: Any, shard: Any, prec: Any) -> Any:
+    """Weights + grads + Adam states (model_state_parts summed)."""
+    w, g, o = model_state_parts(params, zero, shard, prec)
+    return w + g + o
+
+
+def fsdp_shard_copy_bytes(params: Any, zero: Any, shard: Any, prec: Any, fsdp: Any) -> Any:
+    """w*P/N at zero 0-2 under FSDP2 (N = shard, 1 for zero 0's replicate mesh): FSDP2 without resharding after
+    forward keeps the unsharded parameters (model_state_bytes' w*P) in their own buffer beside the rank's shard,
+    the sharded DTensor the optimizer updates (torch.distributed.fsdp._fully_shard._fsdp_param: all-gather output
+    vs sharded_param). Measured: benchmarks/memory.py, parameters = w*P*(1 + 1/N) at zero 0-2 with tp, pp, ep, cp.
+    Plain DDP (fsdp false) and zero 3 (the gathered unit: fsdp_buffer_bytes) hold no such copy."""
+    return np.where(np.asarray(fsdp, dtype=bool) & (zero < 3), params * WEIGHT_BYTES[prec] / np.maximum(shard, 1), 0.0)
+
+
+def ddp_bucket_bytes(grad_bytes: Any) -> Any:
+    """G: DDP with ``gradient_as_bucket_view=False`` (parallel.fsdp.apply_replicate) copies every gradient into
+    its flat buckets, allocated once when the reducer is built and kept (torch/csrc/distributed/c10d/reducer.cpp,
+    initialize_buckets); G = the rank's gradient bytes in the reduction dtype."""
+    return np.asarray(grad_bytes, dtype=float)
+
+
+def fsdp_buffer_bytes(unit: Any, zero: Any, prec: Any) -> Any:
+    """zero 3: 2*U*w, the gathered parameters of the unit in use and of the next one, prefetched (FSDP2's implicit
+    forward / backward prefetch; Zhao et al. 2023 §3.3); zero 0-2: U*g, the unsharded fp32 gradient of the unit
+    being reduce-scattered (FSDP2's reduce-scatter input). U = the largest FSDP unit's parameters."""
+    return np.where(zero == 3, 2.0 * unit * WEIGHT_BYTES[prec], unit * GRAD_REDUCE_BYTES[prec])
 
 
 def activation_bytes_per_block(m: ModelSpec, mbs: Any, seq: Any, tp: Any, sp: Any, cp: Any, recompute: Any,
                                elem: Any, fused: bool = True, moe: bool = False) -> Any:
     """sbh(10 + 24/t) + 5as^2b/t (Korthikanti et al. 2022) [SP as autopar runs it: sbh(4 + 6/t + 24/t) + 5as^2b/t,
-    the attention's and MLP's gathered inputs kept whole]; selective drops the s^2 term; full keeps 2sbh.
+    the attention's and MLP's gathered inputs kept whole]; selective drops the s^2 term; full keeps 2sbh;
+    ops (code 3) keeps the block input 2sbh (/t with SP) and the compute-bound ops' outputs (ops_saved_elements).
     cp > 1: s = seq/cp, plus the K and V the attention gathered from the other cp ranks, 2b(seq - s)kvd/t, which
     the attention keeps for backward (all-gather CP, parallel/context.py)."""
     s = seq / cp
@@ -874,8 +909,52 @@ def activation_bytes_per_block(m: ModelSpec, mbs: Any, seq: Any, tp: Any, sp: An
     full_layer = s * b * (replicated + split / tp + scores / tp) + gathered_kv
     selective = s * b * (replicated + split / tp) + gathered_kv
     checkpoint = s * b * 2.0 * h / rep_div
-    out = np.where(recompute == 0, full_layer, np.where(recompute == 1, selective, checkpoint))
+    ops = s * b * (2.0 * h / rep_div + ops_saved_elements(m, tp))  # CP's K/V gather re-runs in backward
+    out = np.where(recompute == 0, full_layer, np.where(recompute == 1, selective,
+                                                        np.where(recompute == 2, checkpoint, ops)))
     return out * elem / 2.0
+
+
+def ops_matmuls(m: ModelSpec, tp: Any) -> list[tuple[Any, Any, Any]]:
+    """A dense block's matmuls in forward order (q, k, v, out, [gate,] up, down: models.GPT, HF Llama), as
+    (output elements per token in 2-byte units, output columns n, inner size k) on one TP rank; the out and down
+    projections' outputs are whole (the partial sums before TP's all-reduce / reduce-scatter)."""
+    h, kvd, f = float(m.hidden), float(m.kv_heads * m.head_dim), float(m.ffn_hidden)
+    col = lambda n, k: (2.0 * n / tp, n / tp, k)  # noqa: E731  column-parallel: output split by tp
+    row = lambda n, k: (2.0 * n + 0.0 * tp, n + 0.0 * tp, k / tp)  # noqa: E731  row-parallel: inner split
+    return ([col(h, h), col(kvd, h), col(kvd, h), row(h, h)] + [col(f, h)] * (m.ffn_matrices - 1) + [row(h, f)])
+
+
+def ops_saved_elements(m: ModelSpec, tp: Any) -> Any:
+    """recompute=ops, 2-byte units per token kept besides the block input: every other matmul's output (the 1st,
+    3rd, ... in forward order, ops_matmuls: q, v, gate/up, down for Llama) and the attention output 2h/t with its
+    fp32 logsumexp 4a/t (parallel.recompute: torchtitan's op-level SAC policy, which saves the compute-bound ops'
+    outputs but only every second mm, torch.utils.checkpoint selective checkpointing). The norms, activations,
+    dropout, RoPE, residual adds and the other matmuls are recomputed from these in backward. Dense blocks only:
+    MoE blocks do not run ops (space.ops_rule)."""
+    kept = sum(out for i, (out, _, _) in enumerate(ops_matmuls(m, tp)) if i % 2 == 0)
+    return kept + (2.0 * m.hidden + 4.0 * m.heads) / tp
+
+
+def ops_recompute_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, sp: Any, peak: Any,
+                       elem: Any, fp8: Any = False) -> Any:
+    """recompute=ops, extra time per block and micro-batch: the forward's memory-bound ops run again in backward,
+    T*E_fwd*e/BW + k_fwd*launch (block_memory_ops / norm_traffic: norms, activation, RoPE, residual adds, the
+    attention-output copy; fp8-mixed adds the forward operand casts), plus the forward GEMMs of the matmuls whose
+    outputs are not kept (the 2nd, 4th, ... of ops_matmuls); no attention kernel re-runs (its output is saved).
+    Sources: PyTorch's selective activation checkpointing (torch.utils.checkpoint
+    create_selective_checkpoint_contexts) with torchtitan's op-level policy (save every other mm)."""
+    T = mbs * seq / cp
+    ew_f, _, k_f, _ = block_memory_ops(m, tp, sp, hw.fused_ew, elem)
+    out = stream_time(hw, T * ew_f * elem, k_f)
+    gp = gemm_peak(hw, peak, fp8)
+    for i, (_, n, k) in enumerate(ops_matmuls(m, tp)):
+        if i % 2:
+            out = out + gemm_time(hw, T, n, k, gp, elem)
+    if np.any(fp8):
+        cast_f, _ = fp8_cast_time(hw, m, T, tp, sp, hw.fused_ew)
+        out = out + np.where(fp8, cast_f, 0.0)
+    return out
 
 
 def logits_bytes(m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any) -> Any:

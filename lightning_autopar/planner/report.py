@@ -72,6 +72,8 @@ class PlanReport:
                           f"{b.recompute_s:.3g}", f"{b.comm_exposed_s:.3g}", f"{b.bubble_s:.3g}",
                           *([f"{b.runtime_s:.3g}"] if runtime else []))
         console.print(table)
+        if self.candidates and self.candidates[0].memory_breakdown:
+            console.print(f"memory per device, plan #1: {memory_line(self.candidates[0])}", highlight=False)
         self._print_measured(console)
         rejected = ", ".join(f"{k}: {v}" for k, v in sorted(self.rejected.items(), key=lambda kv: -kv[1]))
         console.print(f"evaluated {self.evaluated:,} plans, {self.feasible:,} feasible, in "
@@ -175,6 +177,12 @@ def describe_cluster(cluster: ClusterSpec) -> list[str]:
 
 
 # ============================================================================================ explanation
+
+
+def memory_line(p: PricedPlan) -> str:
+    """The predicted memory per device by term (PricedPlan.memory_breakdown), GiB: "parameters 1.2, ... = 9.8"."""
+    terms = ", ".join(f"{name} {gib:.3g}" for name, gib in p.memory_breakdown.items())
+    return f"{terms} = {p.memory_gib_per_device:.3g} GiB"
 
 
 def _dominant(p: PricedPlan) -> str:

@@ -15,9 +15,10 @@ import numpy as np
 from lightning_autopar.errors import ConfigError, InfeasibleError
 from lightning_autopar.planner import cost as C
 from lightning_autopar.planner.report import PlanReport, explain
-from lightning_autopar.planner.space import Space, enumerate_space, space_from_plans, unit_form_restrict
+from lightning_autopar.planner.space import THINNED_MODES, Space, enumerate_space, space_from_plans, unit_form_restrict
 from lightning_autopar.specs import (
     PRECISIONS,
+    RECOMPUTE_MODES,
     SCHEDULES,
     V_SCHEDULES,
     BlockMeasure,
@@ -231,8 +232,9 @@ def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq
     each rank's units (_unit_terms); both feed the same data-parallel terms and assembly.
     """
     terms = _unit_terms if model.unit_form else _transformer_terms
-    mid, dpc = terms(model, hw, space, seq, measured, fused)
-    out = _assemble(hw, space, mid, dpc, detail)
+    opts, opt_of = recompute_table(space)
+    mid, dpc = terms(model, hw, space, seq, measured, fused, opts)
+    out = _assemble(hw, space, mid, dpc, detail, opt_of, len(opts))
     fixed = _runtime_terms(model, hw, space)
     if fixed is not None:
         total = sum(fixed.values())
@@ -241,6 +243,38 @@ def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq
             out["runtime"] = total
             out["terms"] = fixed
     return out
+
+
+def recompute_table(space: Space) -> tuple[np.ndarray, np.ndarray]:
+    """The (recompute code, recompute_every) pairs in ``space`` as rows, (none, 1) first (the no-recompute base of
+    the breakdown), and each candidate's row: the mid-level terms are priced once per pair (O(n), no sort)."""
+    r, k = space.cands["recompute"], space.cands["recompute_every"]
+    width = int(k.max()) + 1 if len(k) else 2
+    codes = r * width + k
+    present = np.union1d([1], np.flatnonzero(np.bincount(codes, minlength=2)))  # code 1 = (none, 1)
+    lut = np.zeros(int(present[-1]) + 1, dtype=np.int64)
+    lut[present] = np.arange(len(present))
+    return np.stack([present // width, present % width], axis=1), lut[codes]
+
+
+def thinned_share(blocks: np.ndarray, every: int) -> np.ndarray:
+    """Share of a rank's blocks that recompute with recompute_every=k: ceil(n/k)/n (blocks i % k == 0 of the rank's
+    local blocks, parallel.recompute); the others keep their activations as with none (torchtitan's per-layer AC)."""
+    return np.ceil(blocks / every) / np.maximum(blocks, 1)
+
+
+def _mix_options(opts: np.ndarray, blocks: np.ndarray, base: np.ndarray, trc: list, inflight: np.ndarray,
+                 act: list, fixed_mem: np.ndarray, rebuild: np.ndarray, frag: float) -> tuple[np.ndarray, np.ndarray]:
+    """(time, memory) per (mid, recompute option): option (mode i, k) runs ``trc[i]`` (extra forward work of all
+    the rank's blocks) and saves ``act[i]`` (all blocks) on the thinned share of blocks, none's on the rest; full
+    and ops rebuild one block's activations at a time in backward (``rebuild``)."""
+    times, mems = [], []
+    for mode, every in opts:
+        share = thinned_share(blocks, int(every))
+        times.append(base + share * trc[mode])
+        kept = share * act[mode] + (1 - share) * act[0]
+        mems.append((inflight * kept + fixed_mem + (rebuild if mode in THINNED_MODES else 0.0)) * frag)
+    return np.stack(times, axis=1), np.stack(mems, axis=1)
 
 
 def _runtime_terms(model: ModelSpec, hw: C.Hardware, space: Space) -> dict[str, np.ndarray] | None:
@@ -266,14 +300,14 @@ def _runtime_terms(model: ModelSpec, hw: C.Hardware, space: Space) -> dict[str, 
         moe_blocks = np.ceil(model.moe_layers / pp)
         units = blocks + 1.0  # the stage's blocks and its root (embedding / norm / head)
         has_moe = model.moe_layers > 0
-    plain_ddp = (zero == 0) & (dp > 1) & (tp == 1) & (pp == 1) & (ep == 1) & (cp == 1) & (not has_moe)
+    plain_ddp = runs_plain_ddp(zero, dp, tp, pp, ep, cp, has_moe)
     grad_bytes = 4.0 * model.total_params() / (tp * pp)  # fp32 gradients (GRAD_REDUCE_BYTES), the rank's share
     return C.runtime_fixed_time(hw, slots, zero, ~plain_ddp, units, blocks, moe_blocks, tp, pp, vpp, ep, dp,
                                 grad_bytes, M["schedule"][mid])
 
 
 def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measured: Measured | None,
-                       fused: bool) -> tuple[dict[str, list], dict[str, list]]:
+                       fused: bool, opts: np.ndarray) -> tuple[dict[str, list], dict[str, list]]:
     """Per representative rank: mid-level (time, memory per recompute mode) and dpc-level (DP traffic, states) terms."""
     m = model
     Lt, K, M, D = space.layouts, space.keys, space.mids, space.dpcs
@@ -298,9 +332,11 @@ def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int,
         dense, moe = C.compiled_block_time(hw, dense, fz_dense, comp), C.compiled_block_time(hw, moe, fz_moe, comp)
     emb_f, emb_b = C.embedding_time(hw, m, mbs, seq, cp, elem, tp)
     head_f, head_b = C.head_time(hw, m, mbs, seq, tp, cp, peak, elem)
-    act = [C.activation_bytes_per_block(m, mbs, seq, tp, sp, cp, mode, elem, fused) for mode in range(3)]
+    modes = range(len(RECOMPUTE_MODES))
+    act = [C.activation_bytes_per_block(m, mbs, seq, tp, sp, cp, mode, elem, fused) for mode in modes]
     act_moe = ([C.activation_bytes_per_block(m, mbs, seq, tp, sp, cp, mode, elem, fused, moe=True)
-                for mode in range(3)] if has_moe else act)
+                for mode in modes] if has_moe else act)
+    ops_rc = C.ops_recompute_time(hw, m, mbs, seq, tp, cp, sp, peak, elem, fp8)  # dense blocks (ops_rule: no MoE)
     if measured is not None:
         dense, moe, emb_f, emb_b, head_f, head_b, act, act_moe = _apply_measured(
             measured, m, hw, seq, fused, dense, moe, emb_f, emb_b, head_f, head_b, act, act_moe)
@@ -332,17 +368,18 @@ def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int,
         tf = nd * g(dense.fwd) + nm * g(moe.fwd) + he * g(emb_f) + hh * g(head_f)
         tb = nd * g(dense.bwd) + nm * g(moe.bwd) + he * g(emb_b) + hh * g(head_b)
         comm = nb * g(tp_f + tp_b + cp_f + cp_b) + nm * g(ep_f + ep_b) + (he + hh) * g(tp_edge) + p2p_mb
-        comm_rc = nb * g(tp_f + cp_f) + nm * g(ep_f)  # full recompute re-runs the forward's collectives
-        trc = [0.0 * tf, nd * g(dense.attn_fwd) + nm * g(moe.attn_fwd), nd * g(dense.fwd) + nm * g(moe.fwd)]
+        comm_rc = nb * g(tp_f + cp_f) + nm * g(ep_f)  # full and ops recompute re-run the forward's collectives
+        trc = [0.0 * tf, nd * g(dense.attn_fwd) + nm * g(moe.attn_fwd), nd * g(dense.fwd) + nm * g(moe.fwd) + comm_rc,
+               nb * g(ops_rc) + comm_rc]
         inflight = C.inflight_microbatches(sched_m, pp_m, vpp_m, ga_m, stage)
         bufs = hh * g(buf_last) + np.where(nm > 0, g(buf_moe), 0.0) + g(buf_p2p)
         one_layer = np.where(nm > 0, g(act_moe[0]), g(act[0]))  # full recompute rebuilds one block at a time
         mid["tf"].append(tf)
         mid["tb"].append(tb)
-        mid["base"].append(np.stack([tf + tb + comm + trc[0], tf + tb + comm + trc[1],
-                                     tf + tb + comm + trc[2] + comm_rc], axis=1))
-        mid["mem"].append(np.stack([(inflight * (nd * g(act[i]) + nm * g(act_moe[i])) + bufs
-                                     + (one_layer if i == 2 else 0.0)) * frag for i in range(3)], axis=1))
+        kept = [nd * g(act[i]) + nm * g(act_moe[i]) for i in modes]
+        base, mem = _mix_options(opts, nb, tf + tb + comm, trc, inflight, kept, bufs, one_layer, frag)
+        mid["base"].append(base)
+        mid["mem"].append(mem)
 
     # ---- dpc level (layout x precision x schedule/vpp x zero/dp_shard): data-parallel traffic and model states
     dl = D["layout"]
@@ -371,7 +408,7 @@ def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int,
 
 
 def _unit_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measured: Measured | None,
-                fused: bool) -> tuple[dict[str, list], dict[str, list]]:
+                fused: bool, opts: np.ndarray) -> tuple[dict[str, list], dict[str, list]]:
     """Unit form: per representative rank, the sums over its units of time, saved activations and parameters.
 
     tp = cp = ep = 1 (space.py offers no other); per micro-batch the rank runs its units' forward and backward
@@ -393,17 +430,18 @@ def _unit_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measur
     if K["compile"].any():  # plan.compile: a measured speed-up only (units have no fused-traffic model)
         units = C.compiled_block_time(hw, C.BlockTimes(uf, ub, 0.0 * uf), None, K["compile"].astype(bool)[:, None])
         uf, ub = units.fwd, units.bwd
-    act = [C.unit_activation_bytes(u, mbs, elem, mode) for mode in range(3)]
+    act = [C.unit_activation_bytes(u, mbs, elem, mode) for mode in range(len(RECOMPUTE_MODES))]
     if measured is not None:
         uf, ub, act = _apply_measured_units(measured, model, u, hw, uf, ub, act)
     sel = C.unit_selective_time(hw, u, mbs, elem)
+    ops_rc = C.unit_selective_time(hw, u, mbs, elem, every_unit=True)
     bn_f, bn_b = C.sync_batchnorm_time(hw, dp)
 
     # ---- mid level (key x schedule/vpp): sums over each representative rank's units
     mk = M["key"]
     vpp_m, sched_m, pp_m, ga_m = f(M["vpp"]), M["schedule"], pp[mk], ga[mk]
     masks, rows = _unit_reps(model, u, hw, space, Lt["pp"][kl][mk], M["vpp"])
-    uf_m, ub_m, sel_m, act_m = uf[mk], ub[mk], sel[mk], [a[mk] for a in act]
+    uf_m, ub_m, sel_m, ops_m, act_m = uf[mk], ub[mk], sel[mk], ops_rc[mk], [a[mk] for a in act]
     mid: dict[str, list] = {name: [] for name in ("tf", "tb", "base", "mem")}
     for r in range(N_REP):
         w, stage = masks[:, r, :], rows[:, r, 0]
@@ -412,15 +450,16 @@ def _unit_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measur
         n_bn = w @ u.batchnorm.astype(float)
         p2p = np.where(pp_m > 1, 2 * vpp_m * C.p2p_time(hw, boundary, hw.nodes > 1), 0.0)
         comm = n_bn * (bn_f[mk] + bn_b[mk]) + p2p
-        trc = [0.0 * tf, (sel_m * w).sum(axis=1), tf + n_bn * bn_f[mk]]
+        trc = [0.0 * tf, (sel_m * w).sum(axis=1), tf + n_bn * bn_f[mk], (ops_m * w).sum(axis=1) + n_bn * bn_f[mk]]
         inflight = C.inflight_microbatches(sched_m, pp_m, vpp_m, ga_m, stage)
         bufs = np.where(pp_m > 1, 2 * boundary, 0.0)
         one_unit = (act_m[0] * w).max(axis=1)  # full recompute rebuilds one unit at a time
         mid["tf"].append(tf)
         mid["tb"].append(tb)
-        mid["base"].append(np.stack([tf + tb + comm + t for t in trc], axis=1))
-        mid["mem"].append(np.stack([(inflight * (act_m[i] * w).sum(axis=1) + bufs + (one_unit if i == 2 else 0.0))
-                                    * frag for i in range(3)], axis=1))
+        kept = [(a * w).sum(axis=1) for a in act_m]
+        base, mem = _mix_options(opts, w.sum(axis=1), tf + tb + comm, trc, inflight, kept, bufs, one_unit, frag)
+        mid["base"].append(base)
+        mid["mem"].append(mem)
 
     # ---- dpc level: the rank's parameters through the shared data-parallel terms
     dl = D["layout"]
@@ -456,7 +495,14 @@ def _apply_measured_units(meas: Measured, model: ModelSpec, u: C.UnitArrays, hw:
     return uf, ub, act
 
 
-DPC_TERMS = ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem", "mb")
+DPC_TERMS = ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem", "mb", "m_params", "m_grads", "m_optim")
+
+
+def runs_plain_ddp(zero: Any, dp: Any, tp: Any, pp: Any, ep: Any, cp: Any, has_moe: Any) -> np.ndarray:
+    """Whether the runtime runs plain DDP (parallel.apply: zero 0, data parallelism alone, no MoE layers) rather
+    than FSDP2: their collectives and memory differ (cost.runtime_fixed_time, ddp_bucket_bytes)."""
+    return ((np.asarray(zero) == 0) & (np.asarray(dp) > 1) & (np.asarray(tp) == 1) & (np.asarray(pp) == 1)
+            & (np.asarray(ep) == 1) & (np.asarray(cp) == 1) & ~np.asarray(has_moe, dtype=bool))
 
 
 def _dp_rank_terms(hw: C.Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d: np.ndarray, dp_d: np.ndarray,
@@ -474,6 +520,8 @@ def _dp_rank_terms(hw: C.Hardware, dpc: dict[str, list], zero: np.ndarray, prec_
     # context parallelism: FSDP runs over dp x cp (parallel/context.data_mesh, torchtitan's dp_shard_cp); at zero 0
     # it replicates over dp and shards over cp, parameters kept gathered through the step: zero 2 over cp
     cp_zero0 = (zero == 0) & (cp_d > 1)
+    ddp = runs_plain_ddp(zero, dp_d, tp_d, pp, ep_d, cp_d, np.asarray(p_e) > 0)  # else FSDP2: other buffers
+    fsdp = ~ddp & (dp_d * cp_d > 1)
     zero, ds = np.where(cp_zero0, 2, zero), np.where(cp_zero0, 1.0, ds)
     wbytes = C.WEIGHT_BYTES[prec_d]
     gbytes = C.GRAD_REDUCE_BYTES[prec_d]  # gradients travel in fp32, parameters in the compute precision
@@ -514,13 +562,23 @@ def _dp_rank_terms(hw: C.Hardware, dpc: dict[str, list], zero: np.ndarray, prec_
     dpc["mb"].append(C.grad_accumulate_time(hw, p_d + p_e, prec_d) + np.where(z3, copies(2.0, 0.0), 0.0))
     dpc["opt"].append(C.optimizer_time(hw, local, prec_d)
                       + np.where(zero > 0, copies(np.where(z1 | z2, 1.0, 0.0), 1.0), 0.0))
-    states = C.model_state_bytes(p_d, zero, shard, prec_d) + C.model_state_bytes(p_e, zero, exp_shard, prec_d)
-    bufs = np.where(z3, 2 * unit * wbytes, 2 * np.minimum(C.DDP_BUCKET_BYTES, grad_d + grad_e))
+    # the runtime runs ZeRO-1 as ZeRO-2 (FSDP2 reduce-scatters the gradients; parallel/fsdp.py): priced so
+    held = np.where(z1, 2, zero)
+    parts = [a + b for a, b in zip(C.model_state_parts(p_d, held, shard, prec_d),
+                                   C.model_state_parts(p_e, held, exp_shard, prec_d))]
+    replicated = zero == 0  # zero 0 on FSDP2: a (dp_replicate, dp_shard=1) mesh, the parameters whole
+    parts[0] = parts[0] + C.fsdp_shard_copy_bytes(p_d, zero, np.where(replicated, 1.0, shard), prec_d, fsdp) \
+        + C.fsdp_shard_copy_bytes(p_e, zero, np.where(replicated, 1.0, exp_shard), prec_d, fsdp)
+    states = sum(parts)
+    for name, part in zip(("m_params", "m_grads", "m_optim"), parts):
+        dpc[name].append(part)
+    fsdp_bufs = np.where(fsdp, C.fsdp_buffer_bytes(unit, zero, prec_d), 0.0)
+    bufs = np.where(ddp, C.ddp_bucket_bytes(grad_d + grad_e), fsdp_bufs)
     dpc["mem"].append(states + bufs * frag + hw.reserved)
 
 
 def _assemble(hw: C.Hardware, space: Space, mid: dict[str, list], dpc: dict[str, list],
-              detail: bool) -> dict[str, np.ndarray]:
+              detail: bool, opt_of: np.ndarray, n_opts: int) -> dict[str, np.ndarray]:
     """Combine the mid- and dpc-level terms per candidate: step time, memory and (``detail``) the breakdown."""
     K, M, Cn = space.keys, space.mids, space.cands
     mk = M["key"]
@@ -529,13 +587,13 @@ def _assemble(hw: C.Hardware, space: Space, mid: dict[str, list], dpc: dict[str,
 
     # ---- candidates: three row-gathers per chunk (mid x recompute, mid, dpc), reduced over the representative
     # ranks; float32 (ranking needs ~1e-6 relative precision) and cache-sized chunks keep it memory-light.
-    cm, cd, rc = Cn["mid"], Cn["dpc"], Cn["recompute"]
-    mrc = cm * 3 + rc
+    cm, cd = Cn["mid"], Cn["dpc"]
+    mrc = cm * n_opts + opt_of  # recompute_table's rows
     t32 = lambda arrs: np.ascontiguousarray(np.stack(arrs, axis=-1), dtype=np.float32)  # noqa: E731
     by_rc = t32([np.stack(mid["base"], axis=2), np.stack(mid["mem"], axis=2)]).reshape(-1, N_REP, 2)  # (mid, rc)
     # compute windows that can hide data-parallel traffic (x the device's overlap share)
     by_mid = t32([hw.overlap * np.stack(mid["tf"], axis=1), hw.overlap * np.stack(mid["tb"], axis=1)])
-    by_dpc = t32([np.stack(dpc[k], axis=1) for k in ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem", "mb")])
+    by_dpc = t32([np.stack(dpc[k], axis=1) for k in DPC_TERMS])
     f_sm = np.float32(hw.comm_sm)
     # steady state + fill/drain: m * (1 + the schedule's bubble fraction) slots (cost.bubble_fraction; 1F1B:
     # (m + (pp-1)/vpp), Narayanan et al. 2021), then the once-per-step tail
@@ -560,10 +618,25 @@ def _assemble(hw: C.Hardware, space: Space, mid: dict[str, list], dpc: dict[str,
         slot = w(slot_of(a, b, d, f_sm))
         out["bubble"] = (span_c - ga_c) * slot
         out["compute"] = ga_c * w(np.stack(mid["tf"], 1)[cm] + np.stack(mid["tb"], 1)[cm] + d[..., 9]) + w(d[..., 7])
-        base0 = by_rc[cm * 3][..., 0].astype(float)  # the same mid without recompute
+        base0 = by_rc[cm * n_opts][..., 0].astype(float)  # the same mid without recompute (row 0)
         out["recompute"] = ga_c * (w(a[..., 0]) - w(base0))  # with the collectives full recompute re-runs
         out["comm"] = step - out["compute"] - out["recompute"] - out["bubble"]  # TP/CP/EP/PP/DP exposed
+        out["memory_terms"] = _memory_terms(hw, a, d, rows)
     return out
+
+
+def _memory_terms(hw: C.Hardware, a: np.ndarray, d: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Bytes by term on the rank with the largest memory: parameters, gradients, optimizer states (ZeRO model
+    states + FSDP2's shard copy), activations (saved activations, logits, pipeline and MoE buffers, with the
+    fragmentation margin: the mid level), buffers (DDP buckets / FSDP2 gather and reduce-scatter buffers, with
+    the margin) and the cluster's reserved memory; they sum to the candidate's memory."""
+    top = (a[..., 1] + d[..., 8]).argmax(axis=1)
+    at = lambda arr: arr[rows, top]  # noqa: E731
+    terms = {"parameters": at(d[..., 10]), "gradients": at(d[..., 11]), "optimizer": at(d[..., 12]),
+             "activations": at(a[..., 1])}
+    terms["buffers"] = at(d[..., 8]) - terms["parameters"] - terms["gradients"] - terms["optimizer"] - hw.reserved
+    terms["reserved"] = np.full(len(rows), hw.reserved)
+    return terms
 
 
 def max3(x: np.ndarray) -> np.ndarray:
@@ -656,6 +729,7 @@ def priced_plan(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: S
                             comm_exposed_s=float(costs["comm"][i]), bubble_s=float(costs["bubble"][i]),
                             runtime_s=float(costs["runtime"][i]) if "runtime" in costs else 0.0,
                             terms={k: float(v[i]) for k, v in costs.get("terms", {}).items()}),
+        memory_breakdown={k: float(v[i]) / C.GIB for k, v in costs.get("memory_terms", {}).items()},
         feasible=feasible,
         reason=reason,
         layers_per_stage=chunks,

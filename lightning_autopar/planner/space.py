@@ -24,6 +24,12 @@ from lightning_autopar.specs import (INTERLEAVED_SCHEDULES, PRECISIONS, RECOMPUT
 LAYOUT_FIELDS = ("tp", "pp", "cp", "dp", "ep")
 SPLIT_BACKWARD = ("interleaved-zb",) + V_SCHEDULES  # input and weight gradients in two passes (zero bubble)
 UNIT_FORM_EXCLUDED = INTERLEAVED_SCHEDULES + V_SCHEDULES  # several stages per rank: not for the traced pipeline
+# recompute_every searched by default: the mode on every block or on every 2nd (torchtitan's per-layer selective
+# AC); offered for full and ops, the modes whose saving is large enough to be worth thinning out. Two values keep
+# the space at 6 recompute options (the planner-speed budget, benchmarks/planner_speed.py); restrict
+# recompute_every to [1, 2, 4] (or fix it) to search more.
+RECOMPUTE_EVERY = (1, 2)
+THINNED_MODES = (RECOMPUTE_MODES.index("full"), RECOMPUTE_MODES.index("ops"))
 EXTRA_RESTRICT = ("uneven",)  # restrict-only switch: allow uneven pipeline partitions (default True)
 
 
@@ -38,7 +44,7 @@ class Space:
 
     layouts (tp, pp, cp, dp, ep) -> keys (+ mbs, sp, compile, precision; ga derived) -> mids (+ schedule, vpp: pipeline
     stage contents) and dpcs (layout, precision, schedule, vpp, zero, dp_shard: data-parallel traffic and model
-    states) -> cands (mid, dpc, recompute). Categorical fields are indices into SCHEDULES etc.; dp_shard 0 = all of dp.
+    states) -> cands (mid, dpc, recompute, recompute_every). Categorical fields are indices into SCHEDULES etc.; dp_shard 0 = all of dp.
     """
 
     layouts: dict[str, np.ndarray]
@@ -55,7 +61,7 @@ class Space:
 
     def column(self, name: str, idx: Any = slice(None)) -> np.ndarray:
         """A plan field (or ga) for candidates ``idx``, gathered through the factor tables."""
-        if name == "recompute":
+        if name in ("recompute", "recompute_every"):
             return self.cands[name][idx]
         if name in ("zero", "dp_shard"):
             return self.dpcs[name][self.cands["dpc"][idx]]
@@ -83,7 +89,8 @@ class Space:
         return Plan(dp=get("dp"), zero=get("zero"), dp_shard=get("dp_shard") or None, tp=get("tp"), sp=bool(get("sp")),
                     pp=get("pp"), schedule=SCHEDULES[get("schedule")], vpp=get("vpp"), ep=get("ep"), cp=get("cp"),
                     mbs=get("mbs"), grad_accum=get("ga"), recompute=RECOMPUTE_MODES[get("recompute")],
-                    precision=PRECISIONS[get("precision")], compile=bool(get("compile")))
+                    precision=PRECISIONS[get("precision")], compile=bool(get("compile")),
+                    recompute_every=get("recompute_every"))
 
 
 def _compact(table: dict[str, np.ndarray], refs: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -105,7 +112,8 @@ def space_from_plans(plans: Sequence[Plan], uneven: bool = True) -> Space:
     mids = {"key": ar, "schedule": sched, "vpp": vpp}
     dpcs = {"layout": ar, "precision": prec, "schedule": sched, "vpp": vpp, "zero": col(lambda p: p.zero),
             "dp_shard": col(lambda p: 0 if p.dp_shard in (None, p.dp) else p.dp_shard)}
-    cands = {"mid": ar, "dpc": ar, "recompute": col(lambda p: RECOMPUTE_MODES.index(p.recompute))}
+    cands = {"mid": ar, "dpc": ar, "recompute": col(lambda p: RECOMPUTE_MODES.index(p.recompute)),
+             "recompute_every": col(lambda p: p.recompute_every)}
     return Space(layouts, keys, mids, dpcs, cands, Counter(), uneven)
 
 
@@ -299,7 +307,9 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
     L = model.layers
 
     precs = sorted({PRECISIONS.index(p) for p in _allowed("precision", precisions, fix, restrict)})
-    recomputes = [RECOMPUTE_MODES.index(r) for r in _allowed("recompute", RECOMPUTE_MODES, fix, restrict)]
+    recomputes = [RECOMPUTE_MODES.index(r) for r in _allowed("recompute", _recompute_modes(model, fix, restrict),
+                                                              fix, restrict)]
+    rc_opts = recompute_options(recomputes, _allowed("recompute_every", RECOMPUTE_EVERY, fix, restrict), fix)
     zeros = _allowed("zero", [0, 1, 2, 3], fix, restrict)
     schedules = _allowed("schedule", SCHEDULES, fix, restrict)
     sps = _allowed("sp", [False, True], fix, restrict)
@@ -359,13 +369,13 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
                         ga = global_batch // (dp * mbs)
                         for sp, comp in ((s, c) for s in sp_vals for c in compiles):
                             if comp and cp > 1:  # context_compile_rule
-                                rejected["compile with cp > 1"] += len(precs) * nv * nz * len(recomputes)
+                                rejected["compile with cp > 1"] += len(precs) * nv * nz * len(rc_opts)
                                 continue
                             for pi, prec in enumerate(precs):
                                 for vi, (sched, vpp) in enumerate(scheds):
                                     name = SCHEDULES[sched]  # torch's micro-batch rules, no compiled split backward
                                     if microbatch_rule(name, pp, ga) or compile_rule(name, pp, bool(comp)):
-                                        rejected[f"grad_accum or compile ({name})"] += nz * len(recomputes)
+                                        rejected[f"grad_accum or compile ({name})"] += nz * len(rc_opts)
                                         continue
                                     mid_rows.append((n_key, sched, vpp, n_dpc + (pi * nv + vi) * nz, nz))
                                 key_rows.append((n_lay, mbs, sp, prec, ga, comp))
@@ -382,19 +392,51 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
     pp_of_mid = (np.array(lay_rows, dtype=np.int64).reshape(-1, 5)[:, 1][np.array(key_rows, dtype=np.int64)
                  .reshape(len(key_rows), -1)[:, 0]][mids[0]] if len(mids[0]) else mids[0])
     split = np.isin(mids[1], [SCHEDULES.index(s) for s in SPLIT_BACKWARD]) & (pp_of_mid > 1)
-    nr_m = np.where(split, int(0 in recomputes), len(recomputes))
-    rejected["recompute with a split backward (zero-bubble)"] += int((mids[4] * (len(recomputes) - nr_m)).sum())
+    nr_m = np.where(split, int((0, 1) in rc_opts), len(rc_opts))
+    rejected["recompute with a split backward (zero-bubble)"] += int((mids[4] * (len(rc_opts) - nr_m)).sum())
     counts = mids[4] * nr_m
     mid_of = np.repeat(np.arange(mids.shape[1]), counts)
     within = np.arange(len(mid_of)) - np.repeat(np.cumsum(counts) - counts, counts)
     nr = np.maximum(nr_m[mid_of], 1)
-    cands = [mid_of, mids[3][mid_of] + within // nr,
-             np.where(split[mid_of], 0, np.array(recomputes, dtype=np.int64)[within % nr])]
+    opts = np.array(rc_opts, dtype=np.int64).reshape(-1, 2)
+    cands = [mid_of, mids[3][mid_of] + within // nr, np.where(split[mid_of], 0, opts[within % nr, 0]),
+             np.where(split[mid_of], 1, opts[within % nr, 1])]
     return Space(dict(zip(LAYOUT_FIELDS, arr(lay_rows, 5))),
                  dict(zip(("layout", "mbs", "sp", "precision", "ga", "compile"), arr(key_rows, 6))),
                  dict(zip(("key", "schedule", "vpp"), np.ascontiguousarray(mids[:3]))),
                  dict(zip(("layout", "precision", "schedule", "vpp", "zero", "dp_shard"), arr(dpc_rows, 6))),
-                 dict(zip(("mid", "dpc", "recompute"), cands)), rejected, uneven)
+                 dict(zip(("mid", "dpc", "recompute", "recompute_every"), cands)), rejected, uneven)
+
+
+def _recompute_modes(model: ModelSpec, fix: Mapping[str, Any], restrict: Mapping[str, Sequence]) -> list[str]:
+    """The recompute modes searched: all, less ops on an MoE model (``ops_rule``) unless fixed (then refused)."""
+    reason = ops_rule(model, fix.get("recompute", "ops"))
+    if reason and "recompute" in fix:
+        raise ConfigError("fix.recompute", reason, "use recompute=full or selective")
+    return [r for r in RECOMPUTE_MODES if not ops_rule(model, r)]
+
+
+def ops_rule(model: ModelSpec, recompute: str) -> str | None:
+    """Why ``recompute`` cannot run on ``model``, or None: op-level selective checkpointing (ops) replays a block's
+    ops under a saved-tensor policy, which the MoE blocks' experts -- FSDP units of their own, with their own
+    gather hooks (parallel/expert.py) -- cannot be replayed through."""
+    if recompute == "ops" and model.moe_layers > 0:
+        return f"recompute=ops replays each block op by op, which {model.name}'s MoE experts (own FSDP units) cannot"
+    return None
+
+
+def recompute_options(recomputes: Sequence[int], every: Sequence[int], fix: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """(recompute code, recompute_every) pairs searched: k = 1 for each mode, and k > 1 for full and ops
+    (THINNED_MODES; any mode but none when the user fixes recompute_every). A fixed k > 1 with recompute=none
+    cannot run (Plan.validate): refused here in one line."""
+    thinned = [r for r in recomputes if r != 0] if "recompute_every" in fix else \
+        [r for r in recomputes if r in THINNED_MODES]
+    opts = [(r, 1) for r in recomputes if 1 in every]
+    opts += [(r, k) for k in every if k > 1 for r in thinned]
+    if not opts:
+        raise ConfigError("fix.recompute_every", f"recompute_every={list(every)} needs recompute=full or ops",
+                          "set recompute=full or ops, or recompute_every=1")
+    return opts
 
 
 def _zero_shards(dp: int, cp: int, zeros: Sequence[int], fix: Mapping[str, Any],
