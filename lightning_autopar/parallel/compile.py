@@ -1,5 +1,6 @@
-"""Per-block ``torch.compile`` (``plan.compile``), in the canonical order after TP/SP, EP and recompute and
-before FSDP/DP (torchtitan's order: TP -> AC -> compile -> FSDP).
+"""Per-block ``torch.compile`` (``plan.compile``), in the canonical order after TP/SP and EP, its check hook before
+recompute's hooks, and before FSDP/DP (torchtitan's order: TP -> AC -> compile -> FSDP; the compiled forward does
+not depend on the hooks' order).
 
 Only each block's ``forward`` is compiled (an instance attribute shadowing the class's): the module, its
 parameter names and every hook stay as they were, so our TP hooks, the recompute checkpoint and FSDP2/DDP run

@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.parallel.collectives import all_gather_along, reduce_scatter_along
 
 if TYPE_CHECKING:
     from lightning_autopar.profile.analyze import ModelAnalysis
@@ -81,27 +82,15 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, cp: CPGroup, reduce: bool) -> torch.Tensor:
-        import torch.distributed as dist
-
         ctx.dim, ctx.cp, ctx.reduce = dim, cp, reduce
-        front = x.movedim(dim, 0).contiguous()
-        out = front.new_empty((front.shape[0] * cp.size, *front.shape[1:]))
-        dist.all_gather_into_tensor(out, front, group=cp.group)
-        return out.movedim(0, dim)
+        return all_gather_along(x, dim, cp.group, cp.size)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        import torch.distributed as dist
-
         cp, dim = ctx.cp, ctx.dim
-        front = grad.movedim(dim, 0).contiguous()
-        part = front.shape[0] // cp.size
         if ctx.reduce:
-            out = front.new_empty((part, *front.shape[1:]))
-            dist.reduce_scatter_tensor(out, front, group=cp.group)
-        else:
-            out = front[cp.rank * part:(cp.rank + 1) * part]
-        return out.movedim(0, dim), None, None, None
+            return reduce_scatter_along(grad, dim, cp.group, cp.size), None, None, None
+        return grad.chunk(cp.size, dim)[cp.rank], None, None, None
 
 
 class _ScaleGrad(torch.autograd.Function):

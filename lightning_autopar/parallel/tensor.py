@@ -169,31 +169,21 @@ def _all_gather_seq(x: torch.Tensor, comm: SeqComm) -> torch.Tensor:
     """The TP ranks' pieces of ``x`` concatenated along the sequence dim (1), in rank order."""
     if comm.group is None:
         return torch.cat([x] * comm.tp, 1)
-    import torch.distributed as dist
+    from lightning_autopar.parallel.collectives import all_gather_along
 
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(comm.tp)]
-    dist.all_gather(parts, x, group=comm.group)
-    return torch.cat(parts, 1)
+    return all_gather_along(x, 1, comm.group, comm.tp)
 
 
 def _split_seq(x: torch.Tensor, comm: SeqComm, summed: bool) -> torch.Tensor:
     """This rank's chunk of ``x`` along the sequence dim (1); ``summed``: of the sum of ``x`` over the TP group (a
-    reduce-scatter; gloo has none, so there an all-reduce and the chunk)."""
+    reduce-scatter)."""
     if comm.group is None:
         return x.chunk(comm.tp, 1)[0]
-    import torch.distributed as dist
-
     if not summed:
         return x.chunk(comm.tp, 1)[comm.rank].contiguous()
-    if dist.get_backend(comm.group) == "gloo":
-        total = x.contiguous().clone()
-        dist.all_reduce(total, group=comm.group)
-        return total.chunk(comm.tp, 1)[comm.rank].contiguous()
-    rows = x.transpose(0, 1).contiguous()  # the sequence dim first: reduce_scatter_tensor cuts dim 0
-    out = rows.new_empty((rows.shape[0] // comm.tp, *rows.shape[1:]))
-    dist.reduce_scatter_tensor(out, rows, group=comm.group)
-    return out.transpose(0, 1).contiguous()
+    from lightning_autopar.parallel.collectives import reduce_scatter_along
+
+    return reduce_scatter_along(x, 1, comm.group, comm.tp)
 
 
 class GatherSeq(torch.autograd.Function):
