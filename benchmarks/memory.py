@@ -24,7 +24,7 @@ from _common import (bench_main, common_args, fresh_threads, init_workers, media
 
 HIDDEN = 256
 BASE = dict(dp=4, zero=0, tp=1, pp=1, ep=1, cp=1, sp="false", mbs=1, grad_accum=1, recompute="none",
-            precision="fp32", recompute_every=1)
+            precision="fp32", recompute_every=1, offload="none")
 PLANS: dict[str, tuple[dict[str, Any], bool]] = {  # name -> (fields over BASE, MoE model)
     "dp4 zero0": ({}, False),
     "dp4 zero1": ({"zero": 1}, False),
@@ -42,7 +42,16 @@ PLANS: dict[str, tuple[dict[str, Any], bool]] = {  # name -> (fields over BASE, 
     "dp4 recompute=full": ({"recompute": "full"}, False),
     "dp4 recompute=ops": ({"recompute": "ops"}, False),
     "dp4 recompute=full/2": ({"recompute": "full", "recompute_every": 2}, False),
+    "dp4 zero3 offload=params": ({"zero": 3, "offload": "params"}, False),
+    "dp4 zero2 offload=optimizer": ({"zero": 2, "offload": "optimizer"}, False),
+    "pp2 interleaved-zb": ({"dp": 2, "pp": 2, "vpp": 2, "grad_accum": 2, "schedule": "interleaved-zb"}, False),
+    # dualpipev needs 2 * pp micro-batches: the 4 rows of the global batch at dp=1 (tp=2 fills the world)
+    "pp2 x tp2 dualpipev": ({"dp": 1, "tp": 2, "pp": 2, "vpp": 2, "grad_accum": 4, "schedule": "dualpipev"}, False),
 }
+# issue 17's target: recompute=ops between none (the "dp4 zero0" row) and full in memory and in step time, measured
+# as priced; these rows run TIMED_STEPS steps, the unmeasured ones after the first timed
+RECOMPUTE_ROWS = ("dp4 zero0", "dp4 recompute=ops", "dp4 recompute=full")
+TIMED_STEPS = 5
 GLOBAL_BATCH = 4
 
 
@@ -77,7 +86,7 @@ def gather_max(measured: Any) -> dict[str, Any]:
     return {**top, "per_rank_peak_gib": [r["peak_gib"] for r in rows]}
 
 
-def run(fields: dict[str, Any], moe: bool, args: argparse.Namespace) -> dict[str, Any]:
+def run(fields: dict[str, Any], moe: bool, args: argparse.Namespace, timed: bool = False) -> dict[str, Any]:
     import lightning.pytorch as L
 
     from lightning_autopar import AutoParallelStrategy
@@ -88,30 +97,61 @@ def run(fields: dict[str, Any], moe: bool, args: argparse.Namespace) -> dict[str
     module = lit_module(args.seq_len, moe)
     # a split backward (zero-bubble schedules) breaks MemTracker's backward hooks: peak total only there
     split_backward = fields.get("schedule") in ("interleaved-zb", "zbv", "dualpipev")
-    callback = peak_memory_callback(measure_batches=(args.steps - 1,), backward_hooks=not split_backward)
+    steps = max(args.steps, TIMED_STEPS) if timed else args.steps
+    callback = peak_memory_callback(measure_batches=(1,), backward_hooks=not split_backward)
+    clock = StepClock()
     strategy = AutoParallelStrategy(fix=fix_string(fields), cluster="cpu", print_plan=False, profile=False)
-    loader = token_loader(GLOBAL_BATCH * args.steps, args.seq_len, GLOBAL_BATCH)
+    loader = token_loader(GLOBAL_BATCH * steps, args.seq_len, GLOBAL_BATCH)
     try:
-        fit(module, strategy, loader, args.steps, callback)
+        fit(module, strategy, loader, steps, [callback, clock])
     except ConfigError as err:
         return {"refused": str(err)}
     best = strategy.report.best
-    reserved = strategy.report.cluster.device.reserved_gib
+    device = strategy.report.cluster.device
+    reserved = device.reserved_gib
+    # offloaded states: in memory_gib_per_device where the device has no host memory of its own (host_link_gbs
+    # 0, as on this CPU cluster), else beside it (PricedPlan.host_gib_per_device); here they are in the same memory
+    host = best.host_gib_per_device if device.host_link_gbs > 0 else 0.0
     measured = with_untracked(callback.peak, "ddp_buckets", ddp_bucket_bytes(module))
-    return {"plan": best.plan.short(), "measured": gather_max(measured),
-            "predicted_gib": best.memory_gib_per_device - reserved, "reserved_gib": reserved,
-            "predicted_terms_gib": dict(best.memory_breakdown)}
+    row = {"plan": best.plan.short(), "measured": gather_max(measured),
+           "predicted_gib": best.memory_gib_per_device - reserved + host, "reserved_gib": reserved,
+           "predicted_terms_gib": dict(best.memory_breakdown)}
+    if timed:
+        row.update(predicted_step_s=best.step_time_s, measured_step_s=median(clock.seconds[2:]))
+    return row
 
 
-def fit(module: Any, strategy: Any, loader: Any, steps: int, callback: Any) -> None:
-    """``steps`` optimizer steps with a fresh CPU Trainer carrying ``callback``, from the process's thread state."""
+class StepClock:
+    """Wall seconds of each training batch (a Lightning callback); the first two (warm-up, the MemTracker-measured
+    one) are not step times."""
+
+    def __init__(self) -> None:
+        import lightning.pytorch as L
+
+        self.seconds: list[float] = []
+        self._start = 0.0
+        clock = self
+
+        class _Clock(L.Callback):
+            def on_train_batch_start(self, *args: Any) -> None:
+                clock._start = time.perf_counter()
+
+            def on_train_batch_end(self, *args: Any) -> None:
+                clock.seconds.append(time.perf_counter() - clock._start)
+
+        self.callback = _Clock()
+
+
+def fit(module: Any, strategy: Any, loader: Any, steps: int, callbacks: list[Any]) -> None:
+    """``steps`` optimizer steps with a fresh CPU Trainer carrying ``callbacks``, from the process's thread state."""
     import lightning.pytorch as L
     import torch.distributed as dist
 
     fresh_threads()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=dist.get_world_size(), max_steps=steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[callback])
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[getattr(c, "callback", c) for c in callbacks])
     trainer.fit(module, loader)
 
 
@@ -166,7 +206,7 @@ def worker(args: argparse.Namespace) -> None:
     rows: dict[str, dict[str, Any]] = {}
     for name in names:
         fields, moe = PLANS[name]
-        rows[name] = run(fields, moe, args)
+        rows[name] = run(fields, moe, args, timed=name in RECOMPUTE_ROWS)
         if rank == 0:
             print(table({name: rows[name]})[-1], flush=True)
     if rank != 0:
@@ -178,7 +218,25 @@ def worker(args: argparse.Namespace) -> None:
     print("\n".join(table(rows) + [""] + term_table(rows)), flush=True)
     print(f"|predicted - measured| / measured over {len(errors)} plans: median {100 * result['median_abs_error']:.1f}%,"
           f" max {100 * result['max_abs_error']:.1f}% (predicted without the cluster's reserved_gib)", flush=True)
+    for line in recompute_check(rows):
+        print(line, flush=True)
     write_result(args, "memory.json", result, result["seconds"], "memory")
+
+
+def recompute_check(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Issue 17's target: recompute=ops between none and full in memory and in step time, measured and priced."""
+    none, ops, full = (rows.get(n) for n in RECOMPUTE_ROWS)
+    if not all(r is not None and "measured_step_s" in r for r in (none, ops, full)):
+        return []
+    values = {"measured memory": [r["measured"]["peak_gib"] for r in (none, ops, full)],
+              "predicted memory": [r["predicted_gib"] for r in (none, ops, full)],
+              "measured step s": [r["measured_step_s"] for r in (none, ops, full)],
+              "predicted step s": [r["predicted_step_s"] for r in (none, ops, full)]}
+    lines = ["recompute none / ops / full (dp4):"]
+    for what, (n, o, f) in values.items():
+        between = min(n, f) < o < max(n, f)
+        lines.append(f"  {what:17s} {n:9.4g} {o:9.4g} {f:9.4g}   ops between: {'yes' if between else 'NO'}")
+    return lines
 
 
 def main() -> int:

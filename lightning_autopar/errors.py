@@ -35,7 +35,11 @@ class InfeasibleError(AutoparError, RuntimeError):
 
 
 def install_excepthook() -> None:
-    """Make an uncaught AutoparError print its one line and exit with its code, instead of a traceback.
+    """Make an uncaught AutoparError print its one line and exit with its code, instead of a traceback, on every
+    rank: the failing rank publishes its line to the job's store (``topology.worker.publish_failure``) before it
+    exits; a peer that then dies in a collective (gloo's "Connection closed by peer") finds it there
+    (``topology.worker.peer_failure``; where rank 0 serves the store, the peers' ``watch_for_failures`` threads)
+    and prints "autopar (rank k): stopped because rank j failed: <line>", exiting with the same code.
 
     Other exceptions keep the previous hook. Installed by the strategy and the Fabric integration, i.e. only in
     programs that use autopar."""
@@ -47,15 +51,18 @@ def install_excepthook() -> None:
         return
 
     def hook(kind, value, tb):  # type: ignore[no-untyped-def]
+        from lightning_autopar.topology import worker
+
+        rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))  # Lightning's launcher sets only the latter
         if isinstance(value, AutoparError):
-            rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))  # Lightning's launcher sets only the latter
+            worker.publish_failure(str(value), value.exit_code)
             prefix = f"autopar (rank {rank})" if rank not in (None, "0") else "autopar"
-            # the real stderr: torch.distributed's own hook buffers sys.stderr to prefix "[rankN]:" lines
-            stream = sys.__stderr__ or sys.stderr
-            print(f"{prefix}: {value}", file=stream, flush=True)
-            sys.stdout.flush()
-            os._exit(value.exit_code)  # a plain exit would run teardown hooks that may hang on peers
+            worker.stop_with(f"{prefix}: {value}", value.exit_code)
+        failed = worker.peer_failure(value)
+        if failed is not None:
+            worker.stop_with(failed.line_for(rank), failed.exit_code)
         previous(kind, value, tb)
 
     hook._autopar = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+

@@ -56,7 +56,7 @@ from typing_extensions import override
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.runtime import lightning_private as private
-from lightning_autopar.runtime.batches import leading_size, micro_batches, tree_leaves
+from lightning_autopar.runtime.batches import last_batch_rows, leading_size, micro_batches, tree_leaves
 from lightning_autopar.runtime.planning import PlanningMixin
 from lightning_autopar.specs import Plan, PricedPlan
 from lightning_autopar.strategy import register_flavours
@@ -90,13 +90,17 @@ class _GlobalBatchSlices:
             if self.strategy.plan is None:
                 raise ConfigError("fabric.setup", "the data was iterated before the model was set up, so there is "
                                   "no plan to slice the batch with", "call fabric.setup(model, ...) first")
-            rows, dp = leading_size(batch), self.strategy.plan.dp
-            if rows is not None and rows % dp:
-                # unequal slices would weight the ranks' mean losses unequally: not the single-device gradient
-                raise ConfigError("DataLoader.drop_last", f"a batch of {rows} rows does not split evenly over "
-                                  f"the {dp} data-parallel ranks", "use drop_last=True and a batch size divisible "
-                                  f"by {dp}")
+            check_even_rows(leading_size(batch), self.strategy.plan.dp)  # sized loaders: checked at set-up
             yield micro_batches(batch, 1, *self.strategy._step_env.group.rank_and_size())[0].batch
+
+
+def check_even_rows(rows: int | None, dp: int) -> None:
+    """One ConfigError line when a batch of ``rows`` does not split evenly over ``dp`` ranks: the user's loop
+    averages its own slice's loss, so unequal slices would weight the ranks unequally (not the single-device
+    gradient)."""
+    if rows is not None and rows % dp:
+        raise ConfigError("DataLoader.drop_last", f"a batch of {rows} rows does not split evenly over the {dp} "
+                          "data-parallel ranks", f"use drop_last=True and a batch size divisible by {dp}")
 
 
 class _NoBackwardSync:
@@ -179,6 +183,8 @@ class FabricAutoParallelMixin(PlanningMixin):
             self._loader = dataloader
             if self.plan is not None and self._batch_assumed:  # fabric.setup came first: settle the batch now
                 self._settle_batch()
+        if self.plan is not None:  # the last batch fails here, not mid-epoch
+            check_even_rows(last_batch_rows(dataloader), self.plan.dp)
         return _GlobalBatchSlices(dataloader, self)
 
     def _settle_batch(self) -> None:
@@ -196,6 +202,7 @@ class FabricAutoParallelMixin(PlanningMixin):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
+        from lightning_autopar.parallel.offload import module_to_device
         from lightning_autopar.parallel.precision import ShardedGradScaler
 
         if self.plan is not None:
@@ -207,7 +214,8 @@ class FabricAutoParallelMixin(PlanningMixin):
         self._autopar_module = module
         private.materialize_distributed_module(module, self.root_device)
         self._plan_and_apply(self.precision.precision)
-        module.to(self.root_device)
+        check_even_rows(last_batch_rows(self._loader), self.plan.dp)  # the last batch fails here, not mid-epoch
+        module_to_device(module, self.root_device, self.plan.offload)  # offload=params: parameters stay on the host
         scaler = getattr(self.precision, "scaler", None)
         if scaler is not None and not isinstance(scaler, ShardedGradScaler):
             self.precision.scaler = ShardedGradScaler(device=self.root_device.type)
@@ -222,6 +230,7 @@ class FabricAutoParallelMixin(PlanningMixin):
             rebind_optimizer(optimizer, names, dict(module.named_parameters()))
         optimizers = [self.setup_optimizer(o) for o in optimizers]
         self._keep_optimizer_layouts(optimizers, module)
+        self._offload_optimizers(optimizers)
         return module, optimizers, scheduler
 
     @override

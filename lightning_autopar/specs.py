@@ -25,6 +25,11 @@ V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank, placed in a V
 # and the other compute-bound ops, recompute the rest; issue 17). plan.recompute_every = k applies the mode to
 # one block in k (torchtitan's per-layer selective checkpointing), the others keep their activations.
 RECOMPUTE_MODES = ("none", "selective", "full", "ops")
+# offload (issue 17): none; optimizer (the optimizer states and their step on the host, ZeRO-Offload: the device
+# keeps parameters and gradients); params (FSDP2's CPUOffloadPolicy: the sharded parameters, their gradients and
+# the optimizer states on the host, each unit's parameters copied in for its forward and backward). Both need
+# zero >= 1: what moves is this rank's shard.
+OFFLOAD_MODES = ("none", "optimizer", "params")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "fp8-mixed")  # fp8-mixed: fp8 GEMMs, the rest bf16 (planner only)
 FFN_KINDS = ("gelu", "swiglu")
 # what a unit contains (UnitSpec.kinds); the cost model prices conv at the device's conv efficiency and norms /
@@ -236,6 +241,11 @@ class DeviceSpec:
     # planner prices compile=true by that (Triton on CUDA GPUs: set on the GPU presets); False: compile=true is
     # priced as eager unless a measured speed-up is carried (RuntimeCosts.compile_speedup)
     compile_fuses: bool = False
+    # the host behind each device, for offload (issue 17; 0 = no separate host memory: the device's memory *is*
+    # host memory, as on a CPU, so offload saves nothing and the planner does not search it)
+    host_link_gbs: float = 0.0  # device <-> host copy bandwidth per device, one direction (PCIe), GB/s
+    host_memory_gib: float = 0.0  # host memory per device that offloaded states may take, GiB
+    host_memory_bandwidth_gbs: float = 0.0  # host DRAM bandwidth per device share (the host optimizer step), GB/s
 
 
 @dataclass
@@ -422,7 +432,8 @@ class RuntimeProfile:
 
 PLAN_INT_FIELDS = ("dp", "zero", "dp_shard", "tp", "pp", "vpp", "ep", "cp", "mbs", "grad_accum", "recompute_every")
 PLAN_BOOL_FIELDS = ("sp", "compile")
-PLAN_CHOICE_FIELDS = {"schedule": SCHEDULES, "recompute": RECOMPUTE_MODES, "precision": PRECISIONS}
+PLAN_CHOICE_FIELDS = {"schedule": SCHEDULES, "recompute": RECOMPUTE_MODES, "precision": PRECISIONS,
+                      "offload": OFFLOAD_MODES}
 
 
 @dataclass
@@ -445,6 +456,7 @@ class Plan:
     precision: str = "fp32"
     compile: bool = False  # torch.compile per block (contract additions 2026-12-01)
     recompute_every: int = 1  # the recompute mode on one block in k (1: every block); issue 17
+    offload: str = "none"  # OFFLOAD_MODES: model states this rank shards kept on the host; issue 17
 
     @property
     def world_size(self) -> int:
@@ -482,6 +494,8 @@ class Plan:
             parts.append(self.precision)
         if self.compile:
             parts.append("compile")
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
         return " ".join(parts)
 
     def validate(self, world_size: int | None = None, global_batch: int | None = None) -> None:
@@ -506,6 +520,9 @@ class Plan:
         if self.recompute_every > 1 and self.recompute == "none":
             raise ConfigError("plan.recompute_every", f"recompute_every={self.recompute_every} with recompute=none "
                               "recomputes nothing", "set recompute=full or ops, or recompute_every=1")
+        if self.offload != "none" and self.zero == 0:
+            raise ConfigError("plan.offload", f"offload={self.offload} moves this rank's shard of the model states "
+                              "to the host; zero=0 shards nothing", "set zero >= 1 or offload=none")
         if self.vpp > 1 and self.schedule not in INTERLEAVED_SCHEDULES + V_SCHEDULES:
             raise ConfigError("plan.vpp", f"vpp={self.vpp} needs an interleaved or V schedule",
                               "set schedule=interleaved, interleaved-zb, zbv or dualpipev")
@@ -547,6 +564,9 @@ class PricedPlan:
     # GiB per device by term (search._memory_terms): parameters, gradients, optimizer, activations, buffers,
     # reserved; sums to memory_gib_per_device (issue 17)
     memory_breakdown: dict[str, float] = field(default_factory=dict)
+    # GiB per device of model states kept in host memory (plan.offload; issue 17), not in memory_gib_per_device
+    # where the device has host memory of its own (DeviceSpec.host_link_gbs > 0)
+    host_gib_per_device: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = self.plan.to_dict()
@@ -568,6 +588,8 @@ class PricedPlan:
             out["layers_per_stage"] = list(self.layers_per_stage)
         if self.memory_breakdown:
             out["memory_breakdown_gib"] = dict(self.memory_breakdown)
+        if self.host_gib_per_device:
+            out["host_gib_per_device"] = self.host_gib_per_device
         return out
 
 

@@ -98,6 +98,14 @@ class AutoParallelMixin(PlanningMixin):
         if fitting:
             private.optimizers_to_device(self.optimizers, self.root_device)
             self._keep_optimizer_layouts(self.optimizers, self.model)
+            self._offload_optimizers(self.optimizers)
+
+    @override
+    def model_to_device(self) -> None:
+        """As Lightning's, but with plan.offload=params the parameters stay on the host (``parallel.offload``)."""
+        from lightning_autopar.parallel.offload import module_to_device
+
+        module_to_device(self.model, self.root_device, self.plan.offload if self.plan is not None else "none")
 
     def _patch_precision_plugin(self) -> None:
         """Clip gradients across meshes, and use a rank-agreeing scaler for fp16."""
@@ -143,7 +151,10 @@ class AutoParallelMixin(PlanningMixin):
         trainer = self.lightning_module.trainer
         steps = [trainer.max_steps] if trainer.max_steps and trainer.max_steps > 0 else []
         loader = self._plan_loader()
-        batches = len(loader) if hasattr(loader, "__len__") else 0
+        try:
+            batches = len(loader)
+        except TypeError:  # no loader, or an unsized one (an IterableDataset without __len__)
+            batches = 0
         limit = trainer.limit_train_batches
         batches = min(batches, limit) if isinstance(limit, int) else int(batches * (limit or 1.0))
         if batches and trainer.max_epochs and trainer.max_epochs > 0:
@@ -172,8 +183,9 @@ class AutoParallelMixin(PlanningMixin):
 
         assert self.plan is not None and self._step_env is not None
         batch, rest = args[0], args[1:]
+        self._check_batch(batch)
         if self._pipeline_steps.pipe is not None:
-            return self._pipeline_steps.train(batch, rest, kwargs, self.plan.grad_accum, self._global_batch)
+            return self._pipeline_steps.train(batch, rest, kwargs, self.plan.grad_accum)
         module = self.lightning_module
         automatic = module.automatic_optimization
         # Lightning's accumulate_grad_batches around the plan's micro-batches (callbacks/accumulation.py)
@@ -217,6 +229,10 @@ class AutoParallelMixin(PlanningMixin):
             hold.put_back_held()
             grads = hold.take_pipeline()
         if grads is None:
+            if hold is not None and not self.lightning_module.automatic_optimization:
+                # manual_backward: the micro-batch's share of the global batch (0 for a stand-in), as the
+                # automatic step weights its loss (runtime.step)
+                closure_loss = closure_loss * self._step_env.manual_weight
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         module = self.lightning_module
         self.pre_backward(closure_loss)

@@ -43,12 +43,13 @@ def test_micro_batches_weights_give_the_global_mean():
     assert sum(weights) == pytest.approx(dp)  # each rank's weights sum to 1 (the dp group averages them)
 
 
-def test_micro_batches_refuse_a_batch_too_small():
+def test_micro_batches_stand_in_for_a_rank_without_rows():
     from lightning_autopar.errors import ConfigError
 
-    with pytest.raises(ConfigError):
-        micro_batches((torch.zeros(1),), 1, 1, 2)
-    with pytest.raises(ConfigError):
+    # one row, two data-parallel ranks: rank 1 runs a zero-weight stand-in (row 0) so it enters every collective
+    (stand_in,) = micro_batches((torch.arange(1.0),), 1, 1, 2)
+    assert stand_in.rows == 0 and stand_in.weight == 0.0 and torch.equal(stand_in.batch[0], torch.zeros(1))
+    with pytest.raises(ConfigError):  # no tensor with a batch dimension: refused the same on every rank
         micro_batches({"n": 3}, 1, 0, 1)
 
 

@@ -26,7 +26,9 @@
    the rest (or, with PP, each chunk) on the data-parallel mesh; zero=0 with data parallelism alone: DDP
    (``replicate``). The units are chosen (``units.choose_units``) before step 1, from one meta forward of the
    untouched model (on token ids, or on the user's own call of it, ``example``): modules whose forward runs,
-   tied parameters owned by one unit; for a model in unit form the blocks are the analysis' units.
+   tied parameters owned by one unit; for a model in unit form the blocks are the analysis' units. With
+   plan.offload=params every unit offloads its shard to the host (``offload``: FSDP2's CPUOffloadPolicy);
+   offload=optimizer is applied to the optimizers the strategy builds (``offload.HostStep``).
 6. Precision: FSDP's mixed-precision policy (set in step 5) plus Lightning's precision plugin (the strategy).
 
 Then the guard (``units.check_applied``): every tie found before step 1 is still one tensor owned by one unit,
@@ -135,6 +137,20 @@ def applied_schedule(plan: Plan) -> str:
     return plan.schedule
 
 
+def check_batch_length(plan: Plan, transformer: nn.Module, name: str, seq: int | None) -> None:
+    """A batch's sequence length that SP (tp) or CP (2*cp) cannot split and cannot pad exactly: one ConfigError,
+    raised before the step's first collective and the same on every rank (all hold the same global batch), so a
+    later batch of another length stops every rank with one line (sequence.check_length, context.check_length)."""
+    from lightning_autopar.parallel import context, sequence
+
+    if not seq:
+        return
+    if plan.sp:
+        sequence.check_length(name, seq, plan.tp, sequence.UNPADDABLE.get(transformer, "the model was not checked"))
+    if plan.cp > 1:
+        context.check_length(name, seq, plan.cp, context.CAUSAL.get(transformer, False))
+
+
 def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer: nn.Module,
                example: tuple[tuple, dict] | None = None) -> None:
     """Raise one ConfigError for what the runtime cannot apply to this model."""
@@ -176,6 +192,7 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     from lightning_autopar.parallel.experts import apply_expert_parallel
     from lightning_autopar.parallel.fsdp import (apply_data_parallel, apply_data_parallel_chunks, apply_replicate,
                                                  shard_experts)
+    from lightning_autopar.parallel.offload import check_offload, fsdp_offload_policy, parameters_to_host
     from lightning_autopar.parallel.pipeline import Pipeline, TracedPipeline
     from lightning_autopar.parallel.recompute import apply_recompute
     from lightning_autopar.parallel.tensor import apply_tensor_parallel
@@ -184,6 +201,7 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
 
     check_plan(plan, analysis, root, transformer, example)
     check_compile(plan.compile, plan.pp, device.type, schedule=applied_schedule(plan))
+    check_offload(plan.offload, plan.precision, device.type)
     ties = tie_groups(root)
     units = None
     if plan.pp == 1:  # chosen on the untouched model: TP and EP below change its parameters
@@ -241,17 +259,20 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
                     every=plan.recompute_every)
     if plan.compile and plan.tp > 1 and plan.sp and device.type == "cuda":  # async TP (GPU only; priced so)
         enable_async_tp(layout["tp"])
+    offload = fsdp_offload_policy(plan.offload, device)
+    if plan.offload == "params" and device.type != "cpu":
+        parameters_to_host(root)  # FSDP2 offloads shards it finds on the CPU
     if meshes:  # 5. FSDP / DP
         shard_experts([e for layer in experts for e in layer.experts], meshes["edp"], plan.zero, plan.dp,
-                      plan.precision)
+                      plan.precision, offload)
     if pipeline is not None:
-        roots = apply_data_parallel_chunks(pipeline.chunks, dp_mesh, plan.zero, plan.precision, divide)
+        roots = apply_data_parallel_chunks(pipeline.chunks, dp_mesh, plan.zero, plan.precision, divide, offload)
         if traced:
             pipeline.rebind_parameters()  # the sharded parameters back under the user's names
     elif plain_ddp(plan, local):
         roots = apply_replicate(root, units, layout["dp_flat"].get_group())
     else:
-        roots = apply_data_parallel(root, units, dp_mesh, plan.zero, plan.precision, divide)
+        roots = apply_data_parallel(root, units, dp_mesh, plan.zero, plan.precision, divide, offload)
     check_applied(root, ties, every_param=pipeline is None)
     return Applied(fsdp_roots=roots, pipeline=pipeline, pipeline_root=split, experts=experts, expert_meshes=meshes,
                    compiled=compiled, context=context)

@@ -16,7 +16,12 @@ builds the same from collectives:
 * eval mode with running statistics is untouched (the module's own forward); without running statistics
   (``track_running_stats=False``) eval uses batch statistics, synchronised too;
 * activation recomputation re-runs a checkpointed unit's forward inside backward: the statistics are recomputed
-  (the same values) but the running buffers are not updated a second time.
+  (the same values) but the running buffers are not updated a second time;
+* a zero-weight stand-in (a rank with no rows of a small batch runs row 0 so every collective is entered;
+  ``runtime.batches``) contributes count 0 and sums 0 while ``parallel.stand_in.standing_in(True)`` is active,
+  so statistics and running buffers are those of the real rows, as on one device. A recomputed forward uses the
+  flag its module saw in its last forward outside backward (the runtime runs each micro-batch's backward before
+  the next forward).
 
 Conversion is in place (``sync_batchnorm``): each BatchNorm module's class becomes a subclass with this forward,
 so parameter and buffer names, the state dict and every reference to the module stay the user's (a state dict
@@ -31,12 +36,9 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_autopar.parallel.stand_in import in_backward, stand_in_active
+
 _SYNCED: dict[type, type] = {}
-
-
-def _in_backward() -> bool:
-    """Inside an autograd backward pass (e.g. a checkpointed unit being recomputed)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -64,16 +66,17 @@ def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _AllReduceSum.apply(x, group)
 
 
-def _group_stats(x: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean, biased variance, global count) per channel of ``x`` (N, C, *) over every rank of ``group``."""
+def _group_stats(x: torch.Tensor, group: Any, keep: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean, biased variance, global count) per channel of ``x`` (N, C, *) over every rank of ``group``; this
+    rank's count and sums are multiplied by ``keep`` (0: a stand-in, counted as no rows)."""
     dims = [0, *range(2, x.dim())]
     # the sums travel in float64: exact counts beyond 2**24 elements, no loss adding ranks' partial sums
-    count = torch.tensor([x.numel() // x.shape[1]], dtype=torch.float64, device=x.device)
-    summed = all_reduce(torch.cat([x.sum(dims).double(), count]), group=group)
+    count = torch.tensor([x.numel() // x.shape[1] * keep], dtype=torch.float64, device=x.device)
+    summed = all_reduce(torch.cat([x.sum(dims).double() * keep, count]), group=group)
     total = summed[-1:].detach()
     mean = (summed[:-1] / total).to(x.dtype)
     shape = [1, -1] + [1] * (x.dim() - 2)
-    centred = all_reduce(((x - mean.reshape(shape)) ** 2).sum(dims).double(), group=group)
+    centred = all_reduce(((x - mean.reshape(shape)) ** 2).sum(dims).double() * keep, group=group)
     return mean, (centred / total).to(x.dtype), total
 
 
@@ -82,6 +85,7 @@ class SyncedBatchNorm:
     ``_dp_group`` is the data-parallel process group the statistics are summed over."""
 
     _dp_group: Any = None
+    _stand_in_seen = False  # whether the last forward outside backward was a stand-in's (for recomputation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         bn: _BatchNorm = self  # type: ignore[assignment]
@@ -91,8 +95,10 @@ class SyncedBatchNorm:
         bn._check_input_dim(x)
         compute = torch.promote_types(x.dtype, torch.float32)
         xc = x.to(compute)
-        mean, var, total = _group_stats(xc, self._dp_group)
-        if bn.training and bn.track_running_stats and bn.running_mean is not None and not _in_backward():
+        if not in_backward():
+            self._stand_in_seen = stand_in_active()
+        mean, var, total = _group_stats(xc, self._dp_group, 0.0 if self._stand_in_seen else 1.0)
+        if bn.training and bn.track_running_stats and bn.running_mean is not None and not in_backward():
             self._update_running(mean.detach(), var.detach(), total)
         shape = [1, -1] + [1] * (x.dim() - 2)
         out = (xc - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + bn.eps)

@@ -21,10 +21,23 @@ def total_grad_norm(parameters: Iterable[torch.nn.Parameter], norm_type: float =
     norms = []
     for mesh, grads in groups.items():
         norm = torch.nn.utils.get_total_norm(grads, norm_type)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        norms.append(_reduced(norm) if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.zeros(())
-    return torch.nn.utils.get_total_norm([n.float() for n in norms], norm_type)
+    return torch.nn.utils.get_total_norm([n.float().to(norms[0].device) for n in norms], norm_type)
+
+
+def _reduced(norm: torch.Tensor) -> torch.Tensor:
+    """A DTensor norm reduced over its mesh. Gradients offloaded to the host (plan.offload=params) are CPU-local
+    DTensors on an accelerator mesh; their partial norm goes to the mesh's device first, where its collective
+    runs (NCCL does not take CPU tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    local = norm.to_local()
+    if local.device.type != norm.device_mesh.device_type:
+        norm = DTensor.from_local(local.to(norm.device_mesh.device_type), norm.device_mesh, norm.placements,
+                                  run_check=False)
+    return norm.full_tensor()
 
 
 def partitioned_grad_norm(parameters: Iterable[torch.nn.Parameter], parts: Sequence[Part],

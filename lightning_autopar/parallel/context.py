@@ -21,10 +21,18 @@ Where it happens (the user's code unchanged):
 Each rank's parameter gradients are then its tokens' part of the loss's gradient: FSDP reduces them over the
 data-parallel x cp ranks (``data_mesh``), summed over cp and averaged over dp (divide factor ``dp``).
 
+Real data (issue 18): a length ``2 * cp`` does not divide is zero-padded at its end before the split and the
+padding dropped from the gathered outputs, where the attention is causal by itself in every block (a meta run,
+``attention_calls``): no real token sees a later one, so none sees the padding. A padding mask given as the
+transformer's ``attention_mask`` is kept whole: each attention combines the position mask with the gathered
+padding columns (``MaskAgreement``), after checking that the mask the model built from its local part equals it
+on this rank's own keys.
+
 What cannot be right is refused (``check_cp``, ``self_check``): MoE layers (their balance loss is not linear in
-the tokens), a sequence not split in ``2 * cp`` equal chunks, attention given a mask (padding), an attention
-that is not ``scaled_dot_product_attention`` in every block, and any model whose cp forward differs from its
-plain forward on a short sequence (positions the runtime could not pass: RoPE from the sequence length).
+the tokens), a length ``2 * cp`` does not divide with attention not known to be causal, attention given a mask
+other than causal + padding (one the model builds; left padding, where a query sees no key), an attention that is
+not ``scaled_dot_product_attention`` in every block, and any model whose cp forward differs from its plain
+forward on a short sequence (positions the runtime could not pass: RoPE from the sequence length).
 """
 
 from __future__ import annotations
@@ -64,6 +72,11 @@ def local_positions(seq: int, cp: int, rank: int, device: Any = None) -> torch.T
 def gathered_positions(seq: int, cp: int, device: Any = None) -> torch.Tensor:
     """Global positions of a cp all-gather's result (the ranks' parts in rank order)."""
     return torch.cat([local_positions(seq, cp, r, device) for r in range(cp)])
+
+
+def padded_length(seq: int, cp: int) -> int:
+    """``seq`` rounded up to a multiple of ``2 * cp`` (the load-balanced chunks)."""
+    return -(-seq // (2 * cp)) * (2 * cp)
 
 
 @dataclass(frozen=True)
@@ -139,14 +152,18 @@ def cp_attention(original: Callable[..., torch.Tensor], cp: CPGroup, model: str,
     The mask is additive (0 / -inf) in the query's dtype, built once per (length, dtype, device) and shared by
     every layer and step: SDPA keeps the mask it is given for backward, so one tensor of
     ``seq / cp * seq`` elements is saved however many layers there are (the price of a mask-free kernel's
-    absence: the causal flag alone cannot say which of the gathered keys a query sees)."""
+    absence: the causal flag alone cannot say which of the gathered keys a query sees).
+
+    With a padding mask given to the transformer (``MaskAgreement.keys``), every call attends with the position
+    mask (causal where the model's attention is) AND the gathered padding columns; the mask the model built from
+    its local part of the padding mask must equal that on this rank's own keys (``MaskAgreement.verify``), else
+    every cp rank refuses together."""
     causal_masks: dict[tuple, torch.Tensor] = {}
 
     def causal_mask(seq: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (seq, dtype, device)
         if key not in causal_masks:
-            q_pos = local_positions(seq, cp.size, cp.rank, device)
-            allowed = q_pos[:, None] >= gathered_positions(seq, cp.size, device)[None, :]
+            allowed = masks.allowed(seq, device, True)
             causal_masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
                 ~allowed, float("-inf"))
         return causal_masks[key]
@@ -154,29 +171,56 @@ def cp_attention(original: Callable[..., torch.Tensor], cp: CPGroup, model: str,
     @functools.wraps(original)
     def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **kwargs: Any) -> Any:
-        if masks.any(attn_mask is not None, query.device):
-            raise ConfigError("plan.cp", f"{model}: the attention was given a mask (padding, or a mask the model "
-                              "builds), which a sequence split over ranks cannot apply", "use cp=1")
         if query.shape[-2] != key.shape[-2]:
             raise ConfigError("plan.cp", f"{model}: an attention whose queries and keys differ in length "
                               "(cross-attention, a KV cache) cannot be split over the sequence", "use cp=1")
+        seq = query.shape[-2] * cp.size
+        why = masks.verify(attn_mask, is_causal, seq)
+        if masks.any(why is not None, query.device):
+            raise ConfigError("plan.cp", f"{model}: {why or 'another cp rank refused its attention mask'}, which a "
+                              "sequence split over cp ranks cannot apply", "use cp=1")
+        if masks.keys is not None and kwargs.pop("enable_gqa", False):
+            # the model may repeat K/V itself where it passes a mask, not where it passes none (Hugging Face), and a
+            # padding mask can vanish from one rank's part: every rank gathers K/V at the query's head count
+            rep = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
         keys = _AllGather.apply(key, key.dim() - 2, cp, True)
         values = _AllGather.apply(value, value.dim() - 2, cp, True)
-        mask = causal_mask(query.shape[-2] * cp.size, query.dtype, query.device) if is_causal else None
+        if masks.keys is not None:
+            mask = masks.padded_mask(seq, query.dtype)
+        else:
+            mask = causal_mask(seq, query.dtype, query.device) if is_causal else None
         return original(query, keys, values, attn_mask=mask, dropout_p=dropout_p, is_causal=False, scale=scale,
                         **kwargs)
 
     return sdpa
 
 
+def _allowed(mask: torch.Tensor) -> torch.Tensor | None:
+    """A boolean / additive attention mask as "query may see key" (None: an additive mask with values other than
+    0 and -inf, a bias that cannot be rebuilt from positions and padding)."""
+    if mask.dtype == torch.bool:
+        return mask
+    allowed, blocked = mask == 0, mask <= torch.finfo(mask.dtype).min / 2
+    return allowed if bool((allowed | blocked).all()) else None
+
+
 @dataclass
 class MaskAgreement:
-    """Whether any cp rank's attention got a mask, agreed once per transformer forward (a one-element all-reduce):
-    a padding mask can vanish from one rank's part of the sequence (all ones there), and ranks that refused alone
-    would leave the others waiting in the K/V all-gather."""
+    """The attention masks of one transformer forward on this cp rank: the padding mask given to the transformer
+    (``keys``: which keys are real, [B, S] in the all-gather's order; None without one) and whether any cp rank's
+    attention got a mask it cannot apply, agreed once per forward (a one-element all-reduce: ranks that refused
+    alone would leave the others waiting in the K/V all-gather)."""
 
     cp: CPGroup
+    causal: bool = False  # the model's attention is causal by itself (a meta run: ``attention_calls``)
     agreed: bool | None = None  # None: not yet agreed in this forward
+    keys: torch.Tensor | None = None
+    built: dict[tuple, torch.Tensor] = field(default_factory=dict)  # this forward's masks (SDPA saves them)
+
+    def start(self, keys: torch.Tensor | None) -> None:
+        """A new transformer forward, with the padding mask's key columns (gathered order) or None."""
+        self.agreed, self.keys, self.built = None, keys, {}
 
     def any(self, mine: bool, device: torch.device) -> bool:
         import torch.distributed as dist
@@ -186,6 +230,51 @@ class MaskAgreement:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.cp.group)
             self.agreed = bool(flag.item())
         return self.agreed or mine
+
+    def allowed(self, seq: int, device: torch.device, causal: bool) -> torch.Tensor:
+        """[S/cp, S] "this rank's query sees the gathered key": by global position when ``causal``, else all."""
+        q_pos = local_positions(seq, self.cp.size, self.cp.rank, device)
+        k_pos = gathered_positions(seq, self.cp.size, device)
+        if not causal:
+            return torch.ones(q_pos.numel(), k_pos.numel(), dtype=torch.bool, device=device)
+        return q_pos[:, None] >= k_pos[None, :]
+
+    def padded_bool(self, seq: int, device: torch.device) -> torch.Tensor:
+        """[B, 1, S/cp, S]: the position mask and the padding mask's key columns."""
+        return self.allowed(seq, device, self.causal)[None, None] & self.keys[:, None, None, :].to(device)
+
+    def padded_mask(self, seq: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (seq, dtype)
+        if key not in self.built:
+            allowed = self.padded_bool(seq, self.keys.device)
+            self.built[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return self.built[key]
+
+    def verify(self, mask: torch.Tensor | None, is_causal: bool, seq: int) -> str | None:
+        """Why this call's (``mask``, ``is_causal``) is not what the wrapper applies (None: it is). Without a
+        padding mask: a mask at all. With one: the mask the model built from its local part of the sequence must
+        be the position mask and the padding columns on this rank's own keys (no mask: the call causal by itself
+        exactly when the model's attention was found to be), and every query must see some key (left padding
+        leaves early padded queries none, which one device handles its own way)."""
+        if mask is None and self.keys is None:
+            return None
+        if self.keys is None:
+            return "the attention was given a mask (one the model builds, not a padding mask the transformer got)"
+        full = self.padded_bool(seq, self.keys.device)
+        if not bool(full.any(-1).all()):
+            return "the attention was given a mask under which a query sees no key (left padding)"
+        if mask is None:
+            return None if is_causal == self.causal else "the attention's causal flag differs from its meta run"
+        allowed, local = _allowed(mask), seq // self.cp.size
+        want = full[..., self.cp.rank * local:(self.cp.rank + 1) * local].to(mask.device)
+        try:
+            shape = torch.broadcast_shapes(allowed.shape, want.shape) if allowed is not None else None
+        except RuntimeError:
+            shape = None
+        if is_causal or shape is None or not torch.equal(allowed.expand(shape), want.expand(shape)):
+            return "the attention mask is not the causal mask combined with the padding mask"
+        return None
 
 
 @dataclass
@@ -223,30 +312,42 @@ class ContextParallel:
     forward: Callable[..., Any]  # the transformer's forward: which inputs it takes
     enabled: bool = True
     positions: torch.Tensor | None = None  # this rank's global positions during a forward (position embeddings)
+    length: int = 0  # the real sequence length of this forward (before padding)
     after: bool = False  # the transformer's output was gathered: what runs now runs on every cp rank alike
     inputs: set[int] = field(default_factory=set)  # ids of the sharded inputs: never taken for positions
     handles: list[Any] = field(default_factory=list)  # the hooks installed (removable)
 
     def shard_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Shard every tensor with the sequence in dim 1; positions passed as ``position_ids`` or kept for the
-        position embeddings."""
+        """Shard every tensor with the sequence in dim 1 (padded at the end to a multiple of ``2 * cp`` first,
+        where the attention is causal: ``check_length``); positions passed as ``position_ids`` or kept for the
+        position embeddings; a padding mask given as the forward's ``attention_mask`` kept whole for the
+        attention (``MaskAgreement``)."""
         seq = sequence_of(args, kwargs)
         if seq is None:
             raise ConfigError("plan.cp", f"{self.model}: no sequence input (a tensor of 2+ dims) to split",
                               "use cp=1")
-        check_divisible(self.model, seq, self.cp.size)
+        check_length(self.model, seq, self.cp.size, self.masks.causal)
+        padded = padded_length(seq, self.cp.size)
+        given = _given(self.forward, "attention_mask", args, kwargs)
 
         def shard(x: Any) -> Any:
             if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == seq:
-                return shard_sequence(x, 1, self.cp)
+                return shard_sequence(_pad_sequence(x, padded), 1, self.cp)
             return x
 
+        keys = None
+        if isinstance(given, torch.Tensor) and given.dim() == 2 and given.shape[1] == seq:
+            order = gathered_positions(padded, self.cp.size, given.device)
+            keys = _pad_sequence(given, padded).bool().index_select(1, order)
         args, kwargs = tree_map(shard, args), tree_map(shard, kwargs)
-        self.masks.agreed = None
+        self.masks.start(keys)
         leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         self.inputs = {id(t) for t in leaves}
         device = leaves[0].device
-        self.positions = local_positions(seq, self.cp.size, self.cp.rank, device)
+        # padded tokens take the last real position (a position table sized to the real length fits): causal
+        # attention never shows them to a real token, whose mask is built from the padded order
+        self.positions = local_positions(padded, self.cp.size, self.cp.rank, device).clamp(max=seq - 1)
+        self.length = seq
         rows = leaves[0].shape[0]
         if _unset(self.forward, "position_ids", args, kwargs):
             kwargs = {**kwargs, "position_ids": self.positions[None].expand(rows, -1)}
@@ -258,11 +359,13 @@ class ContextParallel:
         return args, kwargs
 
     def gather_outputs(self, output: Any) -> Any:
+        """Sequence outputs gathered back into global order, the padding (if any) dropped: the real length."""
         seq_local = self.positions.numel()
 
         def gather(x: Any) -> Any:
             if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == seq_local:
-                return all_gather_sequence(x, 1, self.cp)
+                whole = all_gather_sequence(x, 1, self.cp)  # a view would not be a stage's own output
+                return whole if whole.shape[1] == self.length else whole[:, :self.length].contiguous()
             return x
 
         return tree_map(gather, output)
@@ -303,10 +406,42 @@ def sequence_of(args: tuple, kwargs: dict) -> int | None:
                  if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
 
 
-def check_divisible(model: str, seq: int, cp: int) -> None:
-    if seq % (2 * cp):
-        raise ConfigError("plan.cp", f"{model}: sequence length {seq} does not split into 2*cp = {2 * cp} equal "
-                          "chunks (the load-balanced layout)", f"use a sequence length divisible by {2 * cp}, or cp=1")
+def check_length(model: str, seq: int, cp: int, causal: bool) -> None:
+    """A ``seq``-long sequence splits into ``2 * cp`` equal chunks, or is padded at its end to do so: exact only
+    where the attention is causal (no real token sees the padding), known from a meta run (``attention_calls``)."""
+    if seq % (2 * cp) and not causal:
+        raise ConfigError("plan.cp", f"{model}: sequence length {seq} is not a multiple of 2*cp = {2 * cp}, and "
+                          "padding it is exact only for causal attention (this model's is not, or not known to be)",
+                          f"use a sequence length that is a multiple of {2 * cp}, or cp=1")
+
+
+def priced_length(transformer: nn.Module, name: str, seq: int, cp: int) -> int:
+    """The length a plan with a fixed ``cp`` runs ``transformer`` at (what the planner prices): ``seq`` padded to a
+    multiple of ``2 * cp`` where ``check_cp`` found its attention causal; one ConfigError (``check_length``) where
+    the length cannot be padded, before the planner's own divisibility check."""
+    if cp <= 1 or transformer not in CAUSAL:
+        return seq
+    check_length(name, seq, cp, CAUSAL[transformer])
+    return padded_length(seq, cp)
+
+
+def _pad_sequence(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x`` zero-padded at the end of dim 1 to ``length`` (unchanged when it has that length)."""
+    if x.shape[1] == length:
+        return x
+    return torch.cat([x, x.new_zeros((x.shape[0], length - x.shape[1], *x.shape[2:]))], 1)
+
+
+def _given(forward: Callable[..., Any], name: str, args: tuple, kwargs: dict) -> Any:
+    """The value this call passes for ``forward``'s input ``name`` (None when not passed or not taken)."""
+    try:
+        params = list(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    if name in kwargs:
+        return kwargs[name]
+    index = params.index(name) if name in params else len(args)
+    return args[index] if index < len(args) else None
 
 
 def _unset(forward: Callable[..., Any], name: str, args: tuple, kwargs: dict) -> bool:
@@ -325,7 +460,7 @@ def apply_context_parallel(transformer: nn.Module, blocks: list[nn.Module], cp_g
     import torch.distributed as dist
 
     cp = CPGroup(cp_group, dist.get_world_size(cp_group), dist.get_rank(cp_group))
-    masks = MaskAgreement(cp)
+    masks = MaskAgreement(cp, causal=CAUSAL.get(transformer, False))
     patch = _Patch(cp_attention(F.scaled_dot_product_attention, cp, model, masks))
     state = ContextParallel(cp, model, patch, masks, transformer.forward)
     _INSTALLED.add(state)
@@ -400,9 +535,10 @@ def replicated_modules(root: nn.Module, transformer: nn.Module, model: str) -> l
 
 def check_cp(analysis: ModelAnalysis, transformer: nn.Module, cp: int, compile: bool = False) -> None:
     """Raise one ConfigError ("plan.cp") when cp > 1 cannot be applied to this model: unit form, MoE layers,
-    a sequence length not split into ``2 * cp`` chunks, compile with it (compiled blocks would trace the
-    attention replaced at run time), or a block whose attention does not call ``scaled_dot_product_attention``
-    (a meta run on token ids). Sequence parallelism composes: it splits this rank's part further over tp."""
+    compile with it (compiled blocks would trace the attention replaced at run time), a block whose attention does
+    not call ``scaled_dot_product_attention`` (a meta run on token ids, which also records in ``CAUSAL`` whether
+    every call is causal by itself), or a sequence length ``2 * cp`` does not divide where that is not causal
+    (``check_length``). Sequence parallelism composes: it splits this rank's part further over tp."""
     from lightning_autopar.planner.space import context_compile_rule
     from lightning_autopar.profile.analyze import implements_forward
 
@@ -421,27 +557,60 @@ def check_cp(analysis: ModelAnalysis, transformer: nn.Module, cp: int, compile: 
         raise ConfigError("plan.cp", f"{name}: its embeddings and blocks are not one module whose forward runs "
                           f"({type(transformer).__name__}), so the sequence and its positions cannot be split there",
                           "use cp=1")
-    check_divisible(name, analysis.spec.seq_len, cp)
-    missing = _blocks_without_sdpa(transformer, [b.fqn for b in analysis.blocks], 2 * cp)
+    calls = attention_calls(transformer, [b.fqn for b in analysis.blocks], 2 * cp)
+    missing = [] if calls is None else [b.fqn for b in analysis.blocks if b.fqn not in calls]
     if missing:
         raise ConfigError("plan.cp", f"{name}: block '{missing[0]}' does not call scaled_dot_product_attention, "
                           "the attention cp splits", "use cp=1 (or the model's SDPA attention)")
+    CAUSAL[transformer] = causal_blocks(calls, [b.fqn for b in analysis.blocks])
+    check_length(name, analysis.spec.seq_len, cp, CAUSAL[transformer])
 
 
-def _blocks_without_sdpa(transformer: nn.Module, block_fqns: list[str], seq: int) -> list[str]:
-    """Blocks whose forward did not call ``F.scaled_dot_product_attention`` in a meta run on ``seq`` token ids."""
+# transformer -> its attention is causal by itself in every block (``check_cp``'s meta run; read where cp and sp
+# pad a sequence the split does not divide)
+CAUSAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def causal_blocks(calls: dict[str, list[bool]] | None, block_fqns: list[str]) -> bool:
+    """Every block of ``block_fqns`` calls SDPA, each call causal by itself (``calls``: ``attention_calls``)."""
+    return calls is not None and all(calls.get(f) and all(calls[f]) for f in block_fqns)
+
+
+def causal_call(args: tuple, kwargs: dict) -> bool:
+    """An SDPA call (``query, key, value, attn_mask, dropout_p, is_causal``) that is causal by itself: is_causal set
+    and no mask."""
+    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+    return bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False)) and mask is None
+
+
+@contextmanager
+def recording_attention(current: list[str], calls: dict[str, list[bool]]) -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` records, under the innermost path in ``current`` (a stack the caller's
+    hooks keep), whether each call is causal by itself (``causal_call``); restored after."""
+    original = F.scaled_dot_product_attention
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        if current:
+            calls.setdefault(current[-1], []).append(causal_call(args, kwargs))
+        return original(*args, **kwargs)
+
+    F.scaled_dot_product_attention = recording
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def attention_calls(transformer: nn.Module, block_fqns: list[str], seq: int) -> dict[str, list[bool]] | None:
+    """Per block, whether each ``F.scaled_dot_product_attention`` call of its forward is causal by itself, in a
+    meta run on ``seq`` token ids (blocks that call none are absent; None: the model does not run on meta
+    tensors, so the live check decides)."""
     from torch.func import functional_call
 
     from lightning_autopar.profile.analyze import meta_buffer
 
-    called: set[str] = set()
+    calls: dict[str, list[bool]] = {}
     current: list[str] = []
-    original = F.scaled_dot_product_attention
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        if current:
-            called.add(current[-1])
-        return original(*args, **kwargs)
 
     def enter(fqn: str) -> Callable[..., None]:
         return lambda module, args: current.append(fqn)
@@ -456,17 +625,15 @@ def _blocks_without_sdpa(transformer: nn.Module, block_fqns: list[str], seq: int
         handles.append(block.register_forward_hook(leave, always_call=True))
     state = {n: torch.empty_like(p, device="meta") for n, p in transformer.named_parameters()}
     state.update({n: meta_buffer(b) for n, b in transformer.named_buffers()})
-    F.scaled_dot_product_attention = counting
     try:
-        with torch.no_grad():
+        with torch.no_grad(), recording_attention(current, calls):
             functional_call(transformer, state, (torch.zeros((1, seq), dtype=torch.long, device="meta"),))
     except Exception:  # noqa: BLE001 -- a model that cannot run on meta tensors: the live check decides
-        return []
+        return None
     finally:
-        F.scaled_dot_product_attention = original
         for h in handles:
             h.remove()
-    return [f for f in block_fqns if f not in called]
+    return calls
 
 
 def self_check(transformer: nn.Module, state: ContextParallel, vocab: int, seq_len: int) -> None:

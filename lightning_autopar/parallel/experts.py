@@ -92,6 +92,7 @@ import torch
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.parallel.stand_in import in_backward, stand_in_active
 from lightning_autopar.profile.analyze import plain_moe_layout as plain_layout
 
 if TYPE_CHECKING:
@@ -214,15 +215,19 @@ class ExpertParallelForward:
         self.count_group = count_group
         self.capacity_factor = capacity_factor
         self.global_counts = count_group is not None and count_group.size() > 1 and _takes_reduce_counts(layer.module)
+        self.stand_in_seen = False  # the last forward outside backward was a stand-in's (parallel.stand_in)
 
     def _reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """The expert counts summed over the count group; a zero-weight stand-in's tokens count as none."""
         import torch.distributed as dist
 
-        counts = counts.detach().clone()
+        counts = counts.detach().clone() * (0 if self.stand_in_seen else 1)
         dist.all_reduce(counts, group=self.count_group)
         return counts
 
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not in_backward():  # a recomputed forward counts as its original did
+            self.stand_in_seen = stand_in_active()
         moe = self.layer.module
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
@@ -505,6 +510,7 @@ class RouterLogitsGather:
         self.group = group
         self.active = False
         self.warned = False
+        self.stand_in_seen = False
         names = list(inspect.signature(transformer.forward).parameters)
         self.mask_position = names.index("attention_mask") if "attention_mask" in names else None
         transformer.register_forward_pre_hook(self._before, with_kwargs=True)
@@ -536,7 +542,10 @@ class RouterLogitsGather:
             out = forward(*args, **kwargs)
             if not self.active:
                 return out
-            return (gather_rows(out[0], self.group), *out[1:])
+            if not in_backward():  # a recomputed forward gathers as its original did
+                self.stand_in_seen = stand_in_active()
+            rows = out[0][:0] if self.stand_in_seen else out[0]  # a stand-in's tokens route nothing
+            return (gather_rows(rows, self.group), *out[1:])
 
         router.forward = gathered
 

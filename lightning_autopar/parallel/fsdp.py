@@ -33,11 +33,15 @@ before its block so the block's unit leaves its parameters alone; its gradients 
 divided by the full ``dp`` (tokens from the whole EP group reached them through the all-to-all). Pipeline
 parallelism: one set of units per pipeline chunk (its blocks, then the chunk for its embeddings / norm / head),
 the chunk being what the pipeline schedule drives.
+
+Offload (``plan.offload=params``): every ``fully_shard`` above gets ``offload_policy`` (FSDP2's
+``CPUOffloadPolicy``, ``parallel.offload.fsdp_offload_policy``): the shards, their gradients and the optimizer
+step on the host.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from torch import nn
 
@@ -68,16 +72,16 @@ def _expert_placement(shard_size: int):
 
 
 def shard_experts(experts: Iterable[nn.Module], edp_mesh: DeviceMesh, zero: int, dp: int,
-                  precision: str = "fp32") -> None:
+                  precision: str = "fp32", offload_policy: Any = None) -> None:
     """One FSDP unit per local expert (fused layout: per experts module) on the expert-data-parallel mesh,
-    gradients divided by ``dp``."""
+    gradients divided by ``dp``; ``offload_policy``: FSDP2's (None: its default, no offload)."""
     from torch.distributed.fsdp import fully_shard
 
     policy = mixed_precision_policy(precision)
     place = _expert_placement(edp_mesh.mesh.shape[-1])
     for expert in experts:
         fully_shard(expert, mesh=edp_mesh, reshard_after_forward=zero == 3, mp_policy=policy,
-                    shard_placement_fn=place)
+                    shard_placement_fn=place, **_offload(offload_policy))
         expert.set_gradient_divide_factor(float(dp))
         if edp_mesh.mesh.shape[-1] > 1:
             # a real reduce-scatter: plain SUM, then divide (gloo has no PREMUL_SUM). With a shard group of
@@ -101,10 +105,16 @@ def keep_hf_output_recording(modules: Iterable[nn.Module]) -> None:
             registry[module] = recordable
 
 
+def _offload(offload_policy: Any) -> dict[str, Any]:
+    """``fully_shard``'s offload keyword: none for None (FSDP2's default policy)."""
+    return {} if offload_policy is None else {"offload_policy": offload_policy}
+
+
 def _shard_units(units: list[nn.Module], n_blocks: int, dp_mesh: DeviceMesh, zero: int, precision: str,
-                 divide: int | None = None) -> None:
+                 divide: int | None = None, offload_policy: Any = None) -> None:
     """``fully_shard`` each unit; ``divide``: gradients summed over the mesh, then divided by it (not the mesh
-    size) -- context parallelism's dp x cp mesh, summed over cp, averaged over dp."""
+    size) -- context parallelism's dp x cp mesh, summed over cp, averaged over dp. ``offload_policy``: see
+    ``shard_experts``."""
     from torch.distributed.fsdp import fully_shard
 
     from lightning_autopar.parallel.tensor import fsdp_placement
@@ -114,7 +124,8 @@ def _shard_units(units: list[nn.Module], n_blocks: int, dp_mesh: DeviceMesh, zer
     for i, unit in enumerate(units):
         # the last block is gathered again right away by backward: keeping it saves one all-gather
         reshard = zero == 3 and i < n_blocks - 1
-        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=place)
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=place,
+                    **_offload(offload_policy))
         if divide is not None:
             unit.set_gradient_divide_factor(float(divide))
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM then divide (gloo has no PREMUL_SUM)
@@ -122,13 +133,14 @@ def _shard_units(units: list[nn.Module], n_blocks: int, dp_mesh: DeviceMesh, zer
 
 
 def apply_data_parallel(root: nn.Module, units: UnitChoice, dp_mesh: DeviceMesh, zero: int,
-                        precision: str = "fp32", divide: int | None = None) -> list[nn.Module]:
+                        precision: str = "fp32", divide: int | None = None,
+                        offload_policy: Any = None) -> list[nn.Module]:
     """``fully_shard`` the chosen units of ``root``, blocks first; returns the units owning what the blocks leave
     plus any FSDP module outside them (the roots: what the strategy toggles gradient sync on, recursively, for
-    accumulation). Experts sharded by ``shard_experts`` before this call keep their own units. ``divide``: see
-    ``_shard_units``."""
+    accumulation). Experts sharded by ``shard_experts`` before this call keep their own units. ``divide``,
+    ``offload_policy``: see ``_shard_units``."""
     modules = units.modules(root)
-    _shard_units(modules, len(units.blocks), dp_mesh, zero, precision, divide)
+    _shard_units(modules, len(units.blocks), dp_mesh, zero, precision, divide, offload_policy)
     rest = modules[len(units.blocks):]
     inside = {id(m) for unit in rest for m in unit.modules()}
     return rest + [m for m in synced_modules(root) if id(m) not in inside]
@@ -151,13 +163,14 @@ def apply_replicate(root: nn.Module, units: UnitChoice, dp_group: ProcessGroup,
 
 
 def apply_data_parallel_chunks(chunks: Iterable[nn.Module], dp_mesh: DeviceMesh, zero: int,
-                               precision: str = "fp32", divide: int | None = None) -> list[nn.Module]:
+                               precision: str = "fp32", divide: int | None = None,
+                               offload_policy: Any = None) -> list[nn.Module]:
     """Pipeline parallelism: ``fully_shard`` each chunk's blocks, then the chunk (``parallel.pipeline``);
-    returns the chunks. ``divide``: see ``_shard_units``."""
+    returns the chunks. ``divide``, ``offload_policy``: see ``_shard_units``."""
     chunks = list(chunks)
     for chunk in chunks:
         blocks = list(chunk.blocks)
-        _shard_units(blocks + [chunk], len(blocks), dp_mesh, zero, precision, divide)
+        _shard_units(blocks + [chunk], len(blocks), dp_mesh, zero, precision, divide, offload_policy)
     return chunks
 
 

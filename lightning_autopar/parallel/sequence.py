@@ -21,7 +21,9 @@ states), so the activations of norms, residual adds and dropout are divided by t
   place (FSDP unshards in the block's pre-hook); a recompute re-runs the hooks with the forward.
 
 The stack's output is gathered, so the final norm, the head and the loss run on the whole sequence (a loss over the
-sharded sequence is not done). ``check_sp`` decides from what the code does whether a block allows this: a meta
+sharded sequence is not done). A length tp does not divide is zero-padded at its end where a run scatters and the
+padding dropped where it gathers, when that is exact (``check_length``, decided in ``check_sp``: attention causal
+by itself in every block, no MoE router to see the padding, no other block input spanning the sequence). ``check_sp`` decides from what the code does whether a block allows this: a meta
 dry run of a block with these hooks simulated shape-wise must give the block's output [B, S/tp, H] -- a BERT-style
 post-norm module adding the residual inside (its output module takes the attention's input) fails it.
 """
@@ -29,11 +31,13 @@ post-norm module adding the residual inside (its output module takes the attenti
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.parallel.tensor import _CopyToTP, GatherSeq, SeqComm, SplitSeq, _join, row_output_sp
@@ -41,16 +45,21 @@ from lightning_autopar.profile.analyze import BlockInfo, ModelAnalysis
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_autopar.specs import Plan
     from torch.utils.hooks import RemovableHandle
 
 
 @dataclass
 class _SeqState:
-    """Shared by one model's SP hooks: ``local`` is this rank's sequence length, set where a run scatters."""
+    """Shared by one model's SP hooks: ``local`` is this rank's sequence length and ``length`` the real one, set
+    where a run scatters; ``unpaddable`` why a length tp does not divide cannot be padded ('' where it can)."""
 
     comm: SeqComm
     hidden: int
+    unpaddable: str = "the model was not checked"
     local: int = 0
+    length: int = 0
 
 
 def _is_hidden(t: Any, state: _SeqState, length: int | None) -> bool:
@@ -74,21 +83,60 @@ def _map_call(args: tuple, kwargs: dict, fn: Callable, test: Callable[[Any], boo
 
 
 def _scatter_hook(state: _SeqState, where: str) -> Callable:
-    """First block of a run: its whole-sequence hidden-state input -> this rank's chunk. The chunk is tagged, so the
-    re-run of a recomputed block (called again with its chunked input) leaves it alone."""
+    """First block of a run: its whole-sequence hidden-state input -> this rank's chunk, zero-padded at the end to
+    a multiple of tp first where that is exact (``check_length``). The chunk is tagged, so the re-run of a
+    recomputed block (called again with its chunked input) leaves it alone."""
 
     def split(t: torch.Tensor) -> torch.Tensor:
         seq, tp = t.shape[1], state.comm.tp
+        state.length, state.local = seq, -(-seq // tp)
         if seq % tp:
-            raise ConfigError("plan.sp", f"{where}: sequence length {seq} is not divisible by tp={tp}",
-                              "use sp=false, or a sequence length divisible by tp")
-        state.local = seq // tp
+            t = torch.cat([t, t.new_zeros((t.shape[0], state.local * tp - seq, t.shape[2]))], 1)
         out = SplitSeq.apply(t, state.comm, False)
         out._autopar_sp_local = True
         return out
 
     test = (lambda t: _is_hidden(t, state, None) and not getattr(t, "_autopar_sp_local", False))
-    return lambda module, args, kwargs: _map_call(args, kwargs, split, test)
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden = next((t for t in tree_flatten((args, kwargs))[0] if test(t)), None)
+        if hidden is not None and hidden.shape[1] % state.comm.tp:
+            check_length(where, hidden.shape[1], state.comm.tp, state.unpaddable or _spanning(args, kwargs, hidden))
+        return _map_call(args, kwargs, split, test)
+
+    return hook
+
+
+def _spanning(args: tuple, kwargs: dict, hidden: torch.Tensor) -> str:
+    """Why padding ``hidden`` alone would not do: another block input spans its sequence ('' when none does)."""
+    seq = hidden.shape[1]
+    other = next((t for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t is not hidden and seq in t.shape[1:]), None)
+    if other is None:
+        return ""
+    return (f"the blocks also take a sequence-long input of shape {tuple(other.shape)} (rotary tables, a mask) "
+            "that the padding would not reach")
+
+
+def padding_note(plan: Plan, seq: int) -> str:
+    """The set-up line saying ``plan`` pads a ``seq``-long sequence at its split ('' when it does not)."""
+    splits = ([f"tp={plan.tp} (sp)"] if plan.sp and plan.tp > 1 and seq % plan.tp else []) + \
+        ([f"2*cp={2 * plan.cp}"] if plan.cp > 1 and seq % (2 * plan.cp) else [])
+    if not splits:
+        return ""
+    return (f"autopar: sequence length {seq} is padded at the end to a multiple of {' and '.join(splits)} where "
+            "it is split; the attention is causal, so no real token sees the padding, dropped where the sequence "
+            "is gathered back")
+
+
+def check_length(where: str, seq: int, tp: int, unpaddable: str) -> None:
+    """A ``seq``-long sequence splits over ``tp`` ranks, or is padded at its end to do so: exact for causal
+    attention, no real token seeing the padding, which is dropped where the sequence is gathered back.
+    ``unpaddable``: why padding is not exact for this model ('' where it is)."""
+    if seq % tp and unpaddable:
+        raise ConfigError("plan.sp", f"{where}: sequence length {seq} is not a multiple of tp={tp}, and padding it "
+                          f"is not exact ({unpaddable})", f"use a sequence length that is a multiple of {tp}, or "
+                          "sp=false")
 
 
 def _gather_hook(state: _SeqState, summed_grad: bool) -> Callable:
@@ -99,8 +147,13 @@ def _gather_hook(state: _SeqState, summed_grad: bool) -> Callable:
 
 
 def _gather_output_hook(state: _SeqState) -> Callable:
-    """Last block of a run: its output gathered to the whole sequence (backward: this rank's chunk)."""
-    gather = (lambda t: GatherSeq.apply(t, state.comm, False))
+    """Last block of a run: its output gathered to the whole sequence, the padding dropped (backward: this rank's
+    chunk)."""
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        whole = GatherSeq.apply(t, state.comm, False)
+        return whole if whole.shape[1] == state.length else whole[:, :state.length].contiguous()
+
     return lambda module, args, output: _map_hidden(output, gather, lambda t: _is_hidden(t, state, state.local))
 
 
@@ -176,11 +229,12 @@ def block_runs(transformer: nn.Module, analysis: ModelAnalysis,
 
 
 def install(transformer: nn.Module, analysis: ModelAnalysis, comm: SeqComm, runs: list[list[str]],
-            gather_runs: bool = True) -> list[RemovableHandle]:
+            gather_runs: bool = True, unpaddable: str = "the model was not checked") -> list[RemovableHandle]:
     """Add the SP hooks (module doc) to the blocks of ``analysis`` in ``transformer``; ``runs``: the block paths of
-    each contiguous run (``block_runs``); ``gather_runs`` False leaves the runs' outputs split (the dry run).
-    Returns the hooks' handles."""
-    state = _SeqState(comm, analysis.spec.hidden)
+    each contiguous run (``block_runs``); ``gather_runs`` False leaves the runs' outputs split (the dry run);
+    ``unpaddable``: why a length tp does not divide cannot be padded ('' where it can: ``check_sp``). Returns the
+    hooks' handles."""
+    state = _SeqState(comm, analysis.spec.hidden, unpaddable)
     handles = []
     for run in runs:
         first, last = transformer.get_submodule(run[0]), transformer.get_submodule(run[-1])
@@ -228,7 +282,8 @@ def apply_sequence_parallel(transformer: nn.Module, analysis: ModelAnalysis, tp_
     modules), after ``tensor.apply_tensor_parallel`` with ``sp=True`` laid out their projections."""
     if tp_mesh.size() > 1:
         comm = SeqComm(tp_mesh.get_group(), tp_mesh.size(), tp_mesh.get_local_rank())
-        install(transformer, analysis, comm, block_runs(transformer, analysis, chunks))
+        install(transformer, analysis, comm, block_runs(transformer, analysis, chunks),
+                unpaddable=UNPADDABLE.get(transformer, "the model was not checked"))
 
 
 # ------------------------------------------------------------------------------------------- check
@@ -280,9 +335,10 @@ def _block_call(transformer: nn.Module, analysis: ModelAnalysis, block: nn.Modul
 
 
 def _dry_run(transformer: nn.Module, analysis: ModelAnalysis, info: BlockInfo, tp: int,
-            runner: nn.Module | None = None) -> None:
+            runner: nn.Module | None = None) -> tuple[tuple, dict]:
     """Run block ``info`` alone on meta tensors with the SP hooks simulated (gather = concatenation, split = chunk,
-    row projections' reduce-scatter = chunk): it must run and give hidden states [1, S/tp, H]."""
+    row projections' reduce-scatter = chunk): it must run and give hidden states [1, S/tp, H]. Returns the block's
+    (args, kwargs) in the model's forward on S = 4 tp tokens."""
     from torch.func import functional_call
 
     seq = 4 * tp  # S/tp > 1: a residual added across the split cannot broadcast
@@ -314,13 +370,16 @@ def _dry_run(transformer: nn.Module, analysis: ModelAnalysis, info: BlockInfo, t
     if not isinstance(first, torch.Tensor) or tuple(first.shape) != want:
         raise ConfigError("plan.sp", f"{info.fqn}: with the sequence split over TP the block gives "
                           f"{getattr(first, 'shape', None)} instead of {want}", "use sp=false")
+    return call
 
 
 def check_sp(analysis: ModelAnalysis, transformer: nn.Module, tp: int = 2, runner: nn.Module | None = None) -> None:
     """Raise one ConfigError ("plan.sp") when sequence parallelism cannot apply to this model: every block's
     attention and MLP/MoE must be distinct proper submodules, and the first dense block (the dry run needs no
     data-dependent routing; the MoE module itself sees the whole sequence) must run with the sequence split
-    (``_dry_run``). tp=2 is the smallest split: what refuses it refuses every tp > 1."""
+    (``_dry_run``). tp=2 is the smallest split: what refuses it refuses every tp > 1. Also records whether a
+    length tp does not divide can be padded (``UNPADDABLE``) and checks the model's length (the first batch's,
+    ``spec.seq_len``) against it."""
     if tp == 1:
         return
     if analysis.spec.unit_form:
@@ -328,5 +387,28 @@ def check_sp(analysis: ModelAnalysis, transformer: nn.Module, tp: int = 2, runne
     for info in analysis.blocks:
         _check_structure(info)
     dense = next((b for b in analysis.blocks if b.moe is None), None)
-    if dense is not None:
-        _dry_run(transformer, analysis, dense, tp, runner)
+    call = _dry_run(transformer, analysis, dense, tp, runner) if dense is not None else None
+    UNPADDABLE[transformer] = _unpaddable(analysis, transformer, call, 4 * tp)
+    check_length(analysis.spec.name, analysis.spec.seq_len, tp, UNPADDABLE[transformer])
+
+
+# transformer -> why a sequence length tp does not divide cannot be padded under SP ('' where it can: ``check_sp``)
+UNPADDABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _unpaddable(analysis: ModelAnalysis, transformer: nn.Module, call: tuple[tuple, dict] | None, seq: int) -> str:
+    """Why zero-padding the hidden states at the end of the sequence would change a real token's result ('' when
+    it would not): MoE layers (the router would see the padding: its balance loss changes), attention not causal
+    by itself in every block (``context.attention_calls``, a meta run on token ids: is_causal set, no mask), or
+    block inputs besides the hidden states that span the sequence (``call``: a block's inputs on ``seq`` tokens)."""
+    from lightning_autopar.parallel.context import attention_calls, causal_blocks
+
+    if call is None or any(b.moe is not None for b in analysis.blocks):
+        return "MoE layers would route the padded tokens"
+    fqns = [b.fqn for b in analysis.blocks]
+    if not causal_blocks(attention_calls(transformer, fqns, seq), fqns):
+        return "the attention is not causal, or not known to be: a meta run did not see SDPA with is_causal=True " \
+               "and no mask in every block"
+    state = _SeqState(SeqComm(None, 1), analysis.spec.hidden)
+    hidden = next((t for t in tree_flatten(call)[0] if _is_hidden(t, state, seq)), None)
+    return "the blocks' hidden-state input was not found" if hidden is None else _spanning(*call, hidden)

@@ -80,9 +80,14 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"report written to {path}")
     if not report.best.feasible:
-        best = report.best
+        from lightning_autopar.planner.search import relax_hints, smallest_line
+        from lightning_autopar.specs import parse_fix
+
+        best = report.smallest or report.best
+        relax = relax_hints(model, cluster, best.plan, args.memory_fraction, parse_fix(args.fix),
+                            host_short="host memory" in best.reason)
         raise InfeasibleError(
             f"the fixed plan does not fit: the smallest memory any plan with {args.fix} needs is "
-            f"{best.memory_gib_per_device:.2f} GiB per device (capacity {cluster.device.memory_gib:g} GiB x fraction "
-            f"{args.memory_fraction:g}); relax: unpin fields, recompute=full, a higher zero stage, or more devices")
+            f"{smallest_line(best.plan, best.memory_gib_per_device, best.host_gib_per_device)} (capacity "
+            f"{cluster.device.memory_gib:g} GiB x fraction {args.memory_fraction:g}); relax: {', '.join(relax)}")
     return 0

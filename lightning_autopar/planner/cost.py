@@ -38,6 +38,7 @@ FP8 = 3  # precision index of fp8-mixed: its GEMMs run at the device's fp8 rate 
 BASE_PREC = np.array([0, 1, 2, 1])  # the precision everything but the GEMMs runs in (fp8-mixed: bf16)
 FP8_CAST_BYTES = 4.0  # per element quantised for an fp8 GEMM: read bf16 2 B, write fp8 1 B twice (x and x^T)
 UNIT_BWD = 2.0  # backward / forward of a unit: dX and dW each cost a forward's FLOPs; norm/activation grads ~2x traffic
+OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS = 1, 2  # specs.OFFLOAD_MODES codes (0: none)
 
 
 def prec_index(precision: str) -> int:
@@ -76,6 +77,8 @@ class Hardware:
     fused_ew: bool = False  # the stack fuses the blocks' element-wise ops (DeviceSpec.fused_elementwise)
     rs_factor: float = 1.0  # reduce-scatter time / all-gather time (LinkSpec.reduce_scatter_factor, inner level)
     compile_fuses: bool = False  # torch.compile fuses element-wise ops on this device (DeviceSpec.compile_fuses)
+    host_link: float = 0.0  # device <-> host copy bandwidth, B/s one direction (0: no separate host; offload saves nothing)
+    host_bw: float = 0.0  # host DRAM bandwidth per device, B/s (the host optimizer step; 0: the device's own mem_bw)
 
     @staticmethod
     def from_cluster(cluster: ClusterSpec) -> "Hardware":
@@ -112,6 +115,8 @@ class Hardware:
             fused_ew=bool(dev.fused_elementwise),
             rs_factor=max(inner.reduce_scatter_factor, 0.0) or 1.0,
             compile_fuses=bool(dev.compile_fuses),
+            host_link=max(dev.host_link_gbs, 0.0) * 1e9,
+            host_bw=max(dev.host_memory_bandwidth_gbs, 0.0) * 1e9,
         )
 
 
@@ -528,10 +533,64 @@ def head_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, 
     return hf + ce_f + norm_f, hb + ce_b + norm_b
 
 
+def optimizer_bytes(local_params: Any, prec: Any) -> Any:
+    """Adam r p,g,m,v w p,m,v (fp32) [+ half copy, fp16 unscale] + grad-norm read, clip scale (12 B) per local param (torch foreach)."""
+    return local_params * (4 * 7 + np.where(prec == 0, 4.0, 2.0 + 2.0) + np.where(prec == 2, 4.0, 0.0) + 12.0)
+
+
 def optimizer_time(hw: Hardware, local_params: Any, prec: Any) -> Any:
-    """Adam r p,g,m,v w p,m,v (fp32) [+ half copy, fp16 unscale] + grad-norm read, clip scale (12 B) per local param / BW (torch foreach)."""
-    nbytes = local_params * (4 * 7 + np.where(prec == 0, 4.0, 2.0 + 2.0) + np.where(prec == 2, 4.0, 0.0) + 12.0)
-    return stream_time(hw, nbytes, 6)
+    """optimizer_bytes / BW + 6 launches: the optimizer step on the device (memory-bound; torch foreach AdamW)."""
+    return stream_time(hw, optimizer_bytes(local_params, prec), 6)
+
+
+def host_optimizer_step_time(hw: Hardware, local_params: Any, prec: Any) -> Any:
+    """optimizer_bytes / host DRAM bandwidth: with plan.offload the step runs on the host over the rank's shard
+    (ZeRO-Offload's CPU Adam, Ren et al. 2021 s.4.2; FSDP2 CPUOffloadPolicy: the optimizer steps the CPU shards),
+    the same bytes read and written per parameter as on the device (fp32 AdamW p, g, m, v), streamed at
+    DeviceSpec.host_memory_bandwidth_gbs (the host's DRAM share per device; memory-bound, vectorised). The device's
+    optimizer_time goes away; the same six foreach calls cost their fixed time on the host threads. No separate host
+    (host_bw 0, a CPU cluster): the device is the host, optimizer_time."""
+    if not hw.host_bw:
+        return optimizer_time(hw, local_params, prec)
+    return optimizer_bytes(local_params, prec) / hw.host_bw + 6 * hw.overhead_s
+
+
+def offloaded_state_bytes(weights: Any, grads: Any, optim: Any, shard_copy: Any, zero: Any,
+                          offload: Any) -> tuple[Any, Any, Any]:
+    """(weights, gradients, optimizer) bytes of this rank's model states that plan.offload keeps on the host, from
+    the device-side parts (model_state_parts at zero >= 1, where gradients and optimizer states are sharded):
+    optimizer -> o*P/N, the Adam states and the fp32 master copy (OPTIM_BYTES; ZeRO-Offload, Ren et al. 2021 s.4);
+    params -> also the gradient shard g*P/N and the parameter shard w*P/N: zero 3's sharded parameters, zero 1/2's
+    shard beside the gathered parameters (fsdp_shard_copy_bytes, ``shard_copy``) (FSDP2 CPUOffloadPolicy: sharded
+    parameters and gradients live on the host; torch.distributed.fsdp._fully_shard._fsdp_param). The device keeps
+    what fsdp_buffer_bytes prices (the gathered parameters of the units in flight -- FSDP2 copies a unit's shard
+    host->device before its all-gather -- and the unit's unsharded gradient before its reduce-scatter) and, at zero
+    1/2, the gathered parameters it holds through the step."""
+    off = np.asarray(offload)
+    params = off == OFFLOAD_PARAMS
+    w = np.where(params, np.where(np.asarray(zero) == 3, weights, shard_copy), 0.0)
+    return w, np.where(params, grads, 0.0), np.where(off > 0, optim, 0.0)
+
+
+def offload_copy_time(hw: Hardware, local_params: Any, prec: Any, offload: Any) -> tuple[Any, Any, Any]:
+    """(per all-gather, per gradient reduction, per step) seconds of host-link copies for plan.offload, P/N = the
+    rank's shard (``local_params``), at DeviceSpec.host_link_gbs (PCIe, one direction; the two directions overlap):
+    params: w*P/N host->device per all-gather (FSDP2 copies each unit's CPU shard in as the all-gather's copy-in,
+    on the all-gather stream, so it is prefetched with the gather and hidden behind the previous unit's compute as
+    the gather is: the caller adds it to the gather term) -- forward, and backward again under zero 3;
+    optimizer and params: the reduced gradient shard 4*P/N (fp32, FSDP2's reduce dtype) device->host after each
+    gradient reduction (FSDP2's post-reduce copy on the reduce-scatter stream: added to the reduction term,
+    overlapped with the backward as the reduction is); optimizer: the updated parameter shard w*P/N host->device
+    once per step, after the host step and before the next forward, exposed (ZeRO-Offload, Ren et al. 2021 s.4.1).
+    No separate host (host_link 0): nothing is copied."""
+    off = np.asarray(offload)
+    if not hw.host_link:
+        zero = 0.0 * off
+        return zero, zero, zero
+    shard = local_params * WEIGHT_BYTES[prec] / hw.host_link
+    gather = np.where(off == OFFLOAD_PARAMS, shard, 0.0)
+    reduce = np.where(off > 0, local_params * GRAD_REDUCE_BYTES[prec] / hw.host_link, 0.0)
+    return gather, reduce, np.where(off == OFFLOAD_OPTIMIZER, shard, 0.0)
 
 
 def grad_accumulate_time(hw: Hardware, local_params: Any, prec: Any) -> Any:

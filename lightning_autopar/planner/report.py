@@ -13,6 +13,8 @@ from lightning_autopar.specs import ClusterSpec, ModelSpec, Plan, PricedPlan, Ru
 TERMS = (("compute_s", "compute"), ("recompute_s", "recompute"), ("comm_exposed_s", "exposed comm"),
          ("bubble_s", "pipeline bubble"), ("runtime_s", "runtime fixed costs"))
 LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep")
+# the memory panel's stacked terms (search._memory_terms, PricedPlan.memory_breakdown), bottom to top
+MEMORY_TERMS = ("parameters", "gradients", "optimizer", "activations", "buffers", "reserved")
 
 
 @dataclass
@@ -34,6 +36,8 @@ class PlanReport:
     excluded: dict[str, str] = field(default_factory=dict)
     profile: RuntimeProfile | None = None  # what the live strategy measured at set-up (profile/runtime.py)
     trials: list[TrialResult] = field(default_factory=list)  # plans run at set-up (trials=K), predicted vs measured
+    # the plan needing the least device memory of the whole space searched (recompute, offload included), priced
+    smallest: PricedPlan | None = None
 
     def to_json_dict(self) -> dict[str, Any]:
         """The contract JSON: best, candidates, evaluated, feasible, search_seconds."""
@@ -115,8 +119,41 @@ class PlanReport:
                 table.add_row(plan, f"{t.predicted_s:.4g}", f"{t.measured_s:.4g}" if not t.error else t.error, ratio)
             console.print(table)
 
+    def memory_bars(self) -> dict[str, dict[str, float]]:
+        """The memory panel's bars, GiB per device by term (MEMORY_TERMS, then "host": offloaded states, drawn as
+        a separate hatched bar): the winner ("#1 (winner)") and the smallest-memory plan ("smallest"), the
+        latter only when it is another plan."""
+        bars: dict[str, dict[str, float]] = {}
+        plans = [("#1 (winner)", self.best)]
+        if self.smallest is not None and self.smallest.plan != self.best.plan:
+            plans.append(("smallest", self.smallest))
+        for label, p in plans:
+            terms = {name: float(p.memory_breakdown.get(name, 0.0)) for name in MEMORY_TERMS}
+            terms["host"] = float(p.host_gib_per_device)
+            bars[label] = terms
+        return bars
+
+    def _draw_memory_terms(self, ax: Any) -> None:
+        """Stacked memory terms of the winner and of the smallest plan, the host bytes as a hatched bar beside."""
+        bars = self.memory_bars()
+        x = list(range(len(bars)))
+        bottom = [0.0] * len(bars)
+        for name in MEMORY_TERMS:
+            vals = [b[name] for b in bars.values()]
+            ax.bar([i - 0.2 for i in x], vals, width=0.4, bottom=bottom, label=name)
+            bottom = [a + v for a, v in zip(bottom, vals)]
+        ax.bar([i + 0.2 for i in x], [b["host"] for b in bars.values()], width=0.4, color="white",
+               edgecolor="tab:gray", hatch="//", label="host (offload)")
+        ax.set_xticks(x, list(bars))
+        ax.axhline(self.cluster.device.memory_gib * self.memory_fraction, color="k", linestyle="--",
+                   label="device limit")
+        ax.set_ylabel("GiB per device")
+        ax.set_title("memory by term")
+        ax.legend(fontsize=7)
+
     def save_png(self, path: str | os.PathLike) -> Path:
-        """Stacked time terms per candidate and memory per device against capacity; written atomically."""
+        """Stacked time terms per candidate, memory per device against capacity, and the memory breakdown of the
+        winner and of the smallest-memory plan (memory_bars); written atomically."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -124,7 +161,7 @@ class PlanReport:
 
         path = Path(path)
         names = [f"#{i}" for i in range(1, len(self.candidates) + 1)]
-        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(names) + 4), 4.5))
+        fig, (ax_t, ax_m, ax_b) = plt.subplots(1, 3, figsize=(max(12, 1.1 * len(names) + 8), 4.5))
         bottom = [0.0] * len(names)
         for attr, label in TERMS:
             vals = [getattr(p.breakdown, attr) for p in self.candidates]
@@ -141,6 +178,7 @@ class PlanReport:
         ax_m.set_ylabel("GiB per device")
         ax_m.set_title("memory per device")
         ax_m.legend(fontsize=8)
+        self._draw_memory_terms(ax_b)
         fig.suptitle(f"{self.model.name} on {self.cluster.name}: best {self.best.plan.short()}", fontsize=9)
         fig.tight_layout()
         from lightning_autopar.files import atomic_file
@@ -180,9 +218,11 @@ def describe_cluster(cluster: ClusterSpec) -> list[str]:
 
 
 def memory_line(p: PricedPlan) -> str:
-    """The predicted memory per device by term (PricedPlan.memory_breakdown), GiB: "parameters 1.2, ... = 9.8"."""
+    """The predicted memory per device by term (PricedPlan.memory_breakdown), GiB: "parameters 1.2, ... = 9.8",
+    and the offloaded states' host GiB where there are any."""
     terms = ", ".join(f"{name} {gib:.3g}" for name, gib in p.memory_breakdown.items())
-    return f"{terms} = {p.memory_gib_per_device:.3g} GiB"
+    host = f"; host {p.host_gib_per_device:.3g} GiB (offload={p.plan.offload})" if p.host_gib_per_device else ""
+    return f"{terms} = {p.memory_gib_per_device:.3g} GiB{host}"
 
 
 def _dominant(p: PricedPlan) -> str:

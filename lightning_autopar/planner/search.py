@@ -403,7 +403,7 @@ def _transformer_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int,
         # the last unit's reduction have no compute to hide behind
         edge = he * p_emb + hh * p_head
         tail = np.minimum(1.0, np.where(edge > 0, edge, unit) / np.maximum(p_d + p_e, 1.0))
-        _dp_rank_terms(hw, dpc, zero, prec_d, dp_d, cp_d, tp_d, ep_d, ds, p_d, p_e, unit, tail, pp_d)
+        _dp_rank_terms(hw, dpc, zero, prec_d, dp_d, cp_d, tp_d, ep_d, ds, p_d, p_e, unit, tail, pp_d, D["offload"])
     return mid, dpc
 
 
@@ -473,7 +473,7 @@ def _unit_terms(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measur
         unit = (w * u.params).max(axis=1)  # the largest FSDP unit: zero-3 gather buffers
         tail = np.minimum(1.0, rows_d[:, r, 2] / np.maximum(p_d, 1.0))
         _dp_rank_terms(hw, dpc, D["zero"], D["precision"], dp_d, cp_d, tp_d, ep_d, ds, p_d, 0.0 * p_d, unit, tail,
-                       f(Lt["pp"][dl]))
+                       f(Lt["pp"][dl]), D["offload"])
     return mid, dpc
 
 
@@ -495,7 +495,7 @@ def _apply_measured_units(meas: Measured, model: ModelSpec, u: C.UnitArrays, hw:
     return uf, ub, act
 
 
-DPC_TERMS = ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem", "mb", "m_params", "m_grads", "m_optim")
+DPC_TERMS = ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem", "mb", "m_params", "m_grads", "m_optim", "host")
 
 
 def runs_plain_ddp(zero: Any, dp: Any, tp: Any, pp: Any, ep: Any, cp: Any, has_moe: Any) -> np.ndarray:
@@ -507,14 +507,15 @@ def runs_plain_ddp(zero: Any, dp: Any, tp: Any, pp: Any, ep: Any, cp: Any, has_m
 
 def _dp_rank_terms(hw: C.Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d: np.ndarray, dp_d: np.ndarray,
                    cp_d: np.ndarray, tp_d: np.ndarray, ep_d: np.ndarray, ds: np.ndarray, p_d: np.ndarray,
-                   p_e: np.ndarray, unit: np.ndarray, tail: np.ndarray, pp: Any = 1.0) -> None:
+                   p_e: np.ndarray, unit: np.ndarray, tail: np.ndarray, pp: Any = 1.0, offload: Any = 0) -> None:
     """Append one representative rank's data-parallel traffic, parameter work and model-state memory to ``dpc``.
 
     ``p_d`` / ``p_e``: dense / expert parameters on the rank; ``unit``: the largest FSDP unit (zero-3 gather
     buffers); ``tail``: the share of the rank's gather/reduction that no compute hides (first / last unit);
     ``pp``: the pipeline degree (a pipeline stage keeps its FSDP parameters gathered from one micro-batch's
     backward to the next one's forward: torch.distributed.pipelining turns reshard_after_backward off until the
-    step's last).
+    step's last); ``offload``: the OFFLOAD_MODES code (model states on the host: cost.offloaded_state_bytes, their
+    copies and the host optimizer step: offload_copy_time, host_optimizer_step_time).
     """
     frag = 1 + C.FRAGMENTATION
     # context parallelism: FSDP runs over dp x cp (parallel/context.data_mesh, torchtitan's dp_shard_cp); at zero 0
@@ -537,6 +538,11 @@ def _dp_rank_terms(hw: C.Hardware, dpc: dict[str, list], zero: np.ndarray, prec_
           + C.allreduce_time(hw, grad_e, np.maximum(dp_d * cp_d / ep_d, 1), tp_d * ep_d))
     hsdp = np.where(replicas > 1, C.allreduce_time(hw, grad_d / shard + grad_e / exp_shard, replicas,
                                                    ds * cp_d * tp_d), 0.0)
+    local = np.where(zero == 0, p_d + p_e, p_d / shard + p_e / exp_shard)
+    # offload: the host-link copies ride with the gathers (shard copy-in) and the reductions (gradient copy-out),
+    # prefetched and overlapped as those are; the updated parameters' copy back is exposed (with the step)
+    h2d_gather, d2h_reduce, h2d_step = C.offload_copy_time(hw, local, prec_d, offload)
+    ag, rs = ag + h2d_gather, rs + d2h_reduce
     # gradients are reduced once per step, after the last micro-batch (runtime.step turns gradient sync off for
     # the others: parallel.fsdp.set_gradient_sync): all-reduce at zero 0, reduce-scatter at 1-3 (+ HSDP's
     # all-reduce across replicas)
@@ -553,22 +559,27 @@ def _dp_rank_terms(hw: C.Hardware, dpc: dict[str, list], zero: np.ndarray, prec_
     dpc["a3"].append(once)
     dpc["b3"].append(once * tail)
     dpc["c3"].append(np.where(z1 | z2, ag, 0.0))
-    local = np.where(zero == 0, p_d + p_e, p_d / shard + p_e / exp_shard)
     # memory-bound parameter work: per micro-batch the fp32 gradient accumulation (every zero: unsharded gradients
     # accumulate locally until the step's reduction) and, for zero 3, two gathers' copy-in/out; per step the
     # reduction's cast and accumulation (zero 1-3) and zero 1/2's one gather copy
     copies = lambda g, red: (C.shard_copy_time(hw, p_d, shard, prec_d, g, red)  # noqa: E731
                              + C.shard_copy_time(hw, p_e, exp_shard, prec_d, g, red))
     dpc["mb"].append(C.grad_accumulate_time(hw, p_d + p_e, prec_d) + np.where(z3, copies(2.0, 0.0), 0.0))
-    dpc["opt"].append(C.optimizer_time(hw, local, prec_d)
-                      + np.where(zero > 0, copies(np.where(z1 | z2, 1.0, 0.0), 1.0), 0.0))
+    step_on = np.where(np.asarray(offload) > 0, C.host_optimizer_step_time(hw, local, prec_d),
+                       C.optimizer_time(hw, local, prec_d))
+    dpc["opt"].append(step_on + h2d_step + np.where(zero > 0, copies(np.where(z1 | z2, 1.0, 0.0), 1.0), 0.0))
     # the runtime runs ZeRO-1 as ZeRO-2 (FSDP2 reduce-scatters the gradients; parallel/fsdp.py): priced so
     held = np.where(z1, 2, zero)
     parts = [a + b for a, b in zip(C.model_state_parts(p_d, held, shard, prec_d),
                                    C.model_state_parts(p_e, held, exp_shard, prec_d))]
     replicated = zero == 0  # zero 0 on FSDP2: a (dp_replicate, dp_shard=1) mesh, the parameters whole
-    parts[0] = parts[0] + C.fsdp_shard_copy_bytes(p_d, zero, np.where(replicated, 1.0, shard), prec_d, fsdp) \
+    shard_copy = C.fsdp_shard_copy_bytes(p_d, zero, np.where(replicated, 1.0, shard), prec_d, fsdp) \
         + C.fsdp_shard_copy_bytes(p_e, zero, np.where(replicated, 1.0, exp_shard), prec_d, fsdp)
+    parts[0] = parts[0] + shard_copy
+    moved = C.offloaded_state_bytes(*parts, shard_copy, zero, offload)
+    if hw.host_link:  # a host of its own: the moved states leave the device (else they stay: nothing is saved)
+        parts = [part - out for part, out in zip(parts, moved)]
+    dpc["host"].append(sum(moved) if hw.host_link else 0.0 * local)
     states = sum(parts)
     for name, part in zip(("m_params", "m_grads", "m_optim"), parts):
         dpc[name].append(part)
@@ -600,7 +611,7 @@ def _assemble(hw: C.Hardware, space: Space, mid: dict[str, list], dpc: dict[str,
     ga_m = ga[mk]
     span = (ga_m + C.bubble_fraction(pp[mk], ga_m, vpp_m, M["schedule"]) * ga_m).astype(np.float32)
     n = len(cm)
-    step, memory = np.empty(n), np.empty(n)
+    step, memory, host = np.empty(n), np.empty(n), np.empty(n)
     for lo in range(0, n, CHUNK):
         sl = slice(lo, min(lo + CHUNK, n))
         a, b, d = by_rc[mrc[sl]], by_mid[cm[sl]], by_dpc[cd[sl]]
@@ -608,7 +619,8 @@ def _assemble(hw: C.Hardware, space: Space, mid: dict[str, list], dpc: dict[str,
         tail = C.overlapped_exposed(d[..., 4], b[..., 1], d[..., 5], f_sm) + d[..., 6] + d[..., 7]
         step[sl] = span[cm[sl]] * max3(slot_r) + max3(tail)
         memory[sl] = max3(a[..., 1] + d[..., 8])
-    out = {"step": step, "memory": memory}
+        host[sl] = max3(d[..., 13])
+    out = {"step": step, "memory": memory, "host": host}
     if detail:
         rows = np.arange(n)
         a, b, d = by_rc[mrc].astype(float), by_mid[cm].astype(float), by_dpc[cd].astype(float)
@@ -711,9 +723,14 @@ def priced_plan(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: S
         model_flops = global_batch * seq * C.model_flops_per_token(model, seq)
     per_device = model_flops / step / cluster.world_size
     memory = float(costs["memory"][i])
-    feasible = memory <= limit
-    reason = "" if feasible else (f"memory: needs {memory / C.GIB:.2f} GiB per device > "
-                                  f"{limit / C.GIB:.2f} GiB allowed")
+    host = float(costs["host"][i])
+    host_limit = host_limit_bytes(cluster)
+    feasible = memory <= limit and host <= host_limit
+    reason = "" if memory <= limit else (f"memory: needs {memory / C.GIB:.2f} GiB per device > "
+                                         f"{limit / C.GIB:.2f} GiB allowed")
+    if host > host_limit:
+        reason = "; ".join(r for r in (reason, f"host memory: offload={plan.offload} keeps {host / C.GIB:.2f} GiB "
+                                       f"per device on the host > host_memory_gib {host_limit / C.GIB:.2f} GiB") if r)
     chunks: list[int] = []
     if plan.pp > 1:
         weights, emb_w, head_w = layer_weights(model, hw, seq, prec, True)
@@ -730,10 +747,23 @@ def priced_plan(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: S
                             runtime_s=float(costs["runtime"][i]) if "runtime" in costs else 0.0,
                             terms={k: float(v[i]) for k, v in costs.get("terms", {}).items()}),
         memory_breakdown={k: float(v[i]) / C.GIB for k, v in costs.get("memory_terms", {}).items()},
+        host_gib_per_device=host / C.GIB,
         feasible=feasible,
         reason=reason,
         layers_per_stage=chunks,
     )
+
+
+def host_limit_bytes(cluster: ClusterSpec) -> float:
+    """Host bytes per device that offloaded model states may take: DeviceSpec.host_memory_gib where the device has
+    a host of its own (host_link_gbs > 0; 0 GiB there refuses any offload), else unbounded (nothing is moved)."""
+    dev = cluster.device
+    return dev.host_memory_gib * C.GIB if dev.host_link_gbs > 0 else float("inf")
+
+
+def fits(costs: dict[str, np.ndarray], limit: float, host_limit: float) -> np.ndarray:
+    """Candidates within the device memory limit and the host memory limit (offloaded states)."""
+    return (costs["memory"] <= limit) & (costs["host"] <= host_limit)
 
 
 def _inputs(model: Any, cluster: Any, global_batch: int | None, seq_len: int | None):
@@ -763,7 +793,8 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
     fixed = parse_fix(fix)
     precisions = resolve_precisions(clus, precision)
     meas = Measured.coerce(measured)
-    space = enumerate_space(spec, clus.world_size, global_batch, seq, precisions, fixed, restrict)
+    space = enumerate_space(spec, clus.world_size, global_batch, seq, precisions, fixed, restrict,
+                            host_offload=clus.device.host_link_gbs > 0)
     if space.size == 0:
         reasons = ", ".join(f"{k} ({v})" for k, v in space.rejected.most_common(3)) or "restrict leaves no values"
         field = "fix" if fixed else "restrict" if restrict else "global_batch"
@@ -771,13 +802,16 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
                           f"seq {seq}: rejected by {reasons}",
                           "loosen fix/restrict, or pick a global batch / device count with more divisors")
     hw = C.Hardware.from_cluster(clus)
+    limit, host_limit = hw.capacity * memory_fraction, host_limit_bytes(clus)
     costs = price(spec, hw, space, global_batch, seq, meas, detail=False)
-    limit = hw.capacity * memory_fraction
-    ok = costs["memory"] <= limit
+    ok = fits(costs, limit, host_limit)
     rejected = dict(space.rejected)
-    n_mem = int((~ok).sum())
+    n_mem = int((costs["memory"] > limit).sum())
     if n_mem:
         rejected["memory"] = n_mem
+    n_host = int(((costs["memory"] <= limit) & (costs["host"] > host_limit)).sum())
+    if n_host:
+        rejected["host memory (offload)"] = n_host
     feasible = int(ok.sum())
     if feasible:
         idx = np.flatnonzero(ok)
@@ -785,13 +819,16 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
     elif allow_infeasible:
         order = np.argsort(costs["memory"], kind="stable")[:max(top, 1)]
     else:
-        raise _infeasible(spec, clus, hw, space, costs, limit, memory_fraction)
+        raise _infeasible(spec, clus, hw, space, costs, limit, memory_fraction, fixed)
     cands = _priced(spec, clus, hw, space, order, global_batch, seq, limit, meas)
     report = PlanReport(best=cands[0], candidates=cands, evaluated=space.size, feasible=feasible, rejected=rejected,
                         search_seconds=0.0, model=spec, cluster=clus, global_batch=global_batch, seq_len=seq,
                         memory_fraction=memory_fraction)
     if spec.unit_form:
         report.excluded = unit_form_restrict(spec, fixed, restrict or {})[1]
+    small = smallest_plan(costs, host_limit)
+    report.smallest = cands[0] if small == int(order[0]) else _priced(spec, clus, hw, space, [small], global_batch,
+                                                                      seq, limit, meas)[0]
     if feasible:
         report.runner_up = _runner_up(spec, clus, hw, space, costs, ok, int(order[0]), global_batch, seq, limit,
                                       meas)
@@ -825,7 +862,7 @@ def _what_if(model: ModelSpec, cluster: ClusterSpec, space: Space, costs: dict, 
              meas: Measured | None, memory_fraction: float, reprice: bool) -> tuple[Plan, float] | None:
     """Best (plan, step) on a what-if cluster: a memory-only change reuses the times, a link change re-prices."""
     hw = C.Hardware.from_cluster(cluster)
-    idx = np.flatnonzero(costs["memory"] <= hw.capacity * memory_fraction)
+    idx = np.flatnonzero(fits(costs, hw.capacity * memory_fraction, host_limit_bytes(cluster)))
     if not len(idx):
         return None
     steps = (price(model, hw, space.subset(idx), global_batch, seq, meas, detail=False)["step"] if reprice
@@ -834,21 +871,51 @@ def _what_if(model: ModelSpec, cluster: ClusterSpec, space: Space, costs: dict, 
     return space.plan(int(idx[j])), float(steps[j])
 
 
-def _infeasible(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: Space, costs: dict, limit: float,
-                fraction: float) -> InfeasibleError:
-    i = int(np.argmin(costs["memory"]))
-    need = float(costs["memory"][i]) / C.GIB
-    best = space.plan(i)
-    relax = ["more devices (--nodes)", "a smaller --global-batch" + ("" if model.unit_form else " or --seq-len")]
-    if model.unit_form and "grad_accum" in unit_form_restrict(model, {}, {})[1] and best.grad_accum == 1:
-        relax.insert(0, "--fix grad_accum=K (a BatchNorm model keeps 1 unless fixed)")
+def smallest_plan(costs: dict[str, np.ndarray], host_limit: float) -> int:
+    """The candidate needing the least device memory among those whose offloaded states fit the host (all of
+    them if none does): the whole space searched, recompute (ops, recompute_every) and offload included."""
+    memory = np.where(costs["host"] <= host_limit, costs["memory"], np.inf)
+    return int(np.argmin(memory if np.isfinite(memory).any() else costs["memory"]))
+
+
+def relax_hints(model: ModelSpec, cluster: ClusterSpec, smallest: Plan, fraction: float,
+                fixed: Mapping[str, Any] | None = None, host_short: bool = False) -> list[str]:
+    """What to relax when no plan fits: the pinned fields that hold memory (recompute, offload, zero, mbs), host
+    memory where offload plans fit the device but not the host, offload where the cluster names no host, more
+    devices, a smaller batch or sequence, a larger memory fraction, a device with more memory."""
+    pinned = [k for k in ("recompute", "recompute_every", "offload", "zero", "dp_shard", "mbs", "tp", "pp", "cp")
+              if k in (fixed or {})]
+    relax = [f"unpin {', '.join(pinned)} (--fix)"] if pinned else []
+    if model.unit_form and "grad_accum" in unit_form_restrict(model, {}, {})[1] and smallest.grad_accum == 1:
+        relax.append("--fix grad_accum=K (a BatchNorm model keeps 1 unless fixed)")
+    if host_short:
+        relax.append("more host memory per device (host_memory_gib: offload plans fit the device, not the host)")
+    if cluster.device.host_link_gbs <= 0:
+        relax.append("a cluster whose devices have host memory (host_link_gbs, host_memory_gib: offload is searched)")
+    relax += ["more devices (--nodes)", "a smaller --global-batch" + ("" if model.unit_form else " or --seq-len")]
     if fraction < 0.95:
         relax.append("a larger --memory-fraction")
     relax.append("a device with more memory")
+    return relax
+
+
+def smallest_line(plan: Plan, memory_gib: float, host_gib: float) -> str:
+    """'2.50 GiB per device with dp=8 zero=3 ... offload=params (+ 9.1 GiB host)': the smallest plan and its needs."""
+    host = f" (+ {host_gib:.2f} GiB per device on the host)" if host_gib else ""
+    return f"{memory_gib:.2f} GiB per device{host}, with {plan.short()}"
+
+
+def _infeasible(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: Space, costs: dict, limit: float,
+                fraction: float, fixed: Mapping[str, Any] | None = None) -> InfeasibleError:
+    host_limit = host_limit_bytes(cluster)
+    i = smallest_plan(costs, host_limit)
+    host_short = bool(((costs["memory"] <= limit) & (costs["host"] > host_limit)).any())
+    relax = relax_hints(model, cluster, space.plan(i), fraction, fixed, host_short)
     return InfeasibleError(
-        f"no plan fits: the smallest memory any plan needs is {need:.2f} GiB per device "
-        f"(capacity {cluster.device.memory_gib:g} GiB x fraction {fraction:g} = {limit / C.GIB:.2f} GiB), "
-        f"with {best.short()}; relax: {', '.join(relax)}")
+        f"no plan fits: the smallest memory any plan needs is "
+        f"{smallest_line(space.plan(i), float(costs['memory'][i]) / C.GIB, float(costs['host'][i]) / C.GIB)} "
+        f"(capacity {cluster.device.memory_gib:g} GiB x fraction {fraction:g} = {limit / C.GIB:.2f} GiB); "
+        f"relax: {', '.join(relax)}")
 
 
 def estimate(model: Any, cluster: Any, plan: Plan | Mapping | str, global_batch: int | None = None,

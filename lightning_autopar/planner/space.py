@@ -18,8 +18,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from lightning_autopar.errors import ConfigError
-from lightning_autopar.specs import (INTERLEAVED_SCHEDULES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, V_SCHEDULES,
-                                      ModelSpec, Plan)
+from lightning_autopar.specs import (INTERLEAVED_SCHEDULES, OFFLOAD_MODES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES,
+                                      V_SCHEDULES, ModelSpec, Plan)
 
 LAYOUT_FIELDS = ("tp", "pp", "cp", "dp", "ep")
 SPLIT_BACKWARD = ("interleaved-zb",) + V_SCHEDULES  # input and weight gradients in two passes (zero bubble)
@@ -43,8 +43,9 @@ class Space:
     """The candidate space as factor tables, so shared work is priced once per distinct value:
 
     layouts (tp, pp, cp, dp, ep) -> keys (+ mbs, sp, compile, precision; ga derived) -> mids (+ schedule, vpp: pipeline
-    stage contents) and dpcs (layout, precision, schedule, vpp, zero, dp_shard: data-parallel traffic and model
-    states) -> cands (mid, dpc, recompute, recompute_every). Categorical fields are indices into SCHEDULES etc.; dp_shard 0 = all of dp.
+    stage contents) and dpcs (layout, precision, schedule, vpp, zero, dp_shard, offload: data-parallel traffic and
+    model states) -> cands (mid, dpc, recompute, recompute_every). Categorical fields are indices into SCHEDULES,
+    OFFLOAD_MODES etc.; dp_shard 0 = all of dp.
     """
 
     layouts: dict[str, np.ndarray]
@@ -63,7 +64,7 @@ class Space:
         """A plan field (or ga) for candidates ``idx``, gathered through the factor tables."""
         if name in ("recompute", "recompute_every"):
             return self.cands[name][idx]
-        if name in ("zero", "dp_shard"):
+        if name in ("zero", "dp_shard", "offload"):
             return self.dpcs[name][self.cands["dpc"][idx]]
         mid = self.cands["mid"][idx]
         if name in ("schedule", "vpp"):
@@ -90,7 +91,7 @@ class Space:
                     pp=get("pp"), schedule=SCHEDULES[get("schedule")], vpp=get("vpp"), ep=get("ep"), cp=get("cp"),
                     mbs=get("mbs"), grad_accum=get("ga"), recompute=RECOMPUTE_MODES[get("recompute")],
                     precision=PRECISIONS[get("precision")], compile=bool(get("compile")),
-                    recompute_every=get("recompute_every"))
+                    recompute_every=get("recompute_every"), offload=OFFLOAD_MODES[get("offload")])
 
 
 def _compact(table: dict[str, np.ndarray], refs: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -111,7 +112,8 @@ def space_from_plans(plans: Sequence[Plan], uneven: bool = True) -> Space:
             "ga": col(lambda p: p.grad_accum), "compile": col(lambda p: int(p.compile))}
     mids = {"key": ar, "schedule": sched, "vpp": vpp}
     dpcs = {"layout": ar, "precision": prec, "schedule": sched, "vpp": vpp, "zero": col(lambda p: p.zero),
-            "dp_shard": col(lambda p: 0 if p.dp_shard in (None, p.dp) else p.dp_shard)}
+            "dp_shard": col(lambda p: 0 if p.dp_shard in (None, p.dp) else p.dp_shard),
+            "offload": col(lambda p: OFFLOAD_MODES.index(p.offload))}
     cands = {"mid": ar, "dpc": ar, "recompute": col(lambda p: RECOMPUTE_MODES.index(p.recompute)),
              "recompute_every": col(lambda p: p.recompute_every)}
     return Space(layouts, keys, mids, dpcs, cands, Counter(), uneven)
@@ -170,6 +172,9 @@ def check_fix(model: ModelSpec, world: int, global_batch: int, seq_len: int, fix
         raise ConfigError("fix.pp", f"pp={fix['pp']} exceeds layers={model.layers}", "use pp <= layers")
     if fix.get("sp") and fix.get("tp") == 1:
         raise ConfigError("fix.sp", "sequence parallel needs tp > 1", "set tp >= 2 or sp=false")
+    reason = offload_rule(fix.get("offload", "none"), fix.get("zero", 1))
+    if reason:
+        raise ConfigError("fix.offload", reason, "set zero >= 1 or offload=none")
     check_schedule_fix(model, fix)
     for name in ("dp", "mbs", "grad_accum"):
         if name in fix and global_batch % fix[name]:
@@ -186,7 +191,7 @@ def microbatch_rule(schedule: str, pp: int, microbatches: int) -> str | None:
     """Why ``microbatches`` per step cannot run ``schedule`` over ``pp`` ranks, or None. Interleaved schedules:
     micro-batches % pp == 0 (Megatron's rule; it also meets torch's "a multiple of max(1, m // pp) rounds" of
     ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble); dualpipev: micro-batches >= 2*pp stages (torch's
-    ScheduleDualPipeV). GPipe, 1F1B (fewer micro-batches than stages run GPipe's order) and ZBV (torch fills
+    ScheduleDualPipeV). GPipe, 1F1B (the runtime runs fewer than pp as GPipe) and ZBV (torch fills
     the V with empty slots) take any count."""
     if pp == 1:
         return None
@@ -295,8 +300,10 @@ def unit_form_restrict(model: ModelSpec, fix: Mapping[str, Any],
 
 
 def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: int, precisions: Sequence[str],
-                    fix: Mapping[str, Any] | None = None, restrict: Mapping[str, Sequence] | None = None) -> Space:
-    """All valid candidates for ``world`` devices; divisibility rejections are counted per reason (layouts)."""
+                    fix: Mapping[str, Any] | None = None, restrict: Mapping[str, Sequence] | None = None,
+                    host_offload: bool = False) -> Space:
+    """All valid candidates for ``world`` devices; divisibility rejections are counted per reason (layouts).
+    ``host_offload``: the devices have host memory of their own to offload to (``offload_searched``)."""
     fix = dict(fix or {})
     restrict = dict(restrict or {})
     check_fix(model, world, global_batch, seq_len, fix)
@@ -311,6 +318,7 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
                                                               fix, restrict)]
     rc_opts = recompute_options(recomputes, _allowed("recompute_every", RECOMPUTE_EVERY, fix, restrict), fix)
     zeros = _allowed("zero", [0, 1, 2, 3], fix, restrict)
+    offloads = [OFFLOAD_MODES.index(o) for o in _allowed("offload", offload_searched(host_offload), fix, restrict)]
     schedules = _allowed("schedule", SCHEDULES, fix, restrict)
     sps = _allowed("sp", [False, True], fix, restrict)
     compiles = [int(c) for c in _allowed("compile", [False, True], fix, restrict)]  # eager first: wins ties
@@ -356,14 +364,15 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
                     if not mbss:
                         rejected["global_batch % (dp*mbs)"] += 1
                         continue
-                    zds = _zero_shards(dp, cp, zeros, fix, restrict)
+                    zds = with_offload(_zero_shards(dp, cp, zeros, fix, restrict), offloads)
                     scheds = _schedules(L, pp, schedules, fix, restrict)
                     sp_vals = [int(s) for s in sps if tp > 1 or not s]
                     if not zds or not scheds or not sp_vals:
                         rejected["zero/dp_shard, schedule/vpp or sp"] += 1
                         continue
                     # keys: mbs x sp x compile x precision; mids: key x (schedule, vpp); dpcs: precision x
-                    # (schedule, vpp) x (zero, dp_shard); candidates: mid x (zero, dp_shard) x recompute (expanded below)
+                    # (schedule, vpp) x (zero, dp_shard, offload); candidates: mid x (zero, dp_shard, offload) x
+                    # recompute (expanded below)
                     nv, nz = len(scheds), len(zds)
                     for mbs in mbss:
                         ga = global_batch // (dp * mbs)
@@ -380,8 +389,8 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
                                     mid_rows.append((n_key, sched, vpp, n_dpc + (pi * nv + vi) * nz, nz))
                                 key_rows.append((n_lay, mbs, sp, prec, ga, comp))
                                 n_key += 1
-                    dpc_rows.extend((n_lay, prec, sched, vpp, z, ds) for prec in precs for sched, vpp in scheds
-                                    for z, ds in zds)
+                    dpc_rows.extend((n_lay, prec, sched, vpp, z, ds, off) for prec in precs for sched, vpp in scheds
+                                    for z, ds, off in zds)
                     n_dpc += len(precs) * nv * nz
                     lay_rows.append((tp, pp, cp, dp, ep))
                     n_lay += 1
@@ -404,7 +413,7 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
     return Space(dict(zip(LAYOUT_FIELDS, arr(lay_rows, 5))),
                  dict(zip(("layout", "mbs", "sp", "precision", "ga", "compile"), arr(key_rows, 6))),
                  dict(zip(("key", "schedule", "vpp"), np.ascontiguousarray(mids[:3]))),
-                 dict(zip(("layout", "precision", "schedule", "vpp", "zero", "dp_shard"), arr(dpc_rows, 6))),
+                 dict(zip(("layout", "precision", "schedule", "vpp", "zero", "dp_shard", "offload"), arr(dpc_rows, 7))),
                  dict(zip(("mid", "dpc", "recompute", "recompute_every"), cands)), rejected, uneven)
 
 
@@ -437,6 +446,28 @@ def recompute_options(recomputes: Sequence[int], every: Sequence[int], fix: Mapp
         raise ConfigError("fix.recompute_every", f"recompute_every={list(every)} needs recompute=full or ops",
                           "set recompute=full or ops, or recompute_every=1")
     return opts
+
+
+def offload_searched(host_offload: bool) -> list[str]:
+    """The offload modes searched by default: all of OFFLOAD_MODES where the devices have host memory of their
+    own (``host_offload``: DeviceSpec.host_link_gbs > 0), else none only -- on a CPU the host memory *is* the
+    device memory, so offloading saves nothing (a fixed offload is still honoured, ``_allowed``). "none" comes
+    first so a tie keeps it."""
+    return list(OFFLOAD_MODES) if host_offload else ["none"]
+
+
+def offload_rule(offload: str, zero: int) -> str | None:
+    """Why ``offload`` cannot run with ``zero``, or None: offload moves this rank's shard of the model states to
+    the host (FSDP2's CPUOffloadPolicy, ZeRO-Offload), and zero 0 shards nothing (as Plan.validate)."""
+    if offload != "none" and zero == 0:
+        return f"offload={offload} moves this rank's shard of the model states to the host; zero=0 shards nothing"
+    return None
+
+
+def with_offload(zero_shards: Sequence[tuple[int, int]], offloads: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(zero, dp_shard, offload code) triples: each (zero, dp_shard) pair with every offload mode that
+    ``offload_rule`` allows (zero 0 with none only), so the space grows only where offload is searched."""
+    return [(z, ds, o) for z, ds in zero_shards for o in offloads if not offload_rule(OFFLOAD_MODES[o], z)]
 
 
 def _zero_shards(dp: int, cp: int, zeros: Sequence[int], fix: Mapping[str, Any],

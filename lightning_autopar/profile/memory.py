@@ -149,7 +149,22 @@ def _tracker(module: nn.Module, optimizer: torch.optim.Optimizer | None, backwar
     if not backward_hooks:
         tracker._mod_tracker = _forward_only_mod_tracker()
     tracker.track_external(module, *([optimizer] if optimizer is not None else []))
+    if optimizer is not None:
+        _track_host_copies(tracker, optimizer)
     return tracker
+
+
+def _track_host_copies(tracker: Any, optimizer: torch.optim.Optimizer) -> None:
+    """offload=optimizer: the host mirrors of the parameters and their gradient buffers (``parallel.offload``),
+    made before the measured step, counted as parameters and gradients."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    from lightning_autopar.parallel.offload import host_copies
+
+    params, grads = host_copies(getattr(optimizer, "_optimizer", optimizer))
+    for tensors, kind in ((params, _MemRefType.PARAM), (grads, _MemRefType.GRAD)):
+        for t in tensors:
+            tracker._update_and_maybe_create_winfos(t, kind)
 
 
 def _from_tracker(tracker: Any, allocator_peak: int = 0) -> MeasuredMemory:

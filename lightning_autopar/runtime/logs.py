@@ -27,6 +27,8 @@ class LogRecorder:
                                                         and value.is_floating_point())
         if numeric:
             contribution = torch.as_tensor(value, dtype=torch.float64).detach().cpu() * self.weight
+            if self.weight == 0:  # a stand-in's value counts nowhere, even a NaN one (0 * NaN is NaN)
+                contribution = torch.zeros((), dtype=torch.float64)
             entry = self.values.setdefault(name, [torch.zeros((), dtype=torch.float64), kwargs, True])
             entry[0] = entry[0] + contribution
             entry[1] = kwargs

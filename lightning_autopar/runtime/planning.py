@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_autopar.errors import ConfigError, install_excepthook
 from lightning_autopar.runtime.analysis import analyse, sequence_length
-from lightning_autopar.runtime.batches import leading_size
+from lightning_autopar.runtime.batches import batch_rows, leading_size
 from lightning_autopar.runtime.group import DataParallelGroup, broadcast_module, dp_mesh
 from lightning_autopar.runtime.lightning_private import set_module_device_mesh
 from lightning_autopar.runtime.pipeline_step import PipelineSteps
@@ -95,6 +95,8 @@ class PlanningMixin(ABC):
         self._step_env: StepEnv | None = None  # what the step runtime runs with, once the plan is applied
         self._pipeline_steps: PipelineSteps | None = None  # its pipeline steps (pipe None when pp == 1)
         self._first_of: tuple[Any, Any] | None = None  # (plan DataLoader, its first batch)
+        self._transformer: nn.Module | None = None  # the block stack the plan was applied to, and its model's name
+        self._model_name = ""
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -140,6 +142,7 @@ class PlanningMixin(ABC):
         assert self.accelerator is not None
         worker.share_cpu_threads(self.num_processes)
         worker.destroy_at_exit()  # whichever path creates the group below (worker.destroy_at_exit says why)
+        worker.watch_for_failures()  # a failed rank 0 serving the store stops its peers with its line
         if worker.uses_shared_agent_store():
             self.accelerator.setup_device(self.root_device)
             device_id = self.root_device if self.root_device.type != "cpu" else None
@@ -158,6 +161,14 @@ class PlanningMixin(ABC):
 
         for optimizer in optimizers:
             keep_optimizer_row_order(getattr(optimizer, "_optimizer", optimizer), model)
+
+    def _offload_optimizers(self, optimizers: list[Any]) -> None:
+        """plan.offload=optimizer: each optimizer's states and step on the host (``parallel.offload.HostStep``)."""
+        from lightning_autopar.parallel.offload import offload_optimizers
+        from lightning_autopar.runtime.lightning_private import unwrap_optimizer
+
+        if self.plan is not None:
+            offload_optimizers([unwrap_optimizer(o) for o in optimizers], self.root_device, self.plan.offload)
 
     def _cluster_spec(self) -> ClusterSpec:
         from lightning_autopar.specs import load_cluster_spec
@@ -196,7 +207,9 @@ class PlanningMixin(ABC):
             global_batch = getattr(loader, "batch_size", None)
         first = self._first_batch()
         if first is not None:
-            global_batch = global_batch or leading_size(first)
+            # a batch without a batch dimension fails here, at set-up, not at step 1 (runtime.batches)
+            rows = batch_rows(first, "DataLoader")
+            global_batch = global_batch or rows
             seq_len = sequence_length(first)
         if not global_batch:
             global_batch = self.world_size
@@ -296,8 +309,14 @@ class PlanningMixin(ABC):
         restrict = (self._unit_restrictions(analysis, transformer, example) if unit_form
                     else self._restrictions(transformer, analysis, precision))
 
+        from lightning_autopar.parallel.context import priced_length
+        from lightning_autopar.parallel.sequence import padding_note
+
+        priced_seq = seq_len if unit_form else priced_length(transformer, analysis.spec.name, seq_len,
+                                                             self._fix.get("cp") or 1)  # a fixed cp pads
+
         def plan_on(cluster: Any) -> Any:  # enough candidates for the trials to have distinct plans
-            return make_plan(analysis.spec, cluster, global_batch=global_batch, seq_len=seq_len, fix=self._fix,
+            return make_plan(analysis.spec, cluster, global_batch=global_batch, seq_len=priced_seq, fix=self._fix,
                              top=max(self._top, self._setup.candidates), restrict=restrict, precision=precision,
                              memory_fraction=self._memory_fraction)
 
@@ -314,6 +333,8 @@ class PlanningMixin(ABC):
             from lightning_autopar.launch import print_env_hints
 
             print_env_hints(plan, self.report.cluster)
+        if self.global_rank == 0 and not unit_form and padding_note(plan, seq_len):
+            warnings.warn(padding_note(plan, seq_len), stacklevel=2)
         self._apply(plan, transformer, analysis, example)
 
     # ------------------------------------------------------------------ set-up profiling and trials
@@ -562,7 +583,17 @@ class PlanningMixin(ABC):
             example=example)
         self._fsdp_roots = env.fsdp_roots = applied.fsdp_roots
         steps.pipe, steps.model = applied.pipeline, applied.pipeline_root or transformer  # what the user's steps call
+        self._transformer, self._model_name = transformer, analysis.spec.name
         self._first_of = None  # the batch is not held for the whole run
+
+    def _check_batch(self, batch: Any) -> None:
+        """Checks of a training batch that need the applied plan, before the step's first collective (every rank
+        holds the same batch, so every rank stops with the same line): its sequence length under SP / CP."""
+        from lightning_autopar.parallel.apply import check_batch_length
+
+        plan = self.plan
+        if plan is not None and (plan.sp or plan.cp > 1) and self._transformer is not None:
+            check_batch_length(plan, self._transformer, self._model_name, sequence_length(batch))
 
     def _pipeline_expert_restrictions(self, analysis: Any) -> dict[str, tuple[list[Any], str]]:
         """pp and ep values the runtime can apply to this model: pp needs a splittable stack of blocks and

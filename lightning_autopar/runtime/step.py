@@ -1,7 +1,11 @@
 """The data-parallel training and evaluation steps (no pipeline): the user's step runs once per micro-batch of
 this rank's slice, its ``self.log`` values recorded and logged once per step (``logs``), the earlier
 micro-batches' gradients held for the strategy's backward (``grads``), the gradient reduction only on the last
-micro-batch of the batch the optimizer steps on. Framework-neutral: the driver passes its contexts and backward."""
+micro-batch of the batch the optimizer steps on. Framework-neutral: the driver passes its contexts and backward.
+
+Any batch size (``batches.micro_batches``): a rank short of rows runs zero-weight stand-ins; their loss is
+multiplied by 0, their logs weighted 0, and BatchNorm counts nothing from them (``parallel.stand_in``),
+so the step equals one device on the real rows."""
 
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from lightning_autopar.runtime.batches import leading_size, micro_batches, slice_batch, split_rows
+from lightning_autopar.parallel.stand_in import standing_in
+from lightning_autopar.runtime.batches import batch_rows, micro_batches
 from lightning_autopar.runtime.grads import GradientHold, gradients_set_aside
 from lightning_autopar.runtime.group import DataParallelGroup
 from lightning_autopar.runtime.logs import LogRecorder, recording_logs
@@ -29,6 +34,9 @@ class StepEnv:
     eval_context: Callable[[], AbstractContextManager[Any]]
     fsdp_roots: list[nn.Module] = field(default_factory=list)
     hold: GradientHold = field(default_factory=GradientHold)
+    # manual optimization: the current micro-batch's loss weight, which the driver's backward applies (the
+    # user's loop calls it); 1 outside a step
+    manual_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,7 @@ def training_step(env: StepEnv, batch: Any, rest: tuple, kwargs: dict, acc: Accu
     module = env.module
     dp_rank, dp = env.group.rank_and_size()
     micro = micro_batches(batch, acc.grad_accum if acc.automatic else 1, dp_rank, dp)
-    total = leading_size(batch) or 1
+    total = batch_rows(batch)
     recorder = LogRecorder()
     local_loss = torch.zeros((), device=env.group.device)
     rows_local = sum(mb.rows for mb in micro)
@@ -71,12 +79,17 @@ def training_step(env: StepEnv, batch: Any, rest: tuple, kwargs: dict, acc: Accu
             if acc.automatic:
                 set_gradient_sync(env.fsdp_roots, last and acc.stepping)
             recorder.weight = rows / total
-            with recording_logs(module, recorder), env.train_context():
-                output = module.training_step(mb, *rest, **kwargs)
+            env.manual_weight = weight
+            try:
+                with recording_logs(module, recorder), env.train_context(), standing_in(rows == 0):
+                    output = module.training_step(mb, *rest, **kwargs)
+            finally:
+                env.manual_weight = 1.0
             loss = loss_of(output)
             if not acc.automatic or loss is None:
                 break
-            local_loss = local_loss + loss.detach() * (rows / rows_local)
+            if rows:  # a stand-in's loss counts nowhere (rows_local is 0 on a rank with none)
+                local_loss = local_loss + loss.detach() * (rows / rows_local)
             if not last:
                 backward(loss * weight / acc.k)
     env.hold.held = produced  # DDP keeps them in .grad until the last backward reduces them all
@@ -89,12 +102,13 @@ def training_step(env: StepEnv, batch: Any, rest: tuple, kwargs: dict, acc: Accu
 
 
 def eval_step(env: StepEnv, hook: str, batch: Any, rest: tuple, kwargs: dict) -> Any:
-    """The user's ``hook`` (validation_step, test_step) on this rank's slice; logs averaged over the dp group."""
-    total = leading_size(batch)
+    """The user's ``hook`` (validation_step, test_step) on this rank's slice; logs averaged over the dp group.
+    A rank with no rows runs the stand-in (collectives entered), logs with weight 0 and returns its output."""
     dp_rank, dp = env.group.rank_and_size()
-    start, stop = split_rows(total, dp, dp_rank)
-    recorder = LogRecorder((stop - start) / total)
-    with recording_logs(env.module, recorder), env.eval_context():
-        out = getattr(env.module, hook)(slice_batch(batch, start, stop, total), *rest, **kwargs)
+    mb = micro_batches(batch, 1, dp_rank, dp)[0]
+    total = batch_rows(batch)
+    recorder = LogRecorder(mb.rows / total)
+    with recording_logs(env.module, recorder), env.eval_context(), standing_in(mb.rows == 0):
+        out = getattr(env.module, hook)(mb.batch, *rest, **kwargs)
     recorder.flush(env.module, env.group.reduce, total)
     return out

@@ -96,7 +96,6 @@ class _TrialModel:
     plan: Plan
     optimizer: torch.optim.Optimizer
     scaler: Any
-    global_batch: int
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
@@ -104,7 +103,7 @@ class _TrialModel:
     def step(self, batch: Any) -> None:
         """One optimizer step on the global ``batch``, as the Trainer strategy runs it."""
         if self.pipeline.pipe is not None:
-            self.pipeline.train(batch, (0,), {}, self.plan.grad_accum, self.global_batch)
+            self.pipeline.train(batch, (0,), {}, self.plan.grad_accum)
             restore_gradients(self.env.hold.take_pipeline() or {})
         else:
             acc = Accumulation(self.plan.grad_accum)
@@ -125,7 +124,6 @@ def _build(module: nn.Module, plan: Plan, layout: Any, batch: Any, device: torch
     from lightning_autopar.parallel.apply import apply_plan
     from lightning_autopar.parallel.precision import ShardedGradScaler
     from lightning_autopar.runtime.analysis import analyse, sequence_length, step_model_call
-    from lightning_autopar.runtime.batches import leading_size
 
     model, analysis, example = analyse(module, lambda: step_model_call(module, batch, "training_step"))
     if analysis.spec.unit_form:
@@ -145,7 +143,7 @@ def _build(module: nn.Module, plan: Plan, layout: Any, batch: Any, device: torch
     env.fsdp_roots = applied.fsdp_roots
     pipeline.pipe, pipeline.model = applied.pipeline, applied.pipeline_root or model
     optimizer = first_optimizer(module.configure_optimizers())
-    trial = _TrialModel(env, pipeline, plan, optimizer, scaler, leading_size(batch) or plan.global_batch)
+    trial = _TrialModel(env, pipeline, plan, optimizer, scaler)
     return trial, applied
 
 

@@ -15,12 +15,22 @@ group number, which starts again at 0 in a restarted worker, so the new workers 
 addresses and fail to connect (torchrun then spends its restarts and exits 1). :func:`init_process_group`
 prefixes every key with the attempt (``TORCHELASTIC_RESTART_COUNT``) and this process's init count. Each attempt
 then has its own keys in the shared store.
+
+Failures. An autopar error on one rank must stop every rank with its one line, not with gloo "Connection closed
+by peer" tracebacks from the others. The failing rank publishes its line to the process group's store
+(:func:`publish_failure`, called by ``errors.install_excepthook``) before it exits; a peer whose collective then
+fails finds it (:func:`peer_failure`) and prints it. Under torchrun the store is the agent's and outlives the
+workers. Under Lightning's launcher rank 0 serves it, and its peers' collectives fail only once it has exited
+(closing or aborting a gloo group does not end them), so there the other ranks run a thread that looks for a
+failure once a second (:func:`watch_for_failures`), and a failing rank 0 waits until they have read its line.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import threading
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -108,3 +118,152 @@ def _destroy_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ one line on every rank (errors.install_excepthook)
+
+FAILED_KEY = "autopar/failed"
+SEEN_KEY = "autopar/failed_seen"  # peers that have read the failure
+PEER_WAIT_S = 5.0  # how long a rank that died in a collective looks for a peer's published failure
+WATCH_INTERVAL_S = 1.0  # how often a rank looks for a published failure when rank 0 serves the store
+_STOPPING = threading.Lock()  # held by the thread printing this process's last line (stop_with)
+_WATCHING = [False]
+
+
+@dataclass(frozen=True)
+class PeerFailure:
+    """The first autopar error a rank of this job published: its rank, exit code and one line."""
+
+    rank: int
+    exit_code: int
+    line: str
+
+    def line_for(self, rank: str | None) -> str:
+        return f"autopar (rank {rank}): stopped because rank {self.rank} failed: {self.line}"
+
+
+def stop_with(line: str, code: int) -> None:
+    """Print ``line`` on the real stderr and leave now with ``code`` (once per process: a second thread that
+    gets here waits for the first one's exit)."""
+    import sys
+    import time
+
+    if not _STOPPING.acquire(blocking=False):
+        while True:
+            time.sleep(1.0)
+    # the real stderr: torch.distributed's own hook buffers sys.stderr to prefix "[rankN]:" lines
+    stream = sys.__stderr__ or sys.stderr
+    print(line, file=stream, flush=True)
+    sys.stdout.flush()
+    os._exit(code)  # a plain exit would run teardown hooks that may hang on peers
+
+
+def _job_store() -> Any:
+    """The default process group's store: torchrun's agent store (under this attempt's prefix) or the TCPStore
+    Lightning's launcher made (rank 0 serves it). None without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def _serves_store() -> bool:
+    """Whether this process serves the job's store (rank 0 without torchrun's agent store): it must outlive
+    its peers' reading of a failure."""
+    import torch.distributed as dist
+
+    return not uses_shared_agent_store() and dist.get_rank() == 0
+
+
+def publish_failure(line: str, exit_code: int) -> None:
+    """Record this rank's error ``line`` in the job's store (the first one published wins), so its peers print
+    it instead of gloo tracebacks. A process serving the store stays until every peer has read it (at most
+    2 * PEER_WAIT_S; the peers' :func:`watch_for_failures` threads see it within WATCH_INTERVAL_S). Best effort:
+    a store that cannot be reached leaves the peers' own errors."""
+    import time
+
+    import torch.distributed as dist
+
+    try:
+        store = _job_store()
+        if store is None:
+            return
+        store.compare_set(FAILED_KEY, "", f"{dist.get_rank()}\t{exit_code}\t{line}")
+        if _serves_store():
+            peers, deadline = dist.get_world_size() - 1, time.monotonic() + 2 * PEER_WAIT_S
+            while store.add(SEEN_KEY, 0) < peers and time.monotonic() < deadline:
+                time.sleep(0.05)
+    except Exception:  # noqa: BLE001 -- the failing rank's own line is printed whatever the store does
+        pass
+
+
+def _read_failure(store: Any) -> PeerFailure:
+    rank, code, line = store.get(FAILED_KEY).decode().split("\t", 2)
+    store.add(SEEN_KEY, 1)  # a failed rank serving the store waits for this (publish_failure)
+    return PeerFailure(int(rank), int(code), line)
+
+
+def looks_collective(error: BaseException) -> bool:
+    """Whether ``error`` is what a collective raises when a peer is gone (gloo: "Connection closed by peer",
+    a DistBackendError / DistNetworkError, a timeout)."""
+    import torch.distributed as dist
+
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(w in text for w in ("gloo", "connection", "peer", "timed out"))
+
+
+def peer_failure(error: BaseException) -> PeerFailure | None:
+    """The failure a peer published, if any: waits up to PEER_WAIT_S when ``error`` looks like a collective
+    that lost its peer (the peer publishes before it exits, so the key is normally there already), else looks
+    once. None without a process group, a reachable store or a published failure."""
+    import time
+
+    try:
+        store = _job_store()
+        if store is None:
+            return None
+        deadline = time.monotonic() + (PEER_WAIT_S if looks_collective(error) else 0.0)
+        while not store.check([FAILED_KEY]):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+        return _read_failure(store)
+    except Exception:  # noqa: BLE001 -- the store went with the failed rank: the error stays as it is
+        return None
+
+
+def watch_for_failures() -> None:
+    """Where rank 0 serves the store (Lightning's launcher, no torchrun agent store), a peer blocked in a
+    collective would see a failed rank 0 only when it exits, taking the store and its line with it. A daemon
+    thread on every other rank therefore looks for a published failure once a second (one store request) and
+    stops this process with the line (:func:`stop_with`). Under torchrun's agent store nothing is started: the
+    store outlives the workers and the excepthook reads it. Started once per process."""
+    if _WATCHING[0] or uses_shared_agent_store():
+        return
+    _WATCHING[0] = True
+    threading.Thread(target=_watch, name="autopar-failure-watch", daemon=True).start()
+
+
+def _watch() -> None:
+    import time
+
+    import torch.distributed as dist
+
+    while True:
+        time.sleep(WATCH_INTERVAL_S)
+        try:
+            store = _job_store()
+            if store is None:
+                continue  # the group is not created yet
+            if dist.get_rank() == 0:
+                return  # it serves the store: its own collectives fail when a peer exits
+            if store.check([FAILED_KEY]):
+                failure = _read_failure(store)
+                stop_with(failure.line_for(str(dist.get_rank())), failure.exit_code)
+        except Exception:  # noqa: BLE001 -- the group or the store is gone (the run ended): nothing to watch
+            return

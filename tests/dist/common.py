@@ -92,3 +92,21 @@ class LitLM(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def single_device_run(make, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The plain single-process loop: seed 0, ``make()``'s module, its optimizer, its ``loss`` on each batch,
+    backward, step. Returns (losses, state dict): what a scenario's multi-process run must equal."""
+    import lightning.pytorch as L
+
+    L.seed_everything(0, verbose=False)
+    module = make()
+    opt = module.configure_optimizers()
+    losses = []
+    for batch in batches:
+        loss = module.loss(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}

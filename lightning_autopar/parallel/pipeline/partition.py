@@ -59,6 +59,17 @@ def check_schedule(schedule: str, pp: int, n_microbatches: int, recompute: str =
         raise ConfigError("plan.compile", reason, "use compile=false, or schedule=1f1b or interleaved")
 
 
+def schedule_count(schedule: str, pp: int, micro_batches: int) -> int:
+    """The fewest micro-batches, at least ``micro_batches``, that torch's ``schedule`` runs over ``pp`` ranks
+    (``microbatch_rule``): a run of fewer is filled up with zero-weight stand-ins (``runtime.StagedPipeline``)."""
+    from lightning_autopar.planner.space import microbatch_rule
+
+    count = max(1, micro_batches)
+    while microbatch_rule(schedule, pp, count):
+        count += 1
+    return count
+
+
 def chunk_sizes(num_blocks: int, pp: int, vpp: int = 1, layers_per_stage: Sequence[int] | None = None) -> list[int]:
     """Blocks per chunk (``pp * vpp`` chunks): the planner's partition when it fits, else an even split."""
     chunks = pp * vpp

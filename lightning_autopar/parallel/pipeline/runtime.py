@@ -7,23 +7,34 @@ round-robin; interleaved zero bubble likewise with the backward split into input
 part fills the bubble); ZBV and DualPipeV run two chunks per rank placed in a V (``partition.stage_owners``), also
 with the split backward. DualPipeV's overlapped forward+backward pairs run one after the other (torch's default
 without a registered overlap callback): the same arithmetic, no overlap of their communication.
+
+Shapes: torch's stages infer their activation shapes once (a real forward and backward of micro-batch 0) and
+keep receive buffers of those shapes for a fixed number of micro-batches. A training step is therefore one or
+more *runs*, each of equal-shaped micro-batches (``runtime.pipeline_step`` groups them); the stages and the
+schedule are kept per (shapes, micro-batch count) key, the last ``SCHEDULE_CACHE`` of them (a ragged last
+batch or alternating sequence lengths reuse theirs; a new key infers again). Every rank of the pipeline group
+passes the same key (they captured the same inputs), and the data-parallel ranks too (the key holds every
+rank's shapes), so all ranks infer, and run FSDP's collectives, together.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 import torch
 from torch import nn
 
 from lightning_autopar.parallel.pipeline.chunks import split_model
-from lightning_autopar.parallel.pipeline.partition import check_schedule, chunk_sizes, stage_owners
+from lightning_autopar.parallel.pipeline.partition import check_schedule, chunk_sizes, schedule_count, stage_owners
 from lightning_autopar.parallel.pipeline.stage import stage_class
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_autopar.profile.analyze import ModelAnalysis
+
+SCHEDULE_CACHE = 8  # (shapes, micro-batch count) keys whose stages and schedule are kept
 
 
 class StagedPipeline:
@@ -39,24 +50,44 @@ class StagedPipeline:
         self.pp_rank = pp_mesh.get_local_rank()
         self.device = device
         self.inputs: list[tuple[tuple, dict]] = []
-        self.n_microbatches = n_microbatches
+        self.n_microbatches = n_microbatches  # the plan's; a step runs the micro-batches its batch has
         self.owners: list[int] = []  # pipeline rank of each chunk, set with the schedule
 
     def _build_schedule(self, stage_cls: type, schedule: str,
                         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
+        self._stage_cls, self._schedule_kind, self._loss_fn = stage_cls, schedule, loss_fn
+        self.owners = stage_owners(self.pp, self.chunks[0].num_chunks, schedule)
+        self._runs: OrderedDict[Hashable, tuple[list[Any], Any]] = OrderedDict()
+        self.stages: list[Any] = []  # those of the current (or last) run, made by its first step
+        self.schedule: Any = None
+
+    def _stages_for(self, key: Hashable, n_microbatches: int) -> tuple[list[Any], Any]:
+        """The stages and schedule for ``n_microbatches`` micro-batches of the shapes ``key`` names: cached (the
+        last ``SCHEDULE_CACHE``), else new ones, whose first run infers the shapes."""
         from torch.distributed import pipelining as tp
 
-        self._stage_cls = stage_cls
-        self.owners = stage_owners(self.pp, self.chunks[0].num_chunks, schedule)
-        self.stages = [stage_cls(c, c.index, c.num_chunks, self.device, group=self.group) for c in self.chunks]
+        full = (key, n_microbatches)
+        if full in self._runs:
+            self._runs.move_to_end(full)
+            return self._runs[full]
+        stages = [self._stage_cls(c, c.index, c.num_chunks, self.device, group=self.group) for c in self.chunks]
         multi = {"interleaved-zb": tp.ScheduleInterleavedZeroBubble, "zbv": tp.ScheduleZBVZeroBubble,
                  "dualpipev": tp.ScheduleDualPipeV}
-        if schedule in multi or schedule == "interleaved" or len(self.stages) > 1:
-            kind = multi.get(schedule, tp.ScheduleInterleaved1F1B)
-            self.schedule = kind(self.stages, self.n_microbatches, loss_fn=loss_fn, scale_grads=False)
-        else:
-            kind = tp.ScheduleGPipe if schedule == "gpipe" else tp.Schedule1F1B
-            self.schedule = kind(self.stages[0], self.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        name = self._schedule_kind
+        if name in multi or name == "interleaved" or len(stages) > 1:
+            kind = multi.get(name, tp.ScheduleInterleaved1F1B)
+            schedule = kind(stages, n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        else:  # torch's 1F1B needs micro-batches >= stages; fewer run GPipe's order (what 1F1B then is)
+            kind = tp.ScheduleGPipe if name == "gpipe" or n_microbatches < self.pp else tp.Schedule1F1B
+            schedule = kind(stages[0], n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        self._runs[full] = (stages, schedule)
+        while len(self._runs) > SCHEDULE_CACHE:
+            self._runs.popitem(last=False)
+        return stages, schedule
+
+    def run_size(self, micro_batches: int) -> int:
+        """Micro-batches a run of ``micro_batches`` equal-shaped ones takes: at least the schedule's minimum."""
+        return schedule_count(self._schedule_kind, self.pp, micro_batches)
 
     @property
     def inferring(self) -> bool:
@@ -78,14 +109,25 @@ class StagedPipeline:
         """Global rank of the last stage in this rank's pipeline group."""
         return int(self.pp_mesh.mesh.flatten()[self.owners[-1]].item())
 
-    def train_step(self, inputs: list[tuple[tuple, dict]]) -> None:
-        """Forward and backward of all micro-batches through the schedule. ``inputs[i]`` are the (args, kwargs)
-        of the model call for micro-batch i; the loss function given at construction runs on the last stage
-        with the micro-batch index as its target."""
-        if len(inputs) != self.n_microbatches:
-            raise RuntimeError(f"pipeline: {len(inputs)} micro-batches, planned {self.n_microbatches}")
+    def check_inputs(self, inputs: list[tuple[tuple, dict]]) -> None:
+        """One ConfigError when the chunks cannot run these model calls (the block-stack chunks take any)."""
+
+    def train_step(self, inputs: list[tuple[tuple, dict]], key: Hashable = None, real: int | None = None) -> None:
+        """Forward and backward of one run of micro-batches through the schedule. ``inputs[i]`` are the (args,
+        kwargs) of the model call for micro-batch i, all of the shapes ``key`` names (the same key on every rank;
+        None: the planned micro-batches); their count is one ``run_size`` gives. The first ``real`` are real
+        micro-batches, the rest zero-weight stand-ins whose buffer updates are undone after the run (None: all
+        real). The loss function given at construction runs on the last stage with the micro-batch index as its
+        target."""
+        n = len(inputs)
+        if n != self.run_size(n):
+            raise RuntimeError(f"pipeline: a run of {n} micro-batches, schedule {self._schedule_kind} needs "
+                               f"{self.run_size(n)}")
+        self.stages, self.schedule = self._stages_for(key, n)
         self.inputs = inputs
-        index = torch.arange(self.n_microbatches, device=self.device)
+        for stage in self.stages:
+            stage.real = real
+        index = torch.arange(n, device=self.device)
         args = (index,) if self.chunks[0].is_first else ()
         try:
             self.schedule.step(*args, target=index if self.has_last else None, return_outputs=False)
@@ -94,7 +136,11 @@ class StagedPipeline:
             self._after_step()
 
     def _after_step(self) -> None:
-        """Hook run after every training step, also a failed one."""
+        """After every run, also a failed one: undo what stand-ins (and a forward-only shape inference) did to
+        the chunks' buffers."""
+        for stage in self.stages:
+            stage.real = None
+            stage.restore_buffers()
 
     def forward_only(self, inputs: tuple[tuple, dict]) -> Any:
         """One micro-batch forward through all chunks in stage order without gradients (validation); returns

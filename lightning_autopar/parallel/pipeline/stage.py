@@ -7,7 +7,12 @@ imported inside the functions: importing the planner or the profiler must not lo
 Overrides of ``PipelineStage`` methods the schedules call (``stage_class``, both pipelines):
 
 * ``forward_one_chunk`` (public name, internal to the schedules): tells the chunk the micro-batch it runs, so
-  the chunk reads that micro-batch's captured model call (the schedule only passes the activation).
+  the chunk reads that micro-batch's captured model call (the schedule only passes the activation); before the
+  first stand-in micro-batch of a run (index >= ``real``: zero-weight stand-ins of a rank short of rows, or
+  copies filling a schedule's minimum) it saves the chunk's buffers, which the pipeline restores after the run
+  (``restore_buffers``): a stand-in must not move BatchNorm running statistics. Stand-ins come last in a run
+  and every stage runs its forwards in micro-batch order, so the saved values are those after the last real
+  micro-batch.
 * ``_prepare_forward_infra`` / ``_prepare_backward_infra``: the stage's shape inference runs a real forward
   and backward; ``Stage.inferring`` is set meanwhile so the loss function does not record that loss, and the
   forward runs micro-batch 0's inputs.
@@ -49,10 +54,25 @@ def stage_class() -> type:
         """Tells its chunk which micro-batch it runs, and flags the shape-inference pass."""
 
         inferring = False
+        real: int | None = None  # micro-batches of the current run before its stand-ins (None: all real)
+        _saved: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
         def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             self.submod.mb_index = fwd_chunk_id
+            if self.real is not None and fwd_chunk_id >= self.real:
+                self.save_buffers()
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+        def save_buffers(self) -> None:
+            """Keep the chunk's buffer values (once, until ``restore_buffers``)."""
+            if self._saved is None:
+                self._saved = [(b, b.detach().clone()) for _, b in self.submod.named_buffers()]
+
+        def restore_buffers(self) -> None:
+            saved, self._saved = self._saved, None
+            with torch.no_grad():
+                for buf, value in saved or []:
+                    buf.copy_(value)
 
         def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
             self.submod.mb_index = 0
@@ -88,10 +108,8 @@ def traced_stage_class() -> type:
     base = stage_class()
 
     class TracedStage(base):  # type: ignore[misc, valid-type]
-        _saved: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-
         def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
-            self._saved = [(b, b.detach().clone()) for _, b in self.submod.named_buffers()]
+            self.save_buffers()
             return super()._prepare_forward_infra(*args, **kwargs)
 
         def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
@@ -99,12 +117,6 @@ def traced_stage_class() -> type:
                 return super()._prepare_backward_infra(*args, **kwargs)
             finally:
                 self.restore_buffers()
-
-        def restore_buffers(self) -> None:
-            saved, self._saved = self._saved, None
-            with torch.no_grad():
-                for buf, value in saved or []:
-                    buf.copy_(value)
 
     return TracedStage
 

@@ -9,7 +9,8 @@ them).
 
 Refused (one ConfigError each): export fails (data-dependent control flow, graph breaks; the first line of the
 reason is shown); a unit that is not called exactly once where the trace expects it; a parameter used on both
-sides of a split (a tie: the splitter would copy it and train two tensors); a non-tensor value crossing a split.
+sides of a split (a tie: the splitter would copy it and train two tensors); a non-tensor value crossing a split;
+a batch dimension the trace fixed (micro-batches take any number of rows).
 
 The trace is dynamic in the batch dimension where the model allows it (``Dim.AUTO``); every other input
 dimension is fixed at the example's size and checked on every call (``flatten_inputs``).
@@ -158,7 +159,24 @@ def trace_split(module: nn.Module, example: Example, unit_fqns: Sequence[str], s
         module.train(was_training)
     split = _wire(pipe, name, ep, groups)
     _check_split(module, split)
+    _check_batch_dynamic(split, args, kwargs)
     return split
+
+
+def _check_batch_dynamic(split: TracedSplit, args: tuple, kwargs: dict) -> None:
+    """Refuse a trace that fixed the batch dimension (the model's code depends on the batch size: a reshape to
+    it, a loop over rows): the pipeline's micro-batches have any number of rows (a ragged last batch, unequal
+    micro-batches), so it would stop mid-epoch. The batch dimension is the leading one of the inputs whose
+    leading size is the example's rows, as ``runtime.batches`` slices them."""
+    from torch.utils._pytree import tree_leaves
+
+    leaves = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+    rows = next((int(t.shape[0]) for t in leaves if t.dim() >= 1), None)
+    for name, fixed in zip(split.placeholders, split.input_shapes):
+        if fixed and rows is not None and fixed[0] == rows:
+            raise ConfigError("plan.pp", f"{split.module_name}: torch.export fixed the batch dimension of input "
+                              f"'{name}' at the example's {rows} rows (the model's code depends on the batch size), "
+                              "so pipeline micro-batches of other sizes could not run", "use pp=1")
 
 
 def _wire(pipe: Any, name: str, ep: Any, groups: list[list[str]]) -> TracedSplit:
@@ -176,8 +194,7 @@ def _wire(pipe: Any, name: str, ep: Any, groups: list[list[str]]) -> TracedSplit
         if node.op == "placeholder":
             placeholders.append(node.name)
             val = node.meta.get("val")
-            shapes.append(tuple(d if isinstance(d, int) else None for d in val.shape)
-                          if isinstance(val, torch.Tensor) else None)
+            shapes.append(tuple(_fixed_size(d) for d in val.shape) if isinstance(val, torch.Tensor) else None)
         elif node.op == "call_module":
             k = len(stages)
             if node.kwargs:
@@ -215,6 +232,13 @@ def _wire(pipe: Any, name: str, ep: Any, groups: list[list[str]]) -> TracedSplit
     carried = [[v for v in values if producer[v] < k <= last_use.get(v, -1)] for k in range(len(stages))]
     return TracedSplit(pipe, name, ep.call_spec.in_spec, ep.call_spec.out_spec, placeholders, shapes, stages,
                        carried, output, groups)
+
+
+def _fixed_size(dim: Any) -> int | None:
+    """A traced dimension's size when the trace fixed it (an int, or a symbol export specialised), else None."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    return int(dim) if is_concrete_int(dim) else None
 
 
 def _check_split(module: nn.Module, split: TracedSplit) -> None:
@@ -315,7 +339,8 @@ def flatten_inputs(split: TracedSplit, args: tuple, kwargs: dict) -> list[Any]:
         if fixed is None or not isinstance(leaf, torch.Tensor):
             continue
         if leaf.dim() != len(fixed) or any(f is not None and f != s for f, s in zip(fixed, leaf.shape)):
-            raise ConfigError("DataLoader.batch_size", f"{split.module_name}: input '{name}' has shape "
-                              f"{tuple(leaf.shape)}, the pipeline trace fixed {tuple('*' if f is None else f for f in fixed)}",
-                              "keep every input's shape (except the batch size where the model allows it) fixed")
+            raise ConfigError("DataLoader", f"{split.module_name}: input '{name}' has shape {tuple(leaf.shape)}, "
+                              f"the pipeline trace fixed {tuple('*' if f is None else f for f in fixed)}",
+                              "keep every input's shape (except the batch size where the model allows it) fixed, "
+                              "or use pp=1")
     return leaves

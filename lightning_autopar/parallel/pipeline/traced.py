@@ -211,9 +211,11 @@ class TracedPipeline(StagedPipeline):
                     if value is not None and fqn in current:
                         sub._parameters[key] = current[fqn]
 
-    def _after_step(self) -> None:
-        for stage in self.stages:  # a forward-only inference (no backward to restore after) ends here
-            stage.restore_buffers()
+    def check_inputs(self, inputs: list[Example]) -> None:
+        """One ConfigError when a model call's structure or a dimension the trace fixed (every one but the
+        batch's, where the model allows) differs from the traced call's."""
+        for args, kwargs in inputs:
+            flatten_inputs(self.split, args, kwargs)
 
     def forward_only(self, inputs: Example) -> Any:
         """One micro-batch forward through all chunks in stage order without gradients (validation), with the
