@@ -388,8 +388,10 @@ def check_sp(analysis: ModelAnalysis, transformer: nn.Module, tp: int = 2, runne
         _check_structure(info)
     dense = next((b for b in analysis.blocks if b.moe is None), None)
     call = _dry_run(transformer, analysis, dense, tp, runner) if dense is not None else None
-    UNPADDABLE[transformer] = _unpaddable(analysis, transformer, call, 4 * tp)
-    check_length(analysis.spec.name, analysis.spec.seq_len, tp, UNPADDABLE[transformer])
+    unpaddable = _unpaddable(analysis, transformer, call, 4 * tp)
+    if transformer is not None:  # the planner's restriction check may run before the stack is found
+        UNPADDABLE[transformer] = unpaddable
+    check_length(analysis.spec.name, analysis.spec.seq_len, tp, unpaddable)
 
 
 # transformer -> why a sequence length tp does not divide cannot be padded under SP ('' where it can: ``check_sp``)

@@ -110,6 +110,10 @@ SCENARIOS = {
     "gpt_interleaved": (f"pp=2,dp={DP},zero=1,grad_accum={GRAD_ACCUM},schedule=interleaved,vpp=2", make_gpt,
                         token_batches),
     "gpt_zbv": (f"pp=2,dp={DP},grad_accum={GRAD_ACCUM},schedule=zbv,vpp=2", make_gpt, token_batches),
+    "gpt_interleaved_zb": (f"pp=2,dp={DP},grad_accum={GRAD_ACCUM},schedule=interleaved-zb,vpp=2", make_gpt,
+                           token_batches),
+    # DualPipeV needs 2*pp micro-batches: runs with fewer (the short batches) are filled with zero-weight copies
+    "gpt_dualpipev": (f"pp=2,dp={DP},grad_accum=4,schedule=dualpipev,vpp=2", make_gpt, token_batches),
     "hf_dict_mask": (f"pp=2,dp={DP},grad_accum={GRAD_ACCUM},schedule=1f1b", LitDictLM, dict_batches),
     "unet_traced": (f"pp=2,dp={DP},grad_accum={GRAD_ACCUM}", make_unet, volume_batches),
 }
@@ -124,7 +128,8 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     micro-batch losses (micro-batch m of dp slice r, as ``runtime.batches.micro_batches`` cuts them)."""
     from lightning_autopar.runtime.batches import leading_size, micro_batches
 
-    _, make, batches = SCENARIOS[name]
+    fix, make, batches = SCENARIOS[name]
+    grad_accum = int(dict(f.split("=") for f in fix.split(","))["grad_accum"])
     L.seed_everything(0, verbose=False)
     module = make()
     opt = module.configure_optimizers()
@@ -133,7 +138,7 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         total = leading_size(batch)
         loss = 0.0
         for rank in range(DP):
-            for mb in micro_batches(batch, GRAD_ACCUM, rank, DP):
+            for mb in micro_batches(batch, grad_accum, rank, DP):
                 if mb.rows:
                     part = module.loss(mb.batch) * (mb.rows / total)
                     part.backward()

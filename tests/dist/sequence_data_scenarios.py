@@ -24,6 +24,7 @@ MAX_SEQ = 64  # our GPT's position table: every length below fits
 
 # scenario -> (model, plan fields, sequence lengths of the batches in order)
 PLANS = {
+    "gpt_alternating_dp": ("gpt", "dp=4,zero=0", [64, 32]),
     "gpt_alternating_sp": ("gpt", "tp=2,dp=2,zero=3,sp=true", [64, 32]),
     "gpt_alternating_cp": ("gpt", "cp=2,dp=2,zero=3", [64, 32]),
     "gpt_30_sp": ("gpt", "tp=4,dp=1,sp=true", [30]),
