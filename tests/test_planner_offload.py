@@ -78,8 +78,9 @@ def test_presets_name_the_host() -> None:
 def test_estimate_moves_states_to_the_host() -> None:
     got = {o: estimate("llama3-8b", H100, f"{ZERO3_PLAN},offload={o}", **LLAMA) for o in OFFLOAD_MODES}
     none, opt, par = got["none"], got["optimizer"], got["params"]
+    # host: the 12 B/param states (bf16-mixed: m, v, fp32 master) + the host step's fp32 gradient copy (4 B)
     assert opt.memory_breakdown["optimizer"] == 0 and opt.host_gib_per_device == pytest.approx(
-        none.memory_breakdown["optimizer"], rel=1e-6)
+        none.memory_breakdown["optimizer"] * (12 + 4) / 12, rel=1e-6)
     assert par.memory_breakdown["parameters"] == par.memory_breakdown["gradients"] == 0
     moved = sum(none.memory_breakdown[k] for k in ("parameters", "gradients", "optimizer"))
     assert par.host_gib_per_device == pytest.approx(moved, rel=1e-6)
@@ -171,3 +172,12 @@ def test_png_draws_memory_of_winner_and_smallest(tmp_path: Path) -> None:
     assert sum(v for k, v in small.items() if k != "host") < sum(v for k, v in win.items() if k != "host")
     png = report.save_png(tmp_path / "plan.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and [p.name for p in tmp_path.iterdir()] == ["plan.png"]
+
+
+def test_host_step_copy_bytes_by_formula() -> None:
+    """offload=optimizer's host step works on copies: the fp32 gradient shard, and the parameter shard where the
+    plan is fp32 (mixed precision: that copy is the fp32 master in OPTIM_BYTES)."""
+    local = np.array([1e6, 1e6, 1e6])
+    offload = np.array([1, 1, 2])
+    w, g = C.host_step_copy_bytes(local, np.array([0, 1, 0]), offload)
+    assert list(w) == [4e6, 0.0, 0.0] and list(g) == [4e6, 4e6, 0.0]

@@ -572,6 +572,19 @@ def offloaded_state_bytes(weights: Any, grads: Any, optim: Any, shard_copy: Any,
     return w, np.where(params, grads, 0.0), np.where(off > 0, optim, 0.0)
 
 
+def host_step_copy_bytes(local_params: Any, prec: Any, offload: Any) -> tuple[Any, Any]:
+    """(weights, gradients) bytes of the copies offload=optimizer's host step works on, P/N = the rank's shard
+    (``local_params``): the gradient shard copied out, 4*P/N (fp32, FSDP2's reduce dtype), and the parameter shard
+    the optimizer updates, 4*P/N where the plan is fp32 (in mixed precision that copy is the fp32 master already in
+    OPTIM_BYTES: 0) (ZeRO-Offload keeps the gradients and the fp32 parameters on the CPU, Ren et al. 2021 s.4.1;
+    parallel/offload.HostStep's host mirrors). They are host memory where the device has a host of its own,
+    else (a CPU) more of the same memory."""
+    optimizer = np.asarray(offload) == OFFLOAD_OPTIMIZER
+    fp32 = np.asarray(prec) == 0
+    return (np.where(optimizer & fp32, 4.0 * local_params, 0.0),
+            np.where(optimizer, GRAD_REDUCE_BYTES[prec] * local_params, 0.0))
+
+
 def offload_copy_time(hw: Hardware, local_params: Any, prec: Any, offload: Any) -> tuple[Any, Any, Any]:
     """(per all-gather, per gradient reduction, per step) seconds of host-link copies for plan.offload, P/N = the
     rank's shard (``local_params``), at DeviceSpec.host_link_gbs (PCIe, one direction; the two directions overlap):

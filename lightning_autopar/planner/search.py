@@ -577,9 +577,13 @@ def _dp_rank_terms(hw: C.Hardware, dpc: dict[str, list], zero: np.ndarray, prec_
         + C.fsdp_shard_copy_bytes(p_e, zero, np.where(replicated, 1.0, exp_shard), prec_d, fsdp)
     parts[0] = parts[0] + shard_copy
     moved = C.offloaded_state_bytes(*parts, shard_copy, zero, offload)
+    copies_w, copies_g = C.host_step_copy_bytes(local, prec_d, offload)
     if hw.host_link:  # a host of its own: the moved states leave the device (else they stay: nothing is saved)
         parts = [part - out for part, out in zip(parts, moved)]
-    dpc["host"].append(sum(moved) if hw.host_link else 0.0 * local)
+        dpc["host"].append(sum(moved) + copies_w + copies_g)
+    else:  # the host step's copies are more of the same memory
+        parts[0], parts[1] = parts[0] + copies_w, parts[1] + copies_g
+        dpc["host"].append(0.0 * local)
     states = sum(parts)
     for name, part in zip(("m_params", "m_grads", "m_optim"), parts):
         dpc[name].append(part)
