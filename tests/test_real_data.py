@@ -145,3 +145,26 @@ def test_last_batch_rows_known_before_iterating():
     assert last_batch_rows(DataLoader(R.Stream(), batch_size=8)) is None
     with pytest.raises(ConfigError, match="DataLoader.drop_last: a batch of 3 rows does not split evenly over the 2"):
         check_even_rows(last_batch_rows(DataLoader(data, batch_size=8)), 2)
+
+
+def test_uneven_label_tokens_are_found_and_warned_once():
+    """HF-style labels whose rows count different numbers of tokens: slices weighted by rows are not one device's
+    token mean, so the step warns once (runtime.step.warn_token_weighting); even rows or no split: silent."""
+    import warnings
+
+    from lightning_autopar.runtime import step
+    from lightning_autopar.runtime.batches import uneven_label_tokens
+
+    even = {"labels": torch.tensor([[1, 2, -100], [3, 4, -100]])}
+    uneven = {"labels": torch.tensor([[1, 2, 3], [3, -100, -100]])}
+    assert not uneven_label_tokens(even) and uneven_label_tokens(uneven)
+    assert not uneven_label_tokens((torch.zeros(2, 3),))
+    step._WARNED_TOKENS[0] = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step.warn_token_weighting(uneven, 1, 0)  # not split: one device's mean
+        step.warn_token_weighting(even, 4, 0)
+        step.warn_token_weighting(uneven, 4, 0)
+        step.warn_token_weighting(uneven, 4, 0)  # once
+    assert len(caught) == 1 and "labels" in str(caught[0].message)
+    step._WARNED_TOKENS[0] = False

@@ -142,3 +142,17 @@ def last_batch_rows(loader: Any) -> int | None:
     except (TypeError, AttributeError):
         return None
     return samples % size or (size if samples else None)
+
+
+IGNORE_INDEX = -100  # the label torch's cross_entropy and Hugging Face losses skip
+
+
+def uneven_label_tokens(batch: Any) -> bool:
+    """Whether ``batch`` is a mapping whose ``labels`` (a 2-D+ tensor, HF style) have rows with different counts
+    of counted tokens (not IGNORE_INDEX): a loss averaged over a micro-batch's counted tokens then differs from
+    one device's average over the whole batch's when slices are weighted by rows."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 2 or labels.shape[0] < 2:
+        return False
+    counted = (labels != IGNORE_INDEX).flatten(1).sum(1)
+    return bool((counted != counted[0]).any())

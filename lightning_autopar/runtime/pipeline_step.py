@@ -28,7 +28,7 @@ from lightning_autopar.errors import ConfigError
 from lightning_autopar.runtime.batches import MicroBatch, leading_size, micro_batches, tree_leaves
 from lightning_autopar.runtime.grads import gradients_set_aside, restore_gradients
 from lightning_autopar.runtime.logs import LogRecorder, recording_logs
-from lightning_autopar.runtime.step import StepEnv
+from lightning_autopar.runtime.step import StepEnv, warn_token_weighting
 
 
 @dataclass
@@ -109,6 +109,7 @@ class PipelineSteps:
         total = leading_size(batch) or 0
         dp_rank, dp = env.group.rank_and_size()
         micro = micro_batches(batch, grad_accum, dp_rank, dp)
+        warn_token_weighting(batch, dp * len(micro), dp_rank)
         with recording_logs(module, LogRecorder()), hooks_off():  # cp: the stages split the captured inputs
             inputs = [capture_model_call(self.model, partial(module.training_step, mb.batch, *rest, **kwargs))
                       for mb in micro]

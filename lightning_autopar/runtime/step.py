@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_autopar.parallel.stand_in import standing_in
-from lightning_autopar.runtime.batches import batch_rows, micro_batches
+from lightning_autopar.runtime.batches import batch_rows, micro_batches, uneven_label_tokens
 from lightning_autopar.runtime.grads import GradientHold, gradients_set_aside
 from lightning_autopar.runtime.group import DataParallelGroup
 from lightning_autopar.runtime.logs import LogRecorder, recording_logs
@@ -55,6 +55,25 @@ def loss_of(output: Any) -> Any:
     return output["loss"] if isinstance(output, Mapping) else output
 
 
+_WARNED_TOKENS = [False]
+
+
+def warn_token_weighting(batch: Any, parts: int, dp_rank: int) -> None:
+    """One warning (per process, from data-parallel rank 0) when a batch split into ``parts`` > 1 micro-batch
+    slices carries HF-style ``labels`` whose rows count different numbers of tokens: the slices are weighted by
+    rows (batches.micro_batches), so a loss that averages over each slice's counted tokens is not the average over
+    the whole batch's tokens one device would take. Silent otherwise: never silently inexact."""
+    import warnings
+
+    if _WARNED_TOKENS[0] or parts < 2 or dp_rank != 0 or not uneven_label_tokens(batch):
+        return
+    _WARNED_TOKENS[0] = True
+    warnings.warn("autopar: the batch's 'labels' rows count different numbers of tokens (padding -100) and the "
+                  "batch is split over ranks / micro-batches weighted by rows: a loss that is a mean over each "
+                  "slice's tokens differs from one device's mean over the whole batch; to match it, return a "
+                  "per-row mean (or a token sum over the batch's token count)", stacklevel=2)
+
+
 def training_step(env: StepEnv, batch: Any, rest: tuple, kwargs: dict, acc: Accumulation,
                   backward: Callable[[torch.Tensor], Any]) -> Any:
     """Run the user's ``training_step`` on every micro-batch; ``backward`` (the driver's) runs for all but the
@@ -65,6 +84,7 @@ def training_step(env: StepEnv, batch: Any, rest: tuple, kwargs: dict, acc: Accu
     module = env.module
     dp_rank, dp = env.group.rank_and_size()
     micro = micro_batches(batch, acc.grad_accum if acc.automatic else 1, dp_rank, dp)
+    warn_token_weighting(batch, dp * len(micro), dp_rank)
     total = batch_rows(batch)
     recorder = LogRecorder()
     local_loss = torch.zeros((), device=env.group.device)
