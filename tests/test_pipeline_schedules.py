@@ -25,7 +25,7 @@ from lightning_autopar.specs import SCHEDULES, load_cluster_spec, load_model_spe
 
 WORLD2 = ["pp2_zbv", "pp2_zbv_ga2", "pp2_izb", "pp2_dualpipev", "pp2_moe_zbv", "pp2_moe_dualpipev",
           "dualpipev_refused", "izb_refused", "zbv_recompute_refused", "zbv_validation"]
-WORLD4 = ["pp2_dp2_izb_zero1", "pp2_dp2_izb_zero3", "pp2_dp2_zbv_zero3", "pp2_tp2_zbv"]
+WORLD4 = ["pp2_dp2_izb_zero1", "pp2_dp2_izb_zero3", "pp2_dp2_zbv_zero3", "pp2_tp2_zbv", "pp2_tp2_sp_dualpipev_mbs1"]
 
 
 @pytest.fixture(scope="module")

@@ -166,7 +166,9 @@ class PipelineChunk(nn.Module):
                 if self.is_last:
                     raise
                 if not self.carries_moe_values:
-                    return stop.value
+                    # not a view: the split-backward schedules detach stage outputs in place (torch's
+                    # stage_backward_input), which a view refuses (SP's gathered output at micro-batch size 1)
+                    return stop.value.clone() if stop.value._is_view() else stop.value
                 # earlier layers' values pass through (a copy: an output must not be the received tensor)
                 return (stop.value, *(v.clone() for v in values), *self._own_values())
             finally:

@@ -134,7 +134,6 @@ def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
     return _ContiguousGrad.apply(x) if x.requires_grad else x
 
 
-
 def _is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
