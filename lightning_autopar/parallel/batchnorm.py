@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_autopar.parallel.stand_in import in_backward, stand_in_active
+from lightning_autopar.parallel.stand_in import in_backward, stand_in_for
 
 _SYNCED: dict[type, type] = {}
 
@@ -95,9 +95,7 @@ class SyncedBatchNorm:
         bn._check_input_dim(x)
         compute = torch.promote_types(x.dtype, torch.float32)
         xc = x.to(compute)
-        if not in_backward():
-            self._stand_in_seen = stand_in_active()
-        mean, var, total = _group_stats(xc, self._dp_group, 0.0 if self._stand_in_seen else 1.0)
+        mean, var, total = _group_stats(xc, self._dp_group, 0.0 if stand_in_for(self) else 1.0)
         if bn.training and bn.track_running_stats and bn.running_mean is not None and not in_backward():
             self._update_running(mean.detach(), var.detach(), total)
         shape = [1, -1] + [1] * (x.dim() - 2)

@@ -92,7 +92,7 @@ import torch
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
-from lightning_autopar.parallel.stand_in import in_backward, stand_in_active
+from lightning_autopar.parallel.stand_in import stand_in_for
 from lightning_autopar.profile.analyze import plain_moe_layout as plain_layout
 
 if TYPE_CHECKING:
@@ -206,6 +206,8 @@ def gather_rows(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 class ExpertParallelForward:
     """Replaces an MoE layer's ``forward`` (an instance attribute, so the module and its names are unchanged)."""
 
+    _stand_in_seen = False  # the last forward outside backward was a stand-in's (parallel.stand_in.stand_in_for)
+
     def __init__(self, layer: ExpertLayer, num_experts: int, ep_group: ProcessGroup | None,
                  count_group: ProcessGroup | None, capacity_factor: float | None = None) -> None:
         self.layer = layer
@@ -215,19 +217,17 @@ class ExpertParallelForward:
         self.count_group = count_group
         self.capacity_factor = capacity_factor
         self.global_counts = count_group is not None and count_group.size() > 1 and _takes_reduce_counts(layer.module)
-        self.stand_in_seen = False  # the last forward outside backward was a stand-in's (parallel.stand_in)
 
     def _reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """The expert counts summed over the count group; a zero-weight stand-in's tokens count as none."""
         import torch.distributed as dist
 
-        counts = counts.detach().clone() * (0 if self.stand_in_seen else 1)
+        counts = counts.detach().clone() * (0 if self._stand_in_seen else 1)
         dist.all_reduce(counts, group=self.count_group)
         return counts
 
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if not in_backward():  # a recomputed forward counts as its original did
-            self.stand_in_seen = stand_in_active()
+        stand_in_for(self)  # recorded for _reduce_counts (a recomputed forward counts as its original did)
         moe = self.layer.module
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
@@ -510,7 +510,6 @@ class RouterLogitsGather:
         self.group = group
         self.active = False
         self.warned = False
-        self.stand_in_seen = False
         names = list(inspect.signature(transformer.forward).parameters)
         self.mask_position = names.index("attention_mask") if "attention_mask" in names else None
         transformer.register_forward_pre_hook(self._before, with_kwargs=True)
@@ -542,9 +541,7 @@ class RouterLogitsGather:
             out = forward(*args, **kwargs)
             if not self.active:
                 return out
-            if not in_backward():  # a recomputed forward gathers as its original did
-                self.stand_in_seen = stand_in_active()
-            rows = out[0][:0] if self.stand_in_seen else out[0]  # a stand-in's tokens route nothing
+            rows = out[0][:0] if stand_in_for(self) else out[0]  # a stand-in's tokens route nothing
             return (gather_rows(rows, self.group), *out[1:])
 
         router.forward = gathered

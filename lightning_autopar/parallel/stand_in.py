@@ -8,7 +8,7 @@ recomputed inside backward (``in_backward``: activation recomputation runs after
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -33,3 +33,11 @@ def stand_in_active() -> bool:
 def in_backward() -> bool:
     """Inside an autograd backward pass (e.g. a checkpointed unit being recomputed)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def stand_in_for(owner: Any) -> bool:
+    """Whether ``owner``'s forward runs for a stand-in now: the flag, recorded on ``owner`` outside backward;
+    inside backward (a recomputed forward, after the flag is gone) what its last forward recorded."""
+    if not in_backward():
+        owner._stand_in_seen = stand_in_active()
+    return getattr(owner, "_stand_in_seen", False)

@@ -333,8 +333,9 @@ class PlanningMixin(ABC):
             from lightning_autopar.launch import print_env_hints
 
             print_env_hints(plan, self.report.cluster)
-        if self.global_rank == 0 and not unit_form and padding_note(plan, seq_len):
-            warnings.warn(padding_note(plan, seq_len), stacklevel=2)
+        note = "" if unit_form else padding_note(plan, seq_len)
+        if self.global_rank == 0 and note:
+            warnings.warn(note, stacklevel=2)
         self._apply(plan, transformer, analysis, example)
 
     # ------------------------------------------------------------------ set-up profiling and trials
