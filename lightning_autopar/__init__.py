@@ -27,19 +27,30 @@ from lightning_autopar.specs import (
 __version__ = "0.1.0"
 
 
+def _model_spec(model: Any, seq_len: int | None) -> Any:
+    """An ``nn.Module`` analysed into its ModelSpec (the planner takes specs); anything else as given."""
+    if hasattr(model, "parameters") and hasattr(model, "forward"):
+        from lightning_autopar.profile.analyze import model_spec_from_module
+
+        return model_spec_from_module(model, seq_len=seq_len)
+    return model
+
+
 def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None, fix: Any = None,
          top: int = 10, **kwargs: Any) -> Any:
-    """Rank the feasible plans for ``model`` on ``cluster``; the report has ``.best`` and ``.candidates``."""
+    """Rank the feasible plans for ``model`` (a spec, preset, YAML path or ``nn.Module``) on ``cluster``; the report
+    has ``.best`` and ``.candidates``."""
     from lightning_autopar.planner.search import plan as _plan
 
-    return _plan(model, cluster, global_batch=global_batch, seq_len=seq_len, fix=fix, top=top, **kwargs)
+    return _plan(_model_spec(model, seq_len), cluster, global_batch=global_batch, seq_len=seq_len, fix=fix, top=top,
+                 **kwargs)
 
 
 def estimate(model: Any, cluster: Any, plan: Any, **kwargs: Any) -> PricedPlan:
     """Price one plan (step time, memory, breakdown) without searching."""
     from lightning_autopar.planner.search import estimate as _estimate
 
-    return _estimate(model, cluster, plan, **kwargs)
+    return _estimate(_model_spec(model, kwargs.get("seq_len")), cluster, plan, **kwargs)
 
 
 def _register() -> None:

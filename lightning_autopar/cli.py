@@ -17,7 +17,7 @@ SUBCOMMANDS = {
     "plan": ("lightning_autopar.planner.cli_plan", "rank parallel plans for a model on a cluster"),
     "analyze": ("lightning_autopar.profile.cli_analyze", "describe a model (any nn.Module) and write its model spec"),
     "ranktable": ("lightning_autopar.topology.cli_ranktable", "build, validate and convert rank tables (HCCL, generic)"),
-    "probe": ("lightning_autopar.topology.probe", "measure collective bandwidth on the live group (torchrun)"),
+    "probe": ("lightning_autopar.runtime.probe", "measure collective bandwidth on the live group (torchrun)"),
 }
 
 

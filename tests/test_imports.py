@@ -99,3 +99,50 @@ def test_planner_and_analysis_load_no_lightning_and_no_distributed_runtime():
     heavy = [m for m in out if m.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric")
              or m.startswith("torch.distributed")]
     assert heavy == []
+
+
+# The layers, lowest first (ARCHITECTURE.md "Layers"): a module may import its own layer and the ones below.
+# ``launch`` is pure (a plan and a cluster in, suggested environment variables out) and sits with the specs; the
+# ``cli_*`` modules of every package, the config (it builds strategies and Trainers) and the package root (its
+# lazy public API) sit on top with the entry points.
+LAYERS = (
+    ("specs", "errors", "files", "launch", "models", "data"),
+    ("planner",),
+    ("topology",),
+    ("profile",),
+    ("parallel",),
+    ("runtime",),
+    ("callbacks",),
+    ("strategy", "fabric", "accelerate", "config", "cli", "cli_*"),
+    ("",),
+)
+
+
+def layer_of(module: str) -> int:
+    """The rank of a package module in LAYERS: by its file name for ``cli_*`` modules, else by its first part."""
+    parts = module.split(".")[1:]
+    if parts and parts[-1].startswith("cli_"):
+        parts = ["cli_*"]
+    first = parts[0] if parts else ""
+    for rank, names in enumerate(LAYERS):
+        if first in names:
+            return rank
+    raise AssertionError(f"{module}: no layer in tests/test_imports.LAYERS; add its package there")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, deps in graph.items() for t in deps if layer_of(t) > layer_of(m))
+
+
+def test_no_module_imports_a_layer_above_it():
+    """Counting imports inside functions: the real graph, not the one the top of each file shows."""
+    known = module_names()
+    graph = {m: imported(m, p, known) for m, p in known.items()}
+    assert upward_imports(graph) == []
+
+
+def test_layer_check_finds_an_upward_import():
+    graph = {"lightning_autopar.specs": {"lightning_autopar.runtime.step"},
+             "lightning_autopar.runtime.step": {"lightning_autopar.specs"},
+             "lightning_autopar.planner.cli_plan": {"lightning_autopar.profile.units"}}
+    assert upward_imports(graph) == ["lightning_autopar.specs -> lightning_autopar.runtime.step"]

@@ -176,7 +176,7 @@ def test_calibrated_cluster_predicts_the_truth_and_round_trips() -> None:
         want = estimate(model, truth, fix, global_batch=16, seq_len=128).step_time_s
         assert estimate(model, cal, fix, global_batch=16, seq_len=128).step_time_s == pytest.approx(want, rel=0.01)
     # the YAML the cache and `autopar probe` write loads back to the same prediction
-    from lightning_autopar.topology.probe import spec_yaml
+    from lightning_autopar.runtime.probe import spec_yaml
     import yaml
 
     again = load_cluster_spec(yaml.safe_load(spec_yaml(cal)))

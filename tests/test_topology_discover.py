@@ -10,7 +10,7 @@ import pytest
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.specs import ClusterSpec, DeviceSpec, LinkSpec, PeakTflops
 from lightning_autopar.topology import discover as dc
-from lightning_autopar.topology.probe import spec_yaml
+from lightning_autopar.runtime.probe import spec_yaml
 from lightning_autopar.topology.discover import table_from_records
 from lightning_autopar.topology.ranktable import Device, RankTable, Server
 

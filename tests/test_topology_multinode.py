@@ -30,7 +30,8 @@ WORKER = textwrap.dedent('''
     from lightning_autopar import cli
     from lightning_autopar.errors import ConfigError
     from lightning_autopar.specs import Plan
-    from lightning_autopar.topology import discover, probe
+    from lightning_autopar.runtime import probe
+    from lightning_autopar.topology import discover
     from lightning_autopar.topology.mesh import build_mesh, group_ranks, groups_crossing_nodes, \\
         init_process_group_with_timeout
     from lightning_autopar.files import atomic_write

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.specs import LinkSpec, load_cluster_spec
-from lightning_autopar.topology import probe
+from lightning_autopar.runtime import probe
 from lightning_autopar.topology.discover import cluster_from_records, local_record
 
 

@@ -106,8 +106,10 @@ def test_trials_choose_the_measured_fastest(launch):
     first = results["trials"][0]
     trials = {t["plan"]["mbs"]: t for t in first["trials"]}
     assert set(trials) == {1, 4} and all(not t["error"] and t["measured_s"] > 0 for t in trials.values())
-    assert trials[1]["measured_s"] > 1.3 * trials[4]["measured_s"]  # ga 4 vs 1 under zero=3: the known gap
-    assert first["plan"]["mbs"] == 4 and first["best_plan"] == first["plan"]
+    # which of the two is faster is the machine's to say (a shared machine can reorder them): the choice must be
+    # the one measured fastest, whichever it is
+    fastest = min(trials, key=lambda mbs: trials[mbs]["measured_s"])
+    assert first["plan"]["mbs"] == fastest and first["best_plan"] == first["plan"]
     assert first["outcome"]["trials_run"] == 2 and first["profiled"] and first["outcome"]["profile_s"] > 0
     for other in results["trials"][1:]:  # every rank measured, decided and applied the same
         assert other["trials"] == first["trials"] and other["plan"] == first["plan"]

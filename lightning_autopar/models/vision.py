@@ -11,7 +11,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from lightning_autopar.config import VisionConfig
+from lightning_autopar.models.vision_config import VisionConfig
 from lightning_autopar.models.hf import _transformers
 
 

@@ -106,6 +106,12 @@ class HostStep:
         self._step: Callable[..., Any] = optimizer.step
         optimizer.step = self.step  # type: ignore[method-assign]
 
+    def host_copies(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(parameter mirrors, gradient buffers) this step holds on the host: what a memory measurement started
+        between steps must be told about (``profile.memory`` asks the optimizer's step owner for them)."""
+        mirrors = list(self.mirrors.values())
+        return [m.host for m in mirrors], [m.grad for m in mirrors]
+
     @torch.no_grad()
     def _mirror(self, p: torch.Tensor) -> _Mirror:
         """``p``'s mirror, its values copied in if the device shard changed since the last step."""
@@ -213,13 +219,3 @@ def check_offload(offload: str, precision: str, device_type: str) -> None:
     if offload == "params" and precision == "fp16-mixed" and device_type != "cpu":
         raise ConfigError("plan.offload", "offload=params keeps gradients on the host, where fp16-mixed's loss "
                           "scaler (on the device) cannot check them", "use bf16-mixed, or offload=optimizer")
-
-
-def host_copies(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(parameter mirrors, gradient buffers) an offload=optimizer step holds on the host (empty otherwise): what
-    a memory measurement started between steps must be told about (``profile.memory``)."""
-    host = getattr(optimizer.step, "__self__", None)
-    if not isinstance(host, HostStep):
-        return [], []
-    mirrors = list(host.mirrors.values())
-    return [m.host for m in mirrors], [m.grad for m in mirrors]

@@ -1,6 +1,6 @@
 """Feasibility, pricing, ranking and pipeline partition: ``plan()`` searches the space, ``estimate()`` prices one plan.
 
-Pure numpy: no torch import here (an ``nn.Module`` model is turned into a ModelSpec lazily by the profiler).
+Pure numpy: no torch import here (an ``nn.Module`` is turned into a ModelSpec by ``lightning_autopar.plan``).
 Pricing is vectorised over the whole candidate space (see space.py for its two-level layout); the
 assembly below follows the cost terms of cost.py, each named there with its formula and source.
 """
@@ -41,17 +41,15 @@ CHUNK = 16384  # candidates per vectorised block (keeps the working set in cache
 
 
 def resolve_model(model: Any, seq_len: int | None = None) -> ModelSpec:
-    """ModelSpec from a spec, preset name, YAML path, mapping, or an ``nn.Module`` (profiled lazily)."""
+    """ModelSpec from a spec, preset name, YAML path or mapping. The planner takes specs only: an ``nn.Module`` is
+    analysed one layer up (``lightning_autopar.plan`` / ``estimate``, ``profile.analyze.model_spec_from_module``)."""
     if isinstance(model, (ModelSpec, str, Mapping)):
-        spec = load_model_spec(model)
-    elif hasattr(model, "parameters") and hasattr(model, "forward"):
-        from lightning_autopar.profile.analyze import model_spec_from_module
-
-        spec = model_spec_from_module(model, seq_len=seq_len)
-    else:
-        raise ConfigError("model", f"cannot plan for a {type(model).__name__}",
-                          "pass a ModelSpec, a preset name, a YAML path, a mapping or an nn.Module")
-    return spec
+        return load_model_spec(model)
+    if hasattr(model, "parameters") and hasattr(model, "forward"):
+        raise ConfigError("model", f"the planner takes specs, not a {type(model).__name__} module",
+                          "call lightning_autopar.plan / estimate, which analyse the module first")
+    raise ConfigError("model", f"cannot plan for a {type(model).__name__}",
+                      "pass a ModelSpec, a preset name, a YAML path, a mapping or an nn.Module")
 
 
 def resolve_precisions(cluster: ClusterSpec, precision: str | Sequence[str] | None) -> list[str]:

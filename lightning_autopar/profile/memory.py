@@ -155,13 +155,16 @@ def _tracker(module: nn.Module, optimizer: torch.optim.Optimizer | None, backwar
 
 
 def _track_host_copies(tracker: Any, optimizer: torch.optim.Optimizer) -> None:
-    """offload=optimizer: the host mirrors of the parameters and their gradient buffers (``parallel.offload``),
-    made before the measured step, counted as parameters and gradients."""
+    """offload=optimizer: the host mirrors of the parameters and their gradient buffers, made before the measured
+    step, counted as parameters and gradients. The step's owner declares them (``parallel.offload.HostStep.
+    host_copies``); an optimizer without one holds none."""
     from torch.distributed._tools.mem_tracker import _MemRefType
 
-    from lightning_autopar.parallel.offload import host_copies
-
-    params, grads = host_copies(getattr(optimizer, "_optimizer", optimizer))
+    step_owner = getattr(getattr(optimizer, "_optimizer", optimizer).step, "__self__", None)
+    declared = getattr(step_owner, "host_copies", None)
+    if declared is None:
+        return
+    params, grads = declared()
     for tensors, kind in ((params, _MemRefType.PARAM), (grads, _MemRefType.GRAD)):
         for t in tensors:
             tracker._update_and_maybe_create_winfos(t, kind)

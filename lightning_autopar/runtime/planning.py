@@ -21,7 +21,8 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from lightning_autopar.errors import ConfigError, install_excepthook
+from lightning_autopar.errors import ConfigError
+from lightning_autopar.topology.worker import install_excepthook
 from lightning_autopar.runtime.analysis import analyse, sequence_length
 from lightning_autopar.runtime.batches import batch_rows, leading_size
 from lightning_autopar.runtime.group import DataParallelGroup, broadcast_module, dp_mesh

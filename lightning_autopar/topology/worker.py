@@ -18,7 +18,7 @@ then has its own keys in the shared store.
 
 Failures. An autopar error on one rank must stop every rank with its one line, not with gloo "Connection closed
 by peer" tracebacks from the others. The failing rank publishes its line to the process group's store
-(:func:`publish_failure`, called by ``errors.install_excepthook``) before it exits; a peer whose collective then
+(:func:`publish_failure`, called by ``install_excepthook``) before it exits; a peer whose collective then
 fails finds it (:func:`peer_failure`) and prints it. Under torchrun the store is the agent's and outlives the
 workers. Under Lightning's launcher rank 0 serves it, and its peers' collectives fail only once it has exited
 (closing or aborting a gloo group does not end them), so there the other ranks run a thread that looks for a
@@ -120,7 +120,7 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-# ------------------------------------------------------------------ one line on every rank (errors.install_excepthook)
+# ------------------------------------------------------------------ one line on every rank (install_excepthook)
 
 FAILED_KEY = "autopar/failed"
 SEEN_KEY = "autopar/failed_seen"  # peers that have read the failure
@@ -267,3 +267,35 @@ def _watch() -> None:
                 stop_with(failure.line_for(str(dist.get_rank())), failure.exit_code)
         except Exception:  # noqa: BLE001 -- the group or the store is gone (the run ended): nothing to watch
             return
+
+
+def install_excepthook() -> None:
+    """Make an uncaught AutoparError print its one line and exit with its code, instead of a traceback, on every
+    rank: the failing rank publishes its line to the job's store (``publish_failure``) before it
+    exits; a peer that then dies in a collective (gloo's "Connection closed by peer") finds it there
+    (``peer_failure``; where rank 0 serves the store, the peers' ``watch_for_failures`` threads)
+    and prints "autopar (rank k): stopped because rank j failed: <line>", exiting with the same code.
+
+    Other exceptions keep the previous hook. Installed by the strategy and the Fabric integration, i.e. only in
+    programs that use autopar."""
+    import sys
+
+    from lightning_autopar.errors import AutoparError
+
+    previous = sys.excepthook
+    if getattr(previous, "_autopar", False):
+        return
+
+    def hook(kind, value, tb):  # type: ignore[no-untyped-def]
+        rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))  # Lightning's launcher sets only the latter
+        if isinstance(value, AutoparError):
+            publish_failure(str(value), value.exit_code)
+            prefix = f"autopar (rank {rank})" if rank not in (None, "0") else "autopar"
+            stop_with(f"{prefix}: {value}", value.exit_code)
+        failed = peer_failure(value)
+        if failed is not None:
+            stop_with(failed.line_for(rank), failed.exit_code)
+        previous(kind, value, tb)
+
+    hook._autopar = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

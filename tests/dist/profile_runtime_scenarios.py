@@ -52,7 +52,7 @@ def profile_result(out_dir: Path) -> dict:
     result["grads_unchanged"] = all(p.grad is not None and bool((p.grad == 0.5).all()) for p in model.parameters())
     result["rng_unchanged"] = torch.equal(rng[0], torch.get_rng_state()) and rng[1] == random.getstate()
     probe_path = out_dir / "probed.yaml"
-    from lightning_autopar.topology.probe import run_probe, spec_yaml
+    from lightning_autopar.runtime.probe import run_probe, spec_yaml
 
     probed = run_probe(sizes=[4096], iters=2, warmup=1, check_versions=False)
     if dist.get_rank() == 0:
