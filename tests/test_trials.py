@@ -86,6 +86,19 @@ def test_outcome_line_names_what_happened():
     assert "budget" in SetupOutcome(skipped="budget 0.01s below 1s").line(best)
 
 
+def test_outcome_names_the_source_of_the_step_times():
+    from lightning_autopar.planner.report import SOURCE_CALIBRATED, SOURCE_MEASURED, SOURCE_PRESET
+
+    best = PricedPlan(Plan(dp=4, mbs=4), 0.25)
+    measured = SetupOutcome(profile_s=1.5, trials_run=2).figures_source(SOURCE_PRESET)
+    assert measured == f"{SOURCE_MEASURED} (set-up profile + 2 trials)"
+    assert SetupOutcome(trials_run=1).figures_source(SOURCE_PRESET) == f"{SOURCE_MEASURED} (1 trial)"
+    cached = SetupOutcome(cached=True, cluster_file="/c/k/m/cluster.yaml").figures_source(SOURCE_PRESET)
+    assert cached == f"{SOURCE_CALIBRATED} (/c/k/m/cluster.yaml)"
+    assert SetupOutcome(skipped="profile=False").figures_source(SOURCE_PRESET) == SOURCE_PRESET
+    assert SetupOutcome().line(best, SOURCE_PRESET).endswith(f"dp=4 zero=0 mbs=4 ga=1 [{SOURCE_PRESET}]")
+
+
 # ------------------------------------------------------------------------------------ one world-4 launch
 
 NAMES = ["trials", "fixed", "cached", "nocache", "fabric", "tp"]

@@ -329,7 +329,7 @@ class PlanningMixin(ABC):
             self.report.print_table()
             print(f"autopar: planned in {time.perf_counter() - started:.2f}s for world {self.world_size}, "
                   f"global batch {global_batch}, seq {seq_len}: {plan.short()}", flush=True)
-            print(f"autopar: {outcome.line(self.report.best)}", flush=True)
+            print(f"autopar: {outcome.line(self.report.best, self.report.source)}", flush=True)
             from lightning_autopar.launch import print_env_hints
 
             print_env_hints(plan, self.report.cluster)
@@ -395,6 +395,7 @@ class PlanningMixin(ABC):
             from lightning_autopar.profile.runtime import profile_folder
 
             out.cluster_file = str(profile_folder(*keys, cache) / "cluster.yaml")
+        self.report.source = out.figures_source(self.report.source)
         return out
 
     def _step_pass(self) -> Any:

@@ -302,8 +302,21 @@ class SetupOutcome:
     cluster_file: str = ""  # the calibrated cluster.yaml in the cache ("" when none)
     skipped: str = ""  # why nothing was measured, one phrase
 
-    def line(self, best: Any) -> str:
-        """The one line rank 0 prints after planning."""
+    def figures_source(self, planned: str) -> str:
+        """Where the final planning's step times come from (planner.report SOURCE_*): measured at this set-up,
+        the profile cache's calibrated file, else ``planned`` (the planner's label of the cluster it was given)."""
+        from lightning_autopar.planner.report import SOURCE_CALIBRATED, SOURCE_MEASURED
+
+        if self.profile_s or self.trials_run:
+            parts = (["set-up profile"] if self.profile_s else []) + (
+                [f"{self.trials_run} trial{'s' if self.trials_run != 1 else ''}"] if self.trials_run else [])
+            return f"{SOURCE_MEASURED} ({' + '.join(parts)})"
+        if self.cached:
+            return f"{SOURCE_CALIBRATED} ({self.cluster_file})"
+        return planned
+
+    def line(self, best: Any, source: str = "") -> str:
+        """The one line rank 0 prints after planning (``source``: where its step time comes from)."""
         if self.cached:
             head = f"set-up profile cached at {Path(self.cluster_file).parent}"
         elif self.profile_s:
@@ -315,7 +328,7 @@ class SetupOutcome:
         head += f", {self.trials_run} trial{'s' if self.trials_run != 1 else ''}"
         if self.trials_s:
             head += f" in {self.trials_s:.2f}s"
-        head += f"; predicted {best.step_time_s:.4g} s/step for {best.plan.short()}"
+        head += f"; predicted {best.step_time_s:.4g} s/step for {best.plan.short()}" + (f" [{source}]" if source else "")
         if self.cluster_file:
             head += (f"; calibrated cluster {self.cluster_file} (`autopar plan --cluster {self.cluster_file}` "
                      "predicts the same)")
