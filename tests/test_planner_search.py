@@ -104,7 +104,7 @@ def test_estimate_plan_forms() -> None:
     as_plan = estimate("gpt-tiny", cpu(), Plan(dp=2, tp=2, mbs=2, grad_accum=2))
     assert as_plan.step_time_s == pytest.approx(as_text.step_time_s)
     b = as_plan.breakdown
-    assert as_plan.step_time_s == pytest.approx(b.compute_s + b.recompute_s + b.comm_exposed_s + b.bubble_s)
+    assert as_plan.step_time_s == pytest.approx(b.compute_s + b.recompute_s + b.comm_exposed_s + b.bubble_s + b.runtime_s)
     assert as_plan.tokens_per_s == pytest.approx(8 * 64 / as_plan.step_time_s)
     with pytest.raises(ConfigError, match="world size"):
         estimate("gpt-tiny", cpu(), Plan(dp=3), global_batch=3)

@@ -54,6 +54,24 @@ def test_budget_is_the_smaller_of_seconds_and_share_of_the_planned_run():
     assert SetupSettings().candidates == AUTO_TRIALS_MAX and SetupSettings(trials=7).candidates == 7
 
 
+def test_a_run_of_enough_steps_always_gets_the_quick_measurement():
+    """Issue 30: README's main job (120 steps predicted at 0.0327 s: 0.08 s of share) measured nothing; a run of
+    QUICK_MIN_STEPS steps or more gets QUICK_SETUP_S, shorter runs and explicit choices do not."""
+    from lightning_autopar.runtime.trial import QUICK_MIN_STEPS, QUICK_SETUP_S
+
+    auto = SetupSettings()
+    run_s = 120 * 0.0327
+    assert auto.quick(run_s, 120) and auto.budget_s(run_s, 120) == QUICK_SETUP_S
+    assert not auto.quick(run_s, QUICK_MIN_STEPS - 1) and auto.budget_s(run_s, QUICK_MIN_STEPS - 1) == 0.0
+    assert not auto.quick(1000.0, 1000) and auto.budget_s(1000.0, 1000) == pytest.approx(10.0)  # the share rules
+    assert not auto.quick(None, None) and auto.budget_s(None, None) == 0.0  # Fabric: no planned run
+    assert not SetupSettings(profile=False).quick(run_s, 120)
+    assert not SetupSettings(profile_budget_s=0.0).quick(run_s, 120)
+    assert SetupSettings(profile_budget_s=2.0).budget_s(run_s, 120) == 2.0  # never above the user's cap
+    assert "quick set-up profile" in SetupOutcome(budget_s=4.0, profile_s=1.0, quick=True).line(
+        PricedPlan(Plan(dp=4, mbs=4), 0.25))
+
+
 def test_cache_dir_default_none_and_given(tmp_path):
     from lightning_autopar.profile.runtime import cache_dir
 
