@@ -119,7 +119,7 @@ def test_outcome_names_the_source_of_the_step_times():
 
 # ------------------------------------------------------------------------------------ one world-4 launch
 
-NAMES = ["trials", "fixed", "cached", "nocache", "fabric", "tp"]
+NAMES = ["trials", "fixed", "cached", "nocache", "fabric", "tp", "quick"]
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +142,22 @@ def test_trials_choose_the_measured_fastest(launch):
     assert first["outcome"]["trials_run"] == 2 and first["profiled"] and first["outcome"]["profile_s"] > 0
     for other in results["trials"][1:]:  # every rank measured, decided and applied the same
         assert other["trials"] == first["trials"] and other["plan"] == first["plan"]
+
+
+def test_default_settings_measure_a_run_of_enough_steps(launch):
+    """Issue 30: the default set-up on a run whose share of 2% is below a second measures anyway (the quick
+    measurement: the best plan's collectives and the user's step), and the report says the figures are measured."""
+    from lightning_autopar.runtime.trial import QUICK_SETUP_S
+
+    _, results = launch
+    first = results["quick"][0]
+    outcome = first["outcome"]
+    assert outcome["quick"] and outcome["budget_s"] == QUICK_SETUP_S and outcome["profile_s"] > 0
+    assert outcome["paths_s"] == 0.0  # no runtime paths in the quick measurement (only a cached cluster's)
+    assert first["source"].startswith("measured here (set-up profile")
+    assert len(first["losses"]) == 1
+    for other in results["quick"][1:]:
+        assert other["outcome"]["quick"] and other["plan"] == first["plan"]
 
 
 def test_trials_and_profile_leave_nothing_in_the_real_run(launch):
