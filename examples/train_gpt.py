@@ -42,7 +42,7 @@ def train(cfg: TrainConfig, module: L.LightningModule | None = None) -> L.Traine
         seq_len = cfg.data.seq_len or cfg.model.seq_len
         module = LitGPT(gpt_config(cfg.model, seq_len=seq_len), lr=cfg.optim.lr, optimizer=cfg.optim.name,
                         weight_decay=cfg.optim.weight_decay, momentum=cfg.optim.momentum)
-    trainer = trainer_from_config(cfg)
+    trainer = trainer_from_config(cfg, data)
     trainer.fit(module, data)
     if trainer.is_global_zero:
         print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.3f}")

@@ -31,7 +31,7 @@ def train_vision(cfg: TrainConfig) -> L.Trainer:
                       batch_size=cfg.data.batch_size, shuffle=cfg.data.shuffle, drop_last=True)
     module = LitImageClassifier(image_classifier(v), lr=cfg.optim.lr, optimizer=cfg.optim.name,
                                 weight_decay=cfg.optim.weight_decay, momentum=cfg.optim.momentum)
-    trainer = trainer_from_config(cfg)
+    trainer = trainer_from_config(cfg, data)
     trainer.fit(module, data)
     if trainer.is_global_zero:
         metrics = trainer.callback_metrics

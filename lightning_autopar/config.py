@@ -11,7 +11,7 @@ Entry points::
 
     hydra_app(task, "train")              # in a script: compose from sys.argv, errors as one line (exit 2)
     compose(["trainer.devices=2"])        # in code and tests: the validated TrainConfig
-    strategy_from_config(cfg), trainer_from_config(cfg)
+    strategy_from_config(cfg), trainer_from_config(cfg, train_loader)
 
 Hydra is told not to change the working directory (``hydra.job.chdir=False``) and writes its run files under
 ``outputs/``. Lightning's process launcher re-runs the script for ranks 1..N-1 with the same overrides plus
@@ -298,8 +298,25 @@ def strategy_from_config(cfg: TrainConfig, **extra: Any) -> Any:
                                 profile_cache=p.profile_cache, **extra)
 
 
-def trainer_from_config(cfg: TrainConfig, **extra: Any) -> Any:
-    """A Lightning Trainer with ``strategy_from_config(cfg)`` and the trainer section of ``cfg``."""
+def epochs_for_steps(max_steps: int, train_loader: Any, accumulate: int = 1) -> int | None:
+    """The epochs a run of ``max_steps`` optimizer steps over ``train_loader`` spans (None: no step limit or an
+    unsized loader). Lightning sets max_epochs = -1 when only max_steps is given, and its rich progress bar then
+    shows "Epoch 14/-2" (max_epochs - 1); this count makes it show the real last epoch, and stops where max_steps
+    does."""
+    try:
+        batches = len(train_loader)
+    except TypeError:  # an IterableDataset without __len__
+        return None
+    if max_steps is None or max_steps <= 0 or batches <= 0:
+        return None
+    steps_per_epoch = -(-batches // max(accumulate, 1))
+    return -(-max_steps // steps_per_epoch)
+
+
+def trainer_from_config(cfg: TrainConfig, train_loader: Any = None, **extra: Any) -> Any:
+    """A Lightning Trainer with ``strategy_from_config(cfg)`` and the trainer section of ``cfg``; given the
+    training DataLoader, max_epochs is the epochs max_steps spans (``epochs_for_steps``), so the progress bar
+    counts real epochs."""
     import lightning.pytorch as L
 
     t = cfg.trainer
@@ -313,6 +330,10 @@ def trainer_from_config(cfg: TrainConfig, **extra: Any) -> Any:
     if t.precision is not None:
         kwargs["precision"] = t.precision
     kwargs.update(extra)
+    epochs = None if train_loader is None else epochs_for_steps(
+        kwargs["max_steps"], train_loader, kwargs.get("accumulate_grad_batches", 1))
+    if epochs is not None and kwargs.get("max_epochs") is None:
+        kwargs["max_epochs"] = epochs
     return L.Trainer(**kwargs)
 
 

@@ -271,7 +271,9 @@ class RuntimeCosts:
 
     step_us: float = 0.0  # per optimizer step: the loop around it (hooks, closure, zero_grad, optimizer dispatch)
     microbatch_us: float = 0.0  # per micro-batch per rank: batch slicing, autocast / no_sync contexts, loss scaling
-    fsdp_unit_us: float = 0.0  # per FSDP unit per all-gather or reduce-scatter: pre/post hooks, copy-in/out dispatch
+    # per FSDP unit per all-gather or reduce-scatter: pre/post hooks, copy-in/out dispatch (0 on a CPU device: its
+    # eager ops counted at the device's per-op cost, planner.cost.fsdp_unit_seconds)
+    fsdp_unit_us: float = 0.0
     tp_block_us: float = 0.0  # per block per micro-batch with tp > 1: DTensor dispatch and sharding propagation
     pipeline_action_us: float = 0.0  # per pipeline schedule action: one stage's fwd or bwd of one micro-batch + p2p posts
     ep_layer_us: float = 0.0  # per MoE layer per micro-batch with ep > 1: exchange splits and bookkeeping

@@ -30,6 +30,27 @@ def test_default_config_is_the_main_job():
     assert cfg.data.batch_size == 16
 
 
+def test_main_job_progress_bar_counts_real_epochs():
+    """README's main job gives max_steps only; Lightning then sets max_epochs = -1 and its rich progress bar
+    printed "Epoch 14/-2". Given the loader, the Trainer spans the real epochs and stops where max_steps does."""
+    from lightning.pytorch.callbacks import RichProgressBar
+    from torch.utils.data import DataLoader
+
+    from lightning_autopar.config import epochs_for_steps, trainer_from_config
+
+    loader = DataLoader(list(range(130)), batch_size=16, drop_last=True)  # 8 batches per epoch
+    assert epochs_for_steps(120, loader) == 15 and epochs_for_steps(16, loader) == 2
+    assert epochs_for_steps(120, loader, accumulate=3) == 40  # 3 steps per epoch (ceil(8 / 3))
+    assert epochs_for_steps(-1, loader) is None and epochs_for_steps(10, iter(range(3))) is None
+    cfg = compose(["trainer.devices=1", "trainer.max_steps=120"])
+    trainer = trainer_from_config(cfg, loader, callbacks=[RichProgressBar()])
+    assert (trainer.max_epochs, trainer.max_steps) == (15, 120)
+    bar = next(c for c in trainer.callbacks if isinstance(c, RichProgressBar))
+    bar._trainer = trainer  # what Lightning's setup hook sets
+    assert bar._get_train_description(14) == "Epoch 14/14"
+    assert trainer_from_config(cfg).max_epochs is None  # without the loader: Lightning resolves it to -1 at fit
+
+
 def test_overrides_from_the_issue_command_line():
     # `planner.fix="tp=2"` reaches argv without the quotes
     cfg = compose(["model=gpt_small", "cluster=cpu", "trainer.devices=4", "planner.fix=tp=2,zero=3"])

@@ -22,7 +22,9 @@ def test_json_contract(capsys: pytest.CaptureFixture) -> None:
     assert main(TINY + ["--json", "--top", "3"]) == 0
     out = capsys.readouterr().out
     data = json.loads(out)  # exactly one object
-    assert set(data) == {"best", "candidates", "evaluated", "feasible", "search_seconds"}
+    assert set(data) == {"best", "candidates", "evaluated", "feasible", "search_seconds", "step_time_source",
+                         "step_time_note"}  # the source labels: issue 30
+    assert data["step_time_source"] == "preset (uncalibrated)"
     assert PLAN_KEYS <= set(data["best"]) and len(data["candidates"]) == 3
     assert set(data["best"]["breakdown"]) == {"compute_s", "recompute_s", "comm_exposed_s", "bubble_s"}
     assert data["candidates"][0] == data["best"] and data["evaluated"] >= data["feasible"] > 0

@@ -104,7 +104,7 @@ def test_estimate_plan_forms() -> None:
     as_plan = estimate("gpt-tiny", cpu(), Plan(dp=2, tp=2, mbs=2, grad_accum=2))
     assert as_plan.step_time_s == pytest.approx(as_text.step_time_s)
     b = as_plan.breakdown
-    assert as_plan.step_time_s == pytest.approx(b.compute_s + b.recompute_s + b.comm_exposed_s + b.bubble_s)
+    assert as_plan.step_time_s == pytest.approx(b.compute_s + b.recompute_s + b.comm_exposed_s + b.bubble_s + b.runtime_s)
     assert as_plan.tokens_per_s == pytest.approx(8 * 64 / as_plan.step_time_s)
     with pytest.raises(ConfigError, match="world size"):
         estimate("gpt-tiny", cpu(), Plan(dp=3), global_batch=3)
@@ -173,3 +173,53 @@ def test_explanation_lines() -> None:
     text = "\n".join(report.explanation)
     assert text.startswith("winner ") and "runner-up" in text
     assert "2x inter-node bandwidth" in text and "2x device memory" in text
+
+
+def test_step_times_are_labelled_by_their_source() -> None:
+    """Issue 30: a preset's step times say so, and how far off presets typically are; a calibrated cluster's
+    say calibrated; the JSON carries both."""
+    import dataclasses
+    import io
+    import json
+
+    from rich.console import Console
+
+    from lightning_autopar.planner.report import SOURCE_CALIBRATED, SOURCE_PRESET
+    from lightning_autopar.specs import RuntimeCosts
+
+    report = plan("gpt-tiny", cpu(), global_batch=16, precision="fp32", restrict=STRATEGY_RESTRICT)
+    assert report.source == SOURCE_PRESET
+    out = io.StringIO()
+    report.print_table(Console(file=out, width=200))
+    assert f"step times: {SOURCE_PRESET}, on CPU processes presets predict steps 3-4x too fast" in out.getvalue()
+    doc = json.loads(json.dumps(report.to_json_dict()))
+    assert doc["step_time_source"] == SOURCE_PRESET and "3-4x" in doc["step_time_note"]
+    gpu = plan("gpt3-6.7b", load_cluster_spec("a100-80g-dgx", nodes=4), global_batch=128, explain_choice=False)
+    assert "median 6%" in gpu.to_json_dict()["step_time_note"]
+    calibrated = dataclasses.replace(cpu(), runtime=RuntimeCosts(step_us=100.0, source="profile"))
+    assert plan("gpt-tiny", calibrated, global_batch=16, precision="fp32", explain_choice=False).source == \
+        SOURCE_CALIBRATED
+
+
+def test_rows_priced_the_same_are_one_row_naming_the_alternatives() -> None:
+    """Issue 30: four rows of one price differing only in zero 1/2 x compile on/off read as one row."""
+    import io
+
+    from rich.console import Console
+
+    from lightning_autopar.planner.report import merged_short, same_price_groups
+    from lightning_autopar.specs import PricedPlan
+
+    four = [Plan(dp=4, zero=z, mbs=4, compile=c) for c in (False, True) for z in (1, 2)]
+    assert merged_short(four) == "dp=4 mbs=4 ga=1; zero 1|2, compile off|on"
+    assert merged_short(four[:1]) == four[0].short()
+    two = [four[0], four[3]]  # not every combination: each plan's own difference
+    assert merged_short(two) == "dp=4 mbs=4 ga=1; zero=1 | zero=2 compile"
+    priced = [PricedPlan(p, 0.0327) for p in four] + [PricedPlan(Plan(dp=2, pp=2, mbs=4, grad_accum=2), 0.0332)]
+    assert [len(g) for g in same_price_groups(priced)] == [4, 1]
+    report = plan("gpt-tiny", cpu(), global_batch=16, precision="fp32", top=8)
+    out = io.StringIO()
+    report.print_table(Console(file=out, width=250))
+    rows = [line for line in out.getvalue().splitlines() if "mbs=" in line and "│" in line]
+    groups = same_price_groups(report.candidates)
+    assert len(rows) == len(groups) and all(merged_short([p.plan for p in g]) in out.getvalue() for g in groups)

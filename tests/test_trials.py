@@ -54,6 +54,24 @@ def test_budget_is_the_smaller_of_seconds_and_share_of_the_planned_run():
     assert SetupSettings().candidates == AUTO_TRIALS_MAX and SetupSettings(trials=7).candidates == 7
 
 
+def test_a_run_of_enough_steps_always_gets_the_quick_measurement():
+    """Issue 30: README's main job (120 steps predicted at 0.0327 s: 0.08 s of share) measured nothing; a run of
+    QUICK_MIN_STEPS steps or more gets QUICK_SETUP_S, shorter runs and explicit choices do not."""
+    from lightning_autopar.runtime.trial import QUICK_MIN_STEPS, QUICK_SETUP_S
+
+    auto = SetupSettings()
+    run_s = 120 * 0.0327
+    assert auto.quick(run_s, 120) and auto.budget_s(run_s, 120) == QUICK_SETUP_S
+    assert not auto.quick(run_s, QUICK_MIN_STEPS - 1) and auto.budget_s(run_s, QUICK_MIN_STEPS - 1) == 0.0
+    assert not auto.quick(1000.0, 1000) and auto.budget_s(1000.0, 1000) == pytest.approx(10.0)  # the share rules
+    assert not auto.quick(None, None) and auto.budget_s(None, None) == 0.0  # Fabric: no planned run
+    assert not SetupSettings(profile=False).quick(run_s, 120)
+    assert not SetupSettings(profile_budget_s=0.0).quick(run_s, 120)
+    assert SetupSettings(profile_budget_s=2.0).budget_s(run_s, 120) == 2.0  # never above the user's cap
+    assert "quick set-up profile" in SetupOutcome(budget_s=4.0, profile_s=1.0, quick=True).line(
+        PricedPlan(Plan(dp=4, mbs=4), 0.25))
+
+
 def test_cache_dir_default_none_and_given(tmp_path):
     from lightning_autopar.profile.runtime import cache_dir
 
@@ -86,9 +104,22 @@ def test_outcome_line_names_what_happened():
     assert "budget" in SetupOutcome(skipped="budget 0.01s below 1s").line(best)
 
 
+def test_outcome_names_the_source_of_the_step_times():
+    from lightning_autopar.planner.report import SOURCE_CALIBRATED, SOURCE_MEASURED, SOURCE_PRESET
+
+    best = PricedPlan(Plan(dp=4, mbs=4), 0.25)
+    measured = SetupOutcome(profile_s=1.5, trials_run=2).figures_source(SOURCE_PRESET)
+    assert measured == f"{SOURCE_MEASURED} (set-up profile + 2 trials)"
+    assert SetupOutcome(trials_run=1).figures_source(SOURCE_PRESET) == f"{SOURCE_MEASURED} (1 trial)"
+    cached = SetupOutcome(cached=True, cluster_file="/c/k/m/cluster.yaml").figures_source(SOURCE_PRESET)
+    assert cached == f"{SOURCE_CALIBRATED} (/c/k/m/cluster.yaml)"
+    assert SetupOutcome(skipped="profile=False").figures_source(SOURCE_PRESET) == SOURCE_PRESET
+    assert SetupOutcome().line(best, SOURCE_PRESET).endswith(f"dp=4 zero=0 mbs=4 ga=1 [{SOURCE_PRESET}]")
+
+
 # ------------------------------------------------------------------------------------ one world-4 launch
 
-NAMES = ["trials", "fixed", "cached", "nocache", "fabric", "tp"]
+NAMES = ["trials", "fixed", "cached", "nocache", "fabric", "tp", "quick"]
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +144,22 @@ def test_trials_choose_the_measured_fastest(launch):
     assert first["outcome"]["trials_run"] == 2 and first["profiled"] and first["outcome"]["profile_s"] > 0
     for other in results["trials"][1:]:  # every rank measured, decided and applied the same
         assert other["trials"] == first["trials"] and other["plan"] == first["plan"]
+
+
+def test_default_settings_measure_a_run_of_enough_steps(launch):
+    """Issue 30: the default set-up on a run whose share of 2% is below a second measures anyway (the quick
+    measurement: the best plan's collectives and the user's step), and the report says the figures are measured."""
+    from lightning_autopar.runtime.trial import QUICK_SETUP_S
+
+    _, results = launch
+    first = results["quick"][0]
+    outcome = first["outcome"]
+    assert outcome["quick"] and outcome["budget_s"] == QUICK_SETUP_S and outcome["profile_s"] > 0
+    assert outcome["paths_s"] == 0.0  # no runtime paths in the quick measurement (only a cached cluster's)
+    assert first["source"].startswith("measured here (set-up profile")
+    assert len(first["losses"]) == 1
+    for other in results["quick"][1:]:
+        assert other["outcome"]["quick"] and other["plan"] == first["plan"]
 
 
 def test_trials_and_profile_leave_nothing_in_the_real_run(launch):

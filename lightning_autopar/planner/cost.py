@@ -79,6 +79,7 @@ class Hardware:
     compile_fuses: bool = False  # torch.compile fuses element-wise ops on this device (DeviceSpec.compile_fuses)
     host_link: float = 0.0  # device <-> host copy bandwidth, B/s one direction (0: no separate host; offload saves nothing)
     host_bw: float = 0.0  # host DRAM bandwidth per device, B/s (the host optimizer step; 0: the device's own mem_bw)
+    host_device: bool = False  # the device is the host CPU (its eager ops run in line: fsdp_unit_seconds)
 
     @staticmethod
     def from_cluster(cluster: ClusterSpec) -> "Hardware":
@@ -117,6 +118,7 @@ class Hardware:
             compile_fuses=bool(dev.compile_fuses),
             host_link=max(dev.host_link_gbs, 0.0) * 1e9,
             host_bw=max(dev.host_memory_bandwidth_gbs, 0.0) * 1e9,
+            host_device=dev.name.lower().startswith("cpu"),  # configs/cluster/cpu.yaml, topology.discover's "cpu"
         )
 
 
@@ -1086,12 +1088,33 @@ def fsdp_collectives_per_step(zero: Any, fsdp: Any, pp: Any = 1) -> Any:
     return np.where(fsdp, 1.0 + np.where(first, 1.0, 0.0), 0.0)
 
 
+# FSDP2's eager ops per unit and collective, counted on its code path (torch/distributed/fsdp/_fully_shard/
+# _fsdp_collectives.py) for a transformer block of T = 12 parameter tensors (2 norms, 4 projections or a fused qkv
+# + out, 2 MLP matrices, with biases): an all-gather runs all_gather_copy_in (the buffer and _foreach_copy_),
+# the collective, split_with_sizes_copy and one unsharded-parameter view per tensor (4 + T = 16); a reduce-scatter
+# runs the buffer, chunk_cat, the pre- and post-divide, the collective and, per tensor, an as_strided view and the
+# sharded-gradient DTensor or accumulate (6 + 2T = 30). The mean of the two per collective: 23.
+FSDP2_OPS_PER_UNIT_CALL = 23.0
+
+
+def fsdp_unit_seconds(hw: Hardware) -> float:
+    """t_unit, seconds per FSDP unit and collective: measured (RuntimeCosts.fsdp_unit_us, runtime/paths.py), else
+    FSDP2_OPS_PER_UNIT_CALL eager ops at the device's per-op cost when the device is the host (a CPU process: its
+    ops run in line with the compute, so each costs kernel_overhead_us, the figure the block terms charge per op);
+    on an accelerator they are launched ahead of the device's work and hidden (0 until measured)."""
+    if hw.runtime.fsdp_unit_us > 0:
+        return hw.runtime.fsdp_unit_us * 1e-6
+    return FSDP2_OPS_PER_UNIT_CALL * hw.overhead_s if hw.host_device else 0.0
+
+
 def fsdp_unit_overhead_time(hw: Hardware, units: Any, slots: Any, zero: Any, fsdp: Any, pp: Any = 1) -> Any:
     """units * (slots * c_mb + c_step) * t_unit: each FSDP unit's hooks and copy-in/out per collective, c_mb per
-    micro-batch and c_step per step (fsdp_collectives_per_microbatch / _per_step; measured t_unit)."""
+    micro-batch and c_step per step (fsdp_collectives_per_microbatch / _per_step; t_unit: fsdp_unit_seconds). The
+    preset used to price it at 0, so ZeRO 1/2 (one reduce-scatter and one gather per unit and step, and the
+    sharded optimizer step) beat DDP's one bucketed all-reduce on CPU processes, where it measured 2.6x slower."""
     calls = np.asarray(slots, dtype=float) * fsdp_collectives_per_microbatch(zero, fsdp, pp) \
         + fsdp_collectives_per_step(zero, fsdp, pp)
-    return np.asarray(units, dtype=float) * calls * hw.runtime.fsdp_unit_us * 1e-6
+    return np.asarray(units, dtype=float) * calls * fsdp_unit_seconds(hw)
 
 
 def tp_dispatch_time(hw: Hardware, blocks: Any, slots: Any, tp: Any) -> Any:

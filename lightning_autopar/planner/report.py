@@ -15,6 +15,34 @@ TERMS = (("compute_s", "compute"), ("recompute_s", "recompute"), ("comm_exposed_
 LAYOUT_FIELDS = ("dp", "tp", "pp", "cp", "ep")
 # the memory panel's stacked terms (search._memory_terms, PricedPlan.memory_breakdown), bottom to top
 MEMORY_TERMS = ("parameters", "gradients", "optimizer", "activations", "buffers", "reserved")
+# Where the figures behind a printed step time come from (PlanReport.source): measured on this machine at set-up
+# (profile / trials), a calibrated cluster file (a profile cache's cluster.yaml, `autopar probe`), or a preset
+# (or discovered) cluster nobody measured.
+SOURCE_MEASURED = "measured here"
+SOURCE_CALIBRATED = "calibrated file"
+SOURCE_PRESET = "preset (uncalibrated)"
+# How far off uncalibrated presets typically are, as BENCHMARKS.md measured them: on CPU processes (gloo, shared
+# cores) the `cpu` preset predicts steps 3-4x too fast ("Memory truth", "Sequence and context parallelism"); README's
+# main job (a 0.9 M-parameter GPT, 4 processes) measured ~18x its preset prediction; on the published GPU runs of
+# the dev set the presets' step time is off by a median 6.0%, at most 22.2% ("Published runs").
+PRESET_ERROR = {"cpu": "on CPU processes presets predict steps 3-4x too fast, more for tiny models (BENCHMARKS.md)",
+                "gpu": "on published GPU runs presets are off by a median 6%, at most 22% (BENCHMARKS.md)"}
+
+
+def cluster_source(cluster: ClusterSpec) -> str:
+    """SOURCE_CALIBRATED when the cluster carries measured runtime figures (calibrate / probe / a cache's
+    cluster.yaml set ``runtime.source``), else SOURCE_PRESET: what the planner alone can tell."""
+    return SOURCE_CALIBRATED if cluster.runtime.source else SOURCE_PRESET
+
+
+def source_note(source: str, cluster: ClusterSpec) -> str:
+    """One line on what the step times rest on; for a preset, how far off presets typically are and how to
+    measure instead."""
+    if source.startswith(SOURCE_PRESET):
+        kind = "cpu" if "cpu" in cluster.device.name.lower() else "gpu"
+        return (f"step times: {source}, {PRESET_ERROR[kind]}; measure them: the strategy's profile=True, or "
+                "`autopar plan --cluster` on a calibrated cluster.yaml")
+    return f"step times: {source}"
 
 
 @dataclass
@@ -38,6 +66,11 @@ class PlanReport:
     trials: list[TrialResult] = field(default_factory=list)  # plans run at set-up (trials=K), predicted vs measured
     # the plan needing the least device memory of the whole space searched (recompute, offload included), priced
     smallest: PricedPlan | None = None
+    # where the step times' figures come from (SOURCE_*; cluster_source by default, the strategy after measuring)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        self.source = self.source or cluster_source(self.cluster)
 
     def to_json_dict(self) -> dict[str, Any]:
         """The contract JSON: best, candidates, evaluated, feasible, search_seconds."""
@@ -47,6 +80,8 @@ class PlanReport:
             "evaluated": int(self.evaluated),
             "feasible": int(self.feasible),
             "search_seconds": float(self.search_seconds),
+            "step_time_source": self.source,
+            "step_time_note": source_note(self.source, self.cluster),
         }
 
     def print_table(self, console: Any = None) -> None:
@@ -68,14 +103,15 @@ class PlanReport:
         cols = ["#", "plan", "step s", rate, "MFU", "GiB/dev", "compute", "recompute", "comm", "bubble"]
         for col in cols + (["runtime"] if runtime else []):
             table.add_column(col, justify="left" if col == "plan" else "right")
-        for i, p in enumerate(self.candidates, 1):
-            b = p.breakdown
+        for i, group in enumerate(same_price_groups(self.candidates), 1):
+            p, b = group[0], group[0].breakdown
             flag = "" if p.feasible else " [red](does not fit)[/red]"
-            table.add_row(str(i), p.plan.short() + flag, f"{p.step_time_s:.4g}", f"{p.tokens_per_s:,.0f}",
-                          f"{100 * p.mfu:.1f}%", f"{p.memory_gib_per_device:.2f}", f"{b.compute_s:.3g}",
-                          f"{b.recompute_s:.3g}", f"{b.comm_exposed_s:.3g}", f"{b.bubble_s:.3g}",
+            table.add_row(str(i), merged_short([g.plan for g in group]) + flag, f"{p.step_time_s:.4g}",
+                          f"{p.tokens_per_s:,.0f}", f"{100 * p.mfu:.1f}%", f"{p.memory_gib_per_device:.2f}",
+                          f"{b.compute_s:.3g}", f"{b.recompute_s:.3g}", f"{b.comm_exposed_s:.3g}", f"{b.bubble_s:.3g}",
                           *([f"{b.runtime_s:.3g}"] if runtime else []))
         console.print(table)
+        console.print(source_note(self.source, self.cluster), highlight=False)
         if self.candidates and self.candidates[0].memory_breakdown:
             console.print(f"memory per device, plan #1: {memory_line(self.candidates[0])}", highlight=False)
         self._print_measured(console)
@@ -189,6 +225,50 @@ class PlanReport:
         finally:
             plt.close(fig)
         return path
+
+
+# ============================================================================================ table rows
+
+
+def _price_key(p: PricedPlan) -> tuple:
+    """What a table row shows of a plan's price: plans equal in it are one row."""
+    b = p.breakdown
+    return (p.feasible, f"{p.step_time_s:.4g}", f"{p.memory_gib_per_device:.2f}", f"{b.compute_s:.3g}",
+            f"{b.recompute_s:.3g}", f"{b.comm_exposed_s:.3g}", f"{b.bubble_s:.3g}", f"{b.runtime_s:.3g}")
+
+
+def same_price_groups(candidates: list[PricedPlan]) -> list[list[PricedPlan]]:
+    """The candidates in rank order, each group holding the plans whose row would read the same (_price_key):
+    a field the cost model prices at nothing here (zero 1 vs 2 without memory pressure, compile without a
+    measured speed-up) is one row with its alternatives named, not four."""
+    groups: dict[tuple, list[PricedPlan]] = {}
+    for p in candidates:
+        groups.setdefault(_price_key(p), []).append(p)
+    return list(groups.values())
+
+
+def _value(v: Any) -> str:
+    return ("on" if v else "off") if isinstance(v, bool) else str(v)
+
+
+def merged_short(plans: list[Plan]) -> str:
+    """One plan's ``short()``, or for plans priced the same the parts they share then the alternatives by field:
+    "dp=4 mbs=4 ga=1; zero 1|2, compile off|on". When the group is not every combination of those values, the
+    alternatives are the plans' own differences: "...; zero=1 | zero=2 compile"."""
+    if len(plans) == 1:
+        return plans[0].short()
+    shorts = [p.short().split() for p in plans]
+    common = [t for t in shorts[0] if all(t in s for s in shorts[1:])]
+    dicts = [p.to_dict() for p in plans]
+    differing = {k: list(dict.fromkeys(d[k] for d in dicts)) for k in dicts[0] if len({str(d[k]) for d in dicts}) > 1}
+    combinations = 1
+    for values in differing.values():
+        combinations *= len(values)
+    if combinations == len(plans):
+        alternatives = ", ".join(f"{k} {'|'.join(_value(v) for v in vals)}" for k, vals in differing.items())
+    else:
+        alternatives = " | ".join(" ".join(t for t in s if t not in common) or "(base)" for s in shorts)
+    return f"{' '.join(common)}; {alternatives}"
 
 
 # ============================================================================================ measured inputs

@@ -277,9 +277,10 @@ def _mix_options(opts: np.ndarray, blocks: np.ndarray, base: np.ndarray, trc: li
 
 def _runtime_terms(model: ModelSpec, hw: C.Hardware, space: Space) -> dict[str, np.ndarray] | None:
     """The runtime's fixed costs per candidate by term (cost.runtime_fixed_time) on the busiest rank: the
-    first pipeline stage (ceil(L/pp) blocks, plus the embedding's FSDP unit); None when none is measured."""
+    first pipeline stage (ceil(L/pp) blocks, plus the embedding's FSDP unit); None when none is measured and
+    none is priced from the device (cost.fsdp_unit_seconds)."""
     rt = hw.runtime
-    if not any(rt.figures().values()):
+    if not any(rt.figures().values()) and not C.fsdp_unit_seconds(hw):
         return None
     K, M, Cn, D, Lt = space.keys, space.mids, space.cands, space.dpcs, space.layouts
     mid = Cn["mid"]

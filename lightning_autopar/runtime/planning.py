@@ -29,8 +29,8 @@ from lightning_autopar.runtime.group import DataParallelGroup, broadcast_module,
 from lightning_autopar.runtime.lightning_private import set_module_device_mesh
 from lightning_autopar.runtime.pipeline_step import PipelineSteps
 from lightning_autopar.runtime.step import StepEnv
-from lightning_autopar.runtime.trial import (MIN_SETUP_S, RngState, SetupOutcome, SetupSettings, fastest,
-                                             run_trials)
+from lightning_autopar.runtime.trial import (MIN_SETUP_S, QUICK_MIN_STEPS, RngState, SetupOutcome, SetupSettings,
+                                             fastest, run_trials)
 from lightning_autopar.specs import ClusterSpec, Plan, RuntimeProfile, TrialResult, parse_fix
 
 # What the runtime cannot apply on any model (the backend lacks it); the planner searches only inside it unless
@@ -330,7 +330,7 @@ class PlanningMixin(ABC):
             self.report.print_table()
             print(f"autopar: planned in {time.perf_counter() - started:.2f}s for world {self.world_size}, "
                   f"global batch {global_batch}, seq {seq_len}: {plan.short()}", flush=True)
-            print(f"autopar: {outcome.line(self.report.best)}", flush=True)
+            print(f"autopar: {outcome.line(self.report.best, self.report.source)}", flush=True)
             from lightning_autopar.launch import print_env_hints
 
             print_env_hints(plan, self.report.cluster)
@@ -351,8 +351,10 @@ class PlanningMixin(ABC):
 
         settings, report = self._setup, self.report
         steps = self._planned_steps()
-        out = SetupOutcome(budget_s=settings.budget_s(None if steps is None else steps * report.best.step_time_s),
+        run_s = None if steps is None else steps * report.best.step_time_s
+        out = SetupOutcome(budget_s=settings.budget_s(run_s, steps), quick=settings.quick(run_s, steps),
                            plan_s=time.perf_counter() - started)
+        plans = [report.best.plan] if out.quick else [c.plan for c in report.candidates]  # quick: the best only
         keys = (cluster_fingerprint(report.cluster),
                 model_fingerprint(analysis.spec, report.global_batch, report.seq_len, precision))
         cache = None if settings.profile is False else settings.cache_dir()  # profile=False: the cluster as given
@@ -366,7 +368,7 @@ class PlanningMixin(ABC):
             out.skipped = f"the cluster given is calibrated ({report.cluster.runtime.source})"
         elif cached is None and settings.profile is not False and out.budget_s > 0:
             with self._state_kept():
-                profile = profile_runtime(model, analysis, [c.plan for c in report.candidates], report.seq_len,
+                profile = profile_runtime(model, analysis, plans, report.seq_len,
                                           precision, out.budget_s, self.root_device, self._step_pass())
             profile.cluster_key, profile.model_key = keys
             out.profile_s = profile.seconds  # the slowest rank's: every rank decides the trials on it
@@ -376,7 +378,8 @@ class PlanningMixin(ABC):
         elif cached is None:
             out.skipped = ("profile=False" if settings.profile is False else "not training" if steps == 0 else
                            "no planned run to take a share of: profile=True measures" if steps is None else
-                           f"budget {out.budget_s:.3g}s below {MIN_SETUP_S:g}s: profile=True measures anyway")
+                           f"budget {out.budget_s:.3g}s below {MIN_SETUP_S:g}s and {steps} steps below "
+                           f"{QUICK_MIN_STEPS}: profile=True measures anyway")
         if out.profile_s:  # calibrated just now: its fixed costs too (a cached cluster has them already)
             cluster = self._with_path_costs(cluster, keys[0], cache, out)
         if cluster is not report.cluster:
@@ -396,6 +399,7 @@ class PlanningMixin(ABC):
             from lightning_autopar.profile.runtime import profile_folder
 
             out.cluster_file = str(profile_folder(*keys, cache) / "cluster.yaml")
+        self.report.source = out.figures_source(self.report.source)
         return out
 
     def _step_pass(self) -> Any:
@@ -465,7 +469,7 @@ class PlanningMixin(ABC):
             costs = self.broadcast(load_cluster_costs(cluster_key, cache) if self.global_rank == 0 else None)
         if costs is None:
             left = out.budget_s - out.profile_s
-            if left < PATHS_MIN_S:
+            if left < PATHS_MIN_S or out.quick:  # quick: the trial of the best plan measures its fixed costs
                 return cluster
             tick = time.perf_counter()
             costs, timings = measure_paths(cluster, self.root_device, left)

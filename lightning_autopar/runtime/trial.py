@@ -221,6 +221,14 @@ AUTO_TRIALS_MAX = 3  # trials=None runs at most this many
 # Below this much set-up budget nothing is measured automatically: a useful profile (collectives, blocks, fixed
 # costs) of even a tiny GPT took 0.7 s on 4 CPU processes here, and short runs (tests, examples) start as before.
 MIN_SETUP_S = 1.0
+# When that share is below MIN_SETUP_S, a run of at least QUICK_MIN_STEPS steps still gets the quick measurement
+# (issue 30: README's main job, 120 steps, was predicted at 0.0327 s/step from the preset and measured ~0.6 s):
+# the best plan's collectives and the user's own training step at its micro-batch (profile_runtime on that one
+# plan), then a trial of it if the budget has room; at most QUICK_SETUP_S. A run of 50 steps of a tiny model
+# takes tens of seconds on CPU processes, so the quick measurement is a few steps' worth of it; shorter runs
+# (tests, smoke runs) start at once and their report says the figures are the preset's.
+QUICK_SETUP_S = 4.0
+QUICK_MIN_STEPS = 50
 # A trial's copy, plan apply and optimizer build before its first step, until a trial has measured it (a tiny GPT
 # on 4 CPU processes here: 0.2-0.5 s); the automatic trial count uses it.
 TRIAL_BUILD_GUESS_S = 0.5
@@ -265,15 +273,26 @@ class SetupSettings:
         """Plans the planner must return so the trials have distinct ones."""
         return AUTO_TRIALS_MAX if self.trials is None else self.trials
 
-    def budget_s(self, planned_run_s: float | None) -> float:
+    def budget_s(self, planned_run_s: float | None, steps: int | None = None) -> float:
         """Seconds set-up measurement may take: profile=True -> profile_budget_s; else min(profile_budget_s,
-        profile_fraction x planned_run_s), 0 without a planned run (Fabric) or below MIN_SETUP_S."""
+        profile_fraction x planned_run_s), 0 without a planned run (Fabric); below MIN_SETUP_S the quick
+        measurement's budget for a run of ``steps`` >= QUICK_MIN_STEPS (``quick``), else 0."""
         if self.profile:
             return float(self.profile_budget_s)
         if planned_run_s is None:
             return 0.0
         budget = min(float(self.profile_budget_s), self.profile_fraction * planned_run_s)
-        return budget if budget >= MIN_SETUP_S else 0.0
+        if budget >= MIN_SETUP_S:
+            return budget
+        return min(QUICK_SETUP_S, float(self.profile_budget_s)) if self.quick(planned_run_s, steps) else 0.0
+
+    def quick(self, planned_run_s: float | None, steps: int | None) -> bool:
+        """Whether the automatic budget is the quick measurement's: its share of the planned run is below
+        MIN_SETUP_S, the run has at least QUICK_MIN_STEPS steps, and profiling is automatic and allowed."""
+        if self.profile is not None or planned_run_s is None or steps is None or self.profile_budget_s <= 0:
+            return False
+        share = min(float(self.profile_budget_s), self.profile_fraction * planned_run_s)
+        return share < MIN_SETUP_S and steps >= QUICK_MIN_STEPS
 
     def cache_dir(self) -> Path | None:
         if self.profile_cache is False:
@@ -291,6 +310,7 @@ class SetupOutcome:
     (profile_s: the slowest rank's)."""
 
     budget_s: float = 0.0
+    quick: bool = False  # the quick measurement (SetupSettings.quick): the best plan only, no runtime paths
     plan_s: float = 0.0  # the first planning, on the cluster as given / discovered
     profile_s: float = 0.0  # runtime profiling (0: cached or skipped)
     paths_s: float = 0.0  # the runtime paths' micro-trials (runtime/paths.py; 0: cached, given or skipped)
@@ -302,12 +322,25 @@ class SetupOutcome:
     cluster_file: str = ""  # the calibrated cluster.yaml in the cache ("" when none)
     skipped: str = ""  # why nothing was measured, one phrase
 
-    def line(self, best: Any) -> str:
-        """The one line rank 0 prints after planning."""
+    def figures_source(self, planned: str) -> str:
+        """Where the final planning's step times come from (planner.report SOURCE_*): measured at this set-up,
+        the profile cache's calibrated file, else ``planned`` (the planner's label of the cluster it was given)."""
+        from lightning_autopar.planner.report import SOURCE_CALIBRATED, SOURCE_MEASURED
+
+        if self.profile_s or self.trials_run:
+            parts = (["set-up profile"] if self.profile_s else []) + (
+                [f"{self.trials_run} trial{'s' if self.trials_run != 1 else ''}"] if self.trials_run else [])
+            return f"{SOURCE_MEASURED} ({' + '.join(parts)})"
+        if self.cached:
+            return f"{SOURCE_CALIBRATED} ({self.cluster_file})"
+        return planned
+
+    def line(self, best: Any, source: str = "") -> str:
+        """The one line rank 0 prints after planning (``source``: where its step time comes from)."""
         if self.cached:
             head = f"set-up profile cached at {Path(self.cluster_file).parent}"
         elif self.profile_s:
-            head = f"set-up profile {self.profile_s:.2f}s of {self.budget_s:.3g}s"
+            head = f"{'quick ' if self.quick else ''}set-up profile {self.profile_s:.2f}s of {self.budget_s:.3g}s"
             if self.paths_s:
                 head += f" + runtime paths {self.paths_s:.2f}s"
         else:
@@ -315,7 +348,7 @@ class SetupOutcome:
         head += f", {self.trials_run} trial{'s' if self.trials_run != 1 else ''}"
         if self.trials_s:
             head += f" in {self.trials_s:.2f}s"
-        head += f"; predicted {best.step_time_s:.4g} s/step for {best.plan.short()}"
+        head += f"; predicted {best.step_time_s:.4g} s/step for {best.plan.short()}" + (f" [{source}]" if source else "")
         if self.cluster_file:
             head += (f"; calibrated cluster {self.cluster_file} (`autopar plan --cluster {self.cluster_file}` "
                      "predicts the same)")

@@ -9,6 +9,7 @@ Scenarios (run in this order; "cached" reads the cache "trials" wrote):
   fabric  the Fabric strategy, DataLoader first, a LightningModule's training_step for the trials
   tp      trials=2 of tensor-parallel plans, then the real run on one of them: the trial's destroyed mesh must
           not leave DTensor a cached sharding on its process groups (runtime.trial.forget_destroyed_meshes)
+  quick   the default settings on a run of QUICK_MIN_STEPS steps (stopped after its first): the quick measurement
 Each writes OUT_DIR/<name>_r<rank>.pt: the applied plan, the report's trials and best prediction, the set-up
 outcome, the per-step losses, the final state and the RNG states after fit (or the traceback)."""
 
@@ -77,6 +78,21 @@ def run(out: Path, name: str) -> dict:
         kwargs.update(trials=2, profile=True, profile_budget_s=2.0)
     elif name == "nocache":
         kwargs.update(trials=1, profile_cache=False)
+    elif name == "quick":
+        import lightning.pytorch as L
+
+        from lightning_autopar.runtime.trial import QUICK_MIN_STEPS
+
+        class StopAtOnce(L.Callback):  # the set-up is what is checked: one step of the run is enough
+            def on_train_batch_end(self, trainer, *args):
+                trainer.should_stop = True
+
+        kwargs["profile_cache"] = str(out / "quick_cache")
+        trainer, module, losses, plan = fit(fix, steps=QUICK_MIN_STEPS, strategy_kwargs=kwargs,
+                                            batch_size=GLOBAL_BATCH, extra_callbacks=[StopAtOnce()])
+        return dict(plan=plan, losses=losses, outcome=dataclasses.asdict(trainer.strategy.setup_outcome),
+                    source=trainer.strategy.report.source, trials=[dataclasses.asdict(t) for t in
+                                                                  trainer.strategy.report.trials])
     elif name == "tp":
         fix = "tp=2,dp=2,zero=0"
         kwargs.update(trials=2, profile=False, profile_cache=False, restrict={"mbs": [1, 2]})
