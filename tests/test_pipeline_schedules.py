@@ -175,7 +175,7 @@ def test_planner_picks_zero_bubble_when_the_bubble_matters():
 
 def test_v_placement_puts_the_head_with_the_embedding():
     """Priced stage contents follow the runtime's placement: in a V the last chunk (head) is on rank 0."""
-    from lightning_autopar.planner.search import stage_table
+    from lightning_autopar.planner.partition import stage_table
 
     spec = load_model_spec("gpt-tiny")
     weights = torch.ones(spec.layers).numpy()
