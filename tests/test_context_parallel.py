@@ -125,6 +125,50 @@ def test_cp2_saves_less_for_backward_than_cp1(world4):
     assert result["cp2"] < 0.8 * result["cp1"], result
 
 
+@pytest.mark.parametrize("kernel", ["cpu_flash", "math"])
+@pytest.mark.parametrize("cp,heads,kv_heads", [(2, 4, 4), (3, 2, 2), (4, 4, 2)])
+def test_mask_free_attention_equals_causal_attention_on_one_device(monkeypatch, kernel, cp, heads, kv_heads):
+    """Every cp rank's mask-free attention (its queries over the gathered K/V) is the one-device causal attention
+    at its positions, and the ranks' gradients add up to the one-device gradients (both chunk kernels)."""
+    import torch.nn.functional as F
+
+    from lightning_autopar.parallel import context as C
+
+    if kernel == "math":
+        monkeypatch.setattr(C, "_chunk_kernels", lambda device: (C._math_forward, C._math_backward))
+    torch.manual_seed(cp)
+    seq = 8 * cp
+    q = torch.randn(2, heads, seq, 8, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, seq, 8, requires_grad=True) for _ in range(2))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
+    grad_out = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, (q, k, v), grad_out)
+    got = [torch.zeros_like(t) for t in (q, k, v)]
+    order = gathered_positions(seq, cp)
+    for rank in range(cp):
+        mine = local_positions(seq, cp, rank)
+        inputs = (q.detach()[:, :, mine].requires_grad_(), k.detach()[:, :, order].requires_grad_(),
+                  v.detach()[:, :, order].requires_grad_())
+        out = C.chunked_causal_attention(*inputs, C.CPGroup(None, cp, rank), None)
+        torch.testing.assert_close(out, ref[:, :, mine], rtol=1e-5, atol=1e-5)
+        for total, grad, where in zip(got, torch.autograd.grad(out, inputs, grad_out[:, :, mine]),
+                                      (mine, order, order)):
+            total[:, :, where] += grad
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_mask_free_attention_reorders_the_gather_into_global_chunks(cp):
+    """The all-gather's slots put back in global order are the global positions in order (so a query chunk's
+    earlier keys are one prefix and its diagonal the next chunk)."""
+    from lightning_autopar.parallel.context import chunk_slots
+
+    seq = 4 * cp
+    order = gathered_positions(seq, cp).view(2 * cp, 2)
+    assert torch.equal(torch.cat([order[s] for s in chunk_slots(cp)]), torch.arange(seq))
+
+
 # ------------------------------------------------------------------------------------------- planner
 
 

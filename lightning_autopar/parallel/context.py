@@ -3,8 +3,11 @@
 All-gather based CP, as Llama 3 trains long contexts (Dubey et al. 2024, "The Llama 3 Herd of Models", sec.
 3.3.2): each rank keeps a load-balanced part of the sequence -- the sequence cut into ``2 * cp`` chunks, rank
 ``i`` holding chunks ``i`` and ``2cp - 1 - i`` (so every rank gets the same share of the causal mask's work) --
-and each attention all-gathers K and V along the sequence (backward: their gradients reduce-scattered), then runs
-the model's own ``scaled_dot_product_attention`` with an explicit mask built from global positions.
+and each attention all-gathers K and V along the sequence (backward: their gradients reduce-scattered), then
+attends without a mask: each of the rank's two query chunks meets the earlier gathered chunks whole, its own chunk
+causally and no later one (the causal skip), in kernels that return the log-sum-exp, merged by it
+(``_ChunkedCausalAttention``; memory as one flash attention's, no (S/cp) x S mask). A padding mask or dropout
+takes the model's own ``scaled_dot_product_attention`` with an explicit mask built from global positions.
 
 Where it happens (the user's code unchanged):
 
@@ -146,10 +149,11 @@ def shard_sequence(x: torch.Tensor, dim: int, cp: CPGroup) -> torch.Tensor:
 
 def cp_attention(original: Callable[..., torch.Tensor], cp: CPGroup, model: str,
                  masks: MaskAgreement) -> Callable[..., torch.Tensor]:
-    """``scaled_dot_product_attention`` over the cp group: K and V all-gathered along the sequence (dim -2), the
-    causal mask from global positions (query ``p`` sees key ``q`` iff ``p >= q``); GQA passed through.
+    """``scaled_dot_product_attention`` over the cp group: K and V all-gathered along the sequence (dim -2);
+    causal attention without a padding mask or dropout runs mask-free (``chunked_causal_attention``), the rest
+    with the causal mask from global positions (query ``p`` sees key ``q`` iff ``p >= q``); GQA passed through.
 
-    The mask is additive (0 / -inf) in the query's dtype, built once per (length, dtype, device) and shared by
+    That mask is additive (0 / -inf) in the query's dtype, built once per (length, dtype, device) and shared by
     every layer and step: SDPA keeps the mask it is given for backward, so one tensor of
     ``seq / cp * seq`` elements is saved however many layers there are (the price of a mask-free kernel's
     absence: the causal flag alone cannot say which of the gathered keys a query sees).
@@ -186,6 +190,8 @@ def cp_attention(original: Callable[..., torch.Tensor], cp: CPGroup, model: str,
             key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
         keys = _AllGather.apply(key, key.dim() - 2, cp, True)
         values = _AllGather.apply(value, value.dim() - 2, cp, True)
+        if masks.keys is None and is_causal and dropout_p == 0.0 and set(kwargs) <= {"enable_gqa"}:
+            return chunked_causal_attention(query, keys, values, cp, scale)
         if masks.keys is not None:
             mask = masks.padded_mask(seq, query.dtype)
         else:
@@ -194,6 +200,134 @@ def cp_attention(original: Callable[..., torch.Tensor], cp: CPGroup, model: str,
                         **kwargs)
 
     return sdpa
+
+
+
+# ------------------------------------------------------------------------------------- mask-free causal attention
+
+def chunk_slots(cp: int) -> list[int]:
+    """The all-gather's slot of each global chunk, in global order: the sequence is ``2cp`` chunks, rank ``r``
+    holds chunks ``r`` and ``2cp-1-r`` (``local_positions``) and the all-gather lays rank ``j``'s two chunks at
+    slots ``2j`` and ``2j+1``."""
+    return [2 * b if b < cp else 2 * (2 * cp - 1 - b) + 1 for b in range(2 * cp)]
+
+
+def _reorder(x: torch.Tensor, slots: list[int], chunk: int) -> torch.Tensor:
+    """Chunks of ``x`` (dim -2) taken in the order ``slots``: one copy."""
+    return torch.cat([x[..., s * chunk:(s + 1) * chunk, :] for s in slots], -2)
+
+
+def _flash_cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _flash_cpu_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, causal: bool, scale: float | None) -> tuple[torch.Tensor, ...]:
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None) -> torch.Tensor:
+    s = (q.float() @ k.float().transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk pair in fp32 matmuls (devices without a log-sum-exp kernel here): the chunk's scores only."""
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, -1)
+    return ((s - lse[..., None]).exp() @ v.float()).to(q.dtype), lse
+
+
+def _math_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, causal: bool, scale: float | None) -> tuple[torch.Tensor, ...]:
+    """FlashAttention's backward for one chunk pair from the merged output and log-sum-exp (Dao 2023, alg. 2):
+    P = exp(S - lse), dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K * scale, dK = dS^T Q * scale."""
+    factor = scale if scale is not None else q.shape[-1] ** -0.5
+    p = (_scores(q, k, causal, scale) - lse[..., None]).exp()
+    g = grad.float()
+    ds = p * (g @ v.float().transpose(-1, -2) - (g * out.float()).sum(-1, keepdim=True))
+    return ((ds @ k.float()) * factor).to(q.dtype), ((ds.transpose(-1, -2) @ q.float()) * factor).to(k.dtype), \
+        (p.transpose(-1, -2) @ g).to(v.dtype)
+
+
+def _chunk_kernels(device: torch.device) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The (forward, backward) of one query-chunk x key-chunk attention returning / taking the log-sum-exp: the
+    CPU flash kernel, else exact fp32 math on the chunk pair."""
+    return (_flash_cpu_forward, _flash_cpu_backward) if device.type == "cpu" else (_math_forward, _math_backward)
+
+
+class _ChunkedCausalAttention(torch.autograd.Function):
+    """Causal attention of this rank's two query chunks over the gathered K/V without a mask. K/V are put in
+    global order once (``chunk_slots``); query chunk ``a`` (global) then sees the keys before chunk ``a`` whole
+    (one unmasked kernel call on that prefix), chunk ``a`` causally (the diagonal block: equal lengths, so the
+    kernel's own causal flag is exact) and no later key (skipped: the causal skip an explicit mask lacks). Each
+    call returns its log-sum-exp and the two partial outputs are merged by it (Milakov & Gimelshein 2018; ring
+    attention, Liu et al. 2023). Backward reruns each call's kernel backward with the merged output and
+    log-sum-exp, which makes each call's gradient its exact share of the whole softmax's. Saved: q, the
+    reordered k and v, the output and the log-sum-exp -- what one flash attention saves."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, rank: int,
+                scale: float | None) -> torch.Tensor:
+        chunk = q.shape[-2] // 2
+        slots = chunk_slots(cp)
+        k, v = _reorder(k, slots, chunk), _reorder(v, slots, chunk)
+        fwd, _ = _chunk_kernels(q.device)
+        outs, lses = [], []
+        for q_slot, a in enumerate((rank, 2 * cp - 1 - rank)):
+            qc = q[..., q_slot * chunk:(q_slot + 1) * chunk, :]
+            diag = slice(a * chunk, (a + 1) * chunk)
+            out, lse = fwd(qc, k[..., diag, :], v[..., diag, :], True, scale)
+            if a:  # merge: out = sum_i exp(lse_i - lse) out_i, lse = log sum_i exp(lse_i)
+                o2, l2 = fwd(qc, k[..., :a * chunk, :], v[..., :a * chunk, :], False, scale)
+                l1, l2 = lse.float(), l2.float()
+                lse = torch.logaddexp(l1, l2)
+                out = (out.float() * (l1 - lse).exp()[..., None] + o2.float() * (l2 - lse).exp()[..., None]).to(q.dtype)
+            outs.append(out)
+            lses.append(lse.float())
+        out, lse = torch.cat(outs, -2), torch.cat(lses, -1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.rank, ctx.scale = cp, rank, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, chunk = ctx.cp, q.shape[-2] // 2
+        _, bwd = _chunk_kernels(q.device)
+        grad = grad.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for q_slot, a in enumerate((ctx.rank, 2 * cp - 1 - ctx.rank)):
+            qs = slice(q_slot * chunk, (q_slot + 1) * chunk)
+            g, qc, oc, lc = grad[..., qs, :], q[..., qs, :], out[..., qs, :], lse[..., qs].contiguous()
+            diag = slice(a * chunk, (a + 1) * chunk)
+            gq, gk, gv = bwd(g, qc, k[..., diag, :], v[..., diag, :], oc, lc, True, ctx.scale)
+            dq[..., qs, :] = gq
+            dk[..., diag, :] += gk
+            dv[..., diag, :] += gv
+            if a:
+                gq, gk, gv = bwd(g, qc, k[..., :a * chunk, :], v[..., :a * chunk, :], oc, lc, False, ctx.scale)
+                dq[..., qs, :] += gq
+                dk[..., :a * chunk, :] += gk
+                dv[..., :a * chunk, :] += gv
+        # back to the all-gather's order: gathered slot s holds global chunk order[s]
+        order = sorted(range(2 * cp), key=chunk_slots(cp).__getitem__)
+        return dq, _reorder(dk, order, chunk), _reorder(dv, order, chunk), None, None, None
+
+
+def chunked_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cp: CPGroup,
+                             scale: float | None) -> torch.Tensor:
+    """Mask-free causal attention of this rank's queries over the gathered K/V (GQA: K/V repeated to the query
+    heads here, after the gather, so the gather moves the model's own K/V heads)."""
+    if keys.shape[-3] != query.shape[-3]:
+        rep = query.shape[-3] // keys.shape[-3]
+        keys, values = keys.repeat_interleave(rep, -3), values.repeat_interleave(rep, -3)
+    return _ChunkedCausalAttention.apply(query, keys, values, cp.size, cp.rank, scale)
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor | None:

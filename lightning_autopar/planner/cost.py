@@ -246,28 +246,37 @@ def attention_work_quantisation(hw: Hardware, mbs: Any, heads: Any, sq: Any, seq
     return n_kv / (n_kv + 1.0) * wave
 
 
+def cp_attention_calls(cp: Any) -> Any:
+    """4 attention kernel calls per layer with cp > 1 (1 without): each of a rank's two query chunks attends to
+    the keys before it in one call and to its own chunk causally in another (parallel/context.py
+    ``_ChunkedCausalAttention``; rank 0's first chunk has none before it, and the step waits for the slowest
+    rank)."""
+    return np.where(np.asarray(cp, dtype=float) > 1, 4.0, 1.0)
+
+
 def attention_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, peak: Any, elem: Any,
                    fused: bool = True) -> tuple[Any, Any]:
     """Fused: 4b(s/cp)s(h/tp)*causal at the kernel's fwd/bwd rate (bwd 2.5x FLOPs) x work quantisation (Dao 2023); unfused: 3 s^2 passes.
-    With cp > 1 the queries of a rank's two load-balanced chunks meet all keys through an explicit position mask
-    (parallel/context.py): no causal skip (causal = 1) and the mask read per head, (s/cp)*s*e bytes."""
+    With cp > 1 a rank's two load-balanced query chunks meet the gathered keys chunk by chunk without a mask
+    (parallel/context.py ``_ChunkedCausalAttention``): the same causal share of the score blocks, in ``cp_attention_calls``
+    kernel calls (each with its launch overhead) whose partial outputs are merged by log-sum-exp."""
     d = m.head_dim
     sq = seq / cp
     heads = m.heads / tp
-    split = np.asarray(cp) > 1
+    calls = cp_attention_calls(cp)
     if fused:
-        frac = np.where(split, 1.0, causal_fraction(seq))
-        flops = 4.0 * mbs * heads * sq * seq * d * frac
+        flops = 4.0 * mbs * heads * sq * seq * d * causal_fraction(seq)
         quant = attention_work_quantisation(hw, mbs, heads, sq, seq)
         q_elems = mbs * sq * heads * d
-        io = elem * (2 * q_elems + 2 * mbs * sq * m.kv_heads / tp * d  # q, k, v in, o out
-                     + np.where(split, mbs * heads * sq * seq, 0.0))  # the cp position mask
-        fwd = np.maximum(flops / (peak * attention_efficiency(hw, d) * quant), io / hw.mem_bw) + hw.overhead_s
+        io = elem * (2 * q_elems + 2 * mbs * sq * m.kv_heads / tp * d)  # q, k, v in, o out
+        # the log-sum-exp merge: each extra call's fp32 partial output read and rescaled into the running one
+        merge = (calls - 1) * q_elems * 4 * 3 / hw.mem_bw
+        fwd = np.maximum(flops / (peak * attention_efficiency(hw, d) * quant), io / hw.mem_bw) + merge + calls * hw.overhead_s
         # backward: dq, dk, dv from q, k, v, o, do (2x io), plus the softmax-dot preprocess (read o, do) and the
         # fp32 dq accumulator's conversion (read 4, write e): two more kernels (FlashAttention-2 backward)
         side = q_elems * (2 * elem + 4 + elem) / hw.mem_bw  # the two side kernels run before / after the main one
         bwd = (np.maximum(2.5 * flops / (peak * attention_efficiency(hw, d, backward=True) * quant), 2 * io / hw.mem_bw)
-               + side + 3 * hw.overhead_s)
+               + calls * side + 3 * calls * hw.overhead_s)
         return fwd, bwd
     batch = mbs * heads
     f1, b1 = gemm_fwd_bwd(hw, sq, seq, d, peak, elem, batch)
