@@ -9,7 +9,8 @@ and the single-process reference loop:
 * Lightning's accumulate_grad_batches around the plan's micro-batches equals one big batch (the plan's own
   accumulation alone is the strategy's "dp_accum" scenario in test_strategy.py);
 * the monitor's CSV (own and the CSVLogger's) and PNG;
-* a re-plan (mbs/grad_accum) at a checkpoint boundary that keeps the losses equal.
+* a re-plan (mbs/grad_accum) at a checkpoint boundary that keeps the losses equal;
+* a straggler (one of 4 ranks slowed by a busy loop) named by the monitor, once, and drawn per rank.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("callbacks")
-    for nproc, names, extra in ((4, ["elastic_save"], ()), (2, WORLD2, ("--max-restarts=2",))):
+    for nproc, names, extra in ((4, ["elastic_save", "straggler"], ()), (2, WORLD2, ("--max-restarts=2",))):
         proc = torchrun(DIST / "callback_scenarios.py", nproc, str(out), ",".join(names), timeout=600,
                         torchrun_args=extra)
         check_launch(proc, [out / f"{name}.pt" for name in names], f"callback scenarios ({nproc} procs)")
@@ -160,3 +161,14 @@ def test_monitor_csv_has_a_column_per_term(runs):
     for row in rows:
         terms = [float(row[f"pred_{t}_s"]) for t in STEP_TERMS if t != "runtime"]  # runtime: the sum of its own
         assert sum(terms) == pytest.approx(float(row["pred_step_time_s"]), rel=1e-6)
+
+
+def test_a_slow_rank_is_named_once(runs):
+    result = load(runs, "straggler")
+    assert result["stragglers"] == [3], result["rank_times"][-1]
+    named = [w for w in result["warnings"] if "straggler" in w]
+    assert len(named) == 1 and "rank 3" in named[0] and "\n" not in named[0]
+    latest = {r["rank"]: r for r in result["rank_times"][-1]}
+    assert latest[3]["compute_s"] > latest[0]["compute_s"] and latest[0]["waiting_s"] > latest[3]["waiting_s"]
+    with open(result["png"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

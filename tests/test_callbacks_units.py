@@ -301,3 +301,21 @@ def test_overlap_knobs_follow_the_exposed_communication():
     assert zero2.forward_prefetch == 0 and zero2.reduce_scatter_buffers == 2  # parameters stay gathered
     cluster.device.name = "cpu"
     assert choose_overlap(report(Plan(dp=8, zero=3), 0.5)).reduce_scatter_buffers == 1  # no stream to stall
+
+
+def test_stragglers_are_ranks_slower_than_their_stage_peers_every_time():
+    from lightning_autopar.callbacks.monitor import RankTime, find_stragglers, straggler_message
+
+    def probe(slow_rank, factor=2.0, stages=(0, 0, 0, 0)):
+        return [RankTime(r, stages[r], 1.0, 0.4 * (factor if r == slow_rank else 1.0), 0.1) for r in range(4)]
+
+    steady = [probe(3), probe(3), probe(3)]
+    assert find_stragglers(steady, 0.25, 3) == [(3, 0.8, 0.4)]
+    assert find_stragglers(steady[:2], 0.25, 3) == []  # not yet persistent
+    assert find_stragglers([probe(3), probe(None), probe(3)], 0.25, 3) == []  # one fast probe breaks the run
+    assert find_stragglers([probe(3, 1.2)] * 3, 0.25, 3) == []  # within the threshold
+    # pipeline stages do different work: the last stage's ranks compare with each other only
+    staged = [[RankTime(r, r // 2, 1.0, 0.4 if r < 2 else 0.9, 0.1) for r in range(4)]] * 3
+    assert find_stragglers(staged, 0.25, 3) == []
+    message = straggler_message(3, 0.8, 0.4, 3)
+    assert "rank 3" in message and "x2.00" in message and "\n" not in message

@@ -24,6 +24,13 @@ of predicted vs measured per term.
 
 The prediction is ``strategy.report.best`` (a ``PricedPlan``), read at every step so a re-plan
 (``Rebalance``) is followed.
+
+Stragglers: at every profiled step the ranks exchange their split (``RankTime``: step, compute, waiting in
+collectives; one small ``all_gather_object``). Collectives make every rank's step as long as the slowest one's,
+so a slow host shows as more compute than its peers (the ranks of the same pipeline stage, which do the same work)
+while they wait for it. A rank whose compute exceeds its peers' median by more than ``straggler_threshold`` in
+``straggler_probes`` profiled steps in a row is named in one warning (``find_stragglers``), and the PNG gets a
+per-rank panel of the latest exchange.
 """
 
 from __future__ import annotations
@@ -82,6 +89,53 @@ class StepRecord:
     pred_pipeline_actions_s: float | None = None
     pred_ep_dispatch_s: float | None = None
     pred_collective_sync_s: float | None = None
+
+
+@dataclass(frozen=True)
+class RankTime:
+    """One rank's profiled step: its pipeline stage, the step, compute (the step less exposed communication)
+    and the time it waited in collectives not covered by its own compute."""
+
+    rank: int
+    stage: int
+    step_time_s: float
+    compute_s: float
+    waiting_s: float
+
+
+def find_stragglers(probes: list[list[RankTime]], threshold: float, consecutive: int) -> list[tuple[int, float, float]]:
+    """Ranks slower than their peers in each of the last ``consecutive`` probes: ``(rank, compute_s, peers'
+    median compute_s)`` of the latest probe, for each rank whose compute exceeded ``(1 + threshold)`` x the
+    median of the other ranks of its pipeline stage every time (a rank with no peer is never named)."""
+    recent = probes[-consecutive:] if consecutive > 0 else []
+    if len(recent) < consecutive or not recent:
+        return []
+
+    def slow(probe: list[RankTime]) -> dict[int, tuple[float, float]]:
+        out = {}
+        for r in probe:
+            peers = [p.compute_s for p in probe if p.stage == r.stage and p.rank != r.rank]
+            if peers and r.compute_s > (1 + threshold) * statistics.median(peers):
+                out[r.rank] = (r.compute_s, statistics.median(peers))
+        return out
+
+    flagged = [slow(p) for p in recent]
+    common = set(flagged[0]).intersection(*flagged[1:])
+    return [(rank, *flagged[-1][rank]) for rank in sorted(common)]
+
+
+def straggler_message(rank: int, compute: float, peers: float, probes: int) -> str:
+    return (f"autopar: rank {rank} is a straggler: {compute:.3g} s of compute per step vs {peers:.3g} s for its "
+            f"peers (x{compute / peers if peers > 0 else float('inf'):.2f}, {probes} profiled steps in a row); "
+            "the other ranks wait for it in collectives: check that rank's host (CPU load, throttling, its links)")
+
+
+def _pipeline_stage(trainer: Any) -> int:
+    layout = getattr(trainer.strategy, "mesh_layout", None)
+    plan = getattr(trainer.strategy, "plan", None)
+    if layout is None or plan is None or plan.pp <= 1:
+        return 0
+    return int(layout["pp"].get_local_rank())
 
 
 # the cost model's step terms, in the order they are reported: Breakdown fields, then Breakdown.terms by name
@@ -205,10 +259,17 @@ class StepMonitor(L.Callback):
             the first probe runs right after warm-up.
         report_path: PNG path (default ``<log_dir>/autopar_monitor.png``; a CSV with every step is written
             beside it). None of these are written when ``report_path=False``.
+        straggler_threshold: how much more compute than its peers' median (relative) makes a rank slow.
+        straggler_probes: in how many profiled steps in a row a rank must be slow to be named.
     """
 
     def __init__(self, every_n_steps: int = 1, warmup_steps: int = 3, tolerance: float = 0.2, window: int = 10,
-                 probe_every_n_steps: int = 50, report_path: str | Path | bool | None = None) -> None:
+                 probe_every_n_steps: int = 50, report_path: str | Path | bool | None = None,
+                 straggler_threshold: float = 0.25, straggler_probes: int = 3) -> None:
+        self.straggler_threshold = straggler_threshold
+        self.straggler_probes = max(1, straggler_probes)
+        self.rank_times: list[list[RankTime]] = []  # one exchange per profiled step, every rank's split
+        self.stragglers: list[int] = []
         self.every_n_steps = max(1, every_n_steps)
         self.warmup_steps = warmup_steps
         self.tolerance = tolerance
@@ -264,6 +325,8 @@ class StepMonitor(L.Callback):
         self._steps_seen += 1
         record = self._record(trainer, end - opened["start"], opened["data"], opened["tokens"], split, device)
         self.records.append(record)
+        if split is not None:
+            self._exchange(trainer, record)
         if trainer.global_step % self.every_n_steps == 0:
             self._log(trainer, record)
         self._check(trainer)
@@ -324,6 +387,28 @@ class StepMonitor(L.Callback):
         step = batches_that_stepped(trainer)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+
+    def _exchange(self, trainer: Any, rec: StepRecord) -> None:
+        """Every rank's split of this profiled step (all ranks profile the same steps), then the straggler check."""
+        import torch.distributed as dist
+
+        mine = RankTime(rank=trainer.global_rank, stage=_pipeline_stage(trainer), step_time_s=rec.step_time_s,
+                        compute_s=rec.compute_s or 0.0, waiting_s=rec.comm_exposed_s or 0.0)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            self.rank_times.append([mine])
+            return
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        self.rank_times.append(every)
+        for rank, compute, peers in find_stragglers(self.rank_times, self.straggler_threshold,
+                                                    self.straggler_probes):
+            if rank in self.stragglers:
+                continue
+            self.stragglers.append(rank)
+            message = straggler_message(rank, compute, peers, self.straggler_probes)
+            self.warnings.append(message)
+            if trainer.is_global_zero:
+                warnings.warn(message, stacklevel=2)
 
     # ------------------------------------------------------------------ the check
 
@@ -435,8 +520,9 @@ class StepMonitor(L.Callback):
         path = Path(path)
         pred = prediction(trainer) if trainer is not None else None
         pipeline = pred is not None and pred.plan.pp > 1
-        fig = plt.figure(figsize=(12, 12))
-        grid = fig.add_gridspec(3, 2)
+        per_rank = len(self.rank_times[-1]) > 1 if self.rank_times else False
+        fig = plt.figure(figsize=(12, 16 if per_rank else 12))
+        grid = fig.add_gridspec(4 if per_rank else 3, 2)
         ax_t, ax_x, ax_b, ax_4 = (fig.add_subplot(grid[i, j]) for i in range(2) for j in range(2))
         steps = [r.step for r in self.records]
         ax_t.plot(steps, [r.step_time_s for r in self.records], label="measured", marker=".")
@@ -462,6 +548,8 @@ class StepMonitor(L.Callback):
                      xlabel="optimizer step", ylabel="GiB")
             ax_4.legend(fontsize=8)
         self._plot_terms(fig.add_subplot(grid[2, :]))
+        if per_rank:
+            self._plot_ranks(fig.add_subplot(grid[3, :]))
         title = self.records[-1].plan if self.records else ""
         fig.suptitle(f"autopar monitor: {title}", fontsize=10)
         fig.tight_layout()
@@ -517,6 +605,17 @@ class StepMonitor(L.Callback):
         ax.set(title="predicted vs measured per term (median after warm-up, seconds per step; "
                      "no measured bar: not timed on its own)", ylabel="seconds")
         _log_scale_if_spread(ax)
+
+
+    def _plot_ranks(self, ax: Any) -> None:
+        """Each rank's compute and waiting in the latest profiled step; named stragglers marked."""
+        latest = sorted(self.rank_times[-1], key=lambda r: r.rank)
+        names = [f"rank {r.rank}" + (f"\nstage {r.stage}" if any(x.stage for x in latest) else "")
+                 + ("\nSTRAGGLER" if r.rank in self.stragglers else "") for r in latest]
+        _bars(ax, names, [("compute", [r.compute_s for r in latest]), ("waiting in collectives",
+                                                                        [r.waiting_s for r in latest])])
+        ax.set(title="per rank, latest profiled step (seconds): a straggler computes longer while its peers wait",
+               ylabel="seconds")
 
 
 def _bars(ax: Any, categories: list[str], series: list[tuple[str, list[float]]]) -> None:

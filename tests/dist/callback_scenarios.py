@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -44,6 +45,19 @@ class KillRank(L.Callback):
         if trainer.global_step == self.at and trainer.global_rank == self.rank and not self.flag.exists():
             self.flag.write_text("killed")
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SlowRank(L.Callback):
+    """A busy loop of ``seconds`` on rank ``rank`` at the start of every step: a slow host."""
+
+    def __init__(self, rank: int, seconds: float) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank:
+            end = time.perf_counter() + self.seconds
+            while time.perf_counter() < end:
+                pass
 
 
 def names(paths) -> list[str]:
@@ -110,6 +124,12 @@ def run(out: Path, name: str) -> None:
         trainer, module, losses, plan, ckpt = checkpointed(out, "elastic", steps=STEPS // 2, fix="tp=2,dp=2,zero=3",
                                                            ckpt_kwargs={"async_save": True})
         record(out, name, losses=losses, plan=plan, saved=names(ckpt.saved))
+    elif name == "straggler":
+        # rank 3 computes 0.3 s longer every step; every step profiled after the first
+        monitor = StepMonitor(warmup_steps=1, window=3, probe_every_n_steps=1, report_path=out / "straggler.png")
+        trainer, module, losses, plan = fit("dp=4,zero=0", extra_callbacks=[monitor, SlowRank(3, 0.3)])
+        record(out, name, warnings=monitor.warnings, stragglers=monitor.stragglers, png=str(monitor.png_path),
+               rank_times=[[vars(r) for r in probe] for probe in monitor.rank_times])
     elif name == "elastic_resume":
         # the same directory on 2 processes: planned for 2, resharded by DCP, continues at step 5
         trainer, module, losses, plan, ckpt = checkpointed(out, "elastic", fix=None)
