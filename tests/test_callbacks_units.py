@@ -301,3 +301,22 @@ def test_overlap_knobs_follow_the_exposed_communication():
     assert zero2.forward_prefetch == 0 and zero2.reduce_scatter_buffers == 2  # parameters stay gathered
     cluster.device.name = "cpu"
     assert choose_overlap(report(Plan(dp=8, zero=3), 0.5)).reduce_scatter_buffers == 1  # no stream to stall
+
+
+def test_mixed_step_records_are_named_rank_by_rank(tmp_path):
+    from lightning_autopar.callbacks.checkpoint import STEPS_DIR, mixed_steps, refuse_mixed
+    from lightning_autopar.errors import AutoparError
+
+    path = fake_checkpoint(tmp_path, 4)
+    assert mixed_steps(path) is None  # a checkpoint without step records (written before them) passes
+    (path / STEPS_DIR).mkdir()
+    for rank, step in enumerate((4, 4, 3, 3)):
+        (path / STEPS_DIR / f"rank={rank:05d}.json").write_text(json.dumps({"rank": rank, "step": step}))
+    line = f"checkpoint {path} is mixed: ranks 0, 1 at step 4; ranks 2, 3 at step 3; delete it or resume from an earlier one"
+    assert mixed_steps(path) == line
+    with pytest.raises(AutoparError) as err:
+        refuse_mixed(path)
+    assert str(err.value) == line
+    for rank in (2, 3):
+        (path / STEPS_DIR / f"rank={rank:05d}.json").write_text(json.dumps({"rank": rank, "step": 4}))
+    refuse_mixed(path)  # agreeing ranks load
