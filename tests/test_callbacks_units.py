@@ -320,3 +320,26 @@ def test_mixed_step_records_are_named_rank_by_rank(tmp_path):
     for rank in (2, 3):
         (path / STEPS_DIR / f"rank={rank:05d}.json").write_text(json.dumps({"rank": rank, "step": 4}))
     refuse_mixed(path)  # agreeing ranks load
+
+
+def test_preemption_requeues_only_in_a_slurm_batch_job(monkeypatch):
+    import signal
+
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+
+    from lightning_autopar.callbacks import Preemption
+
+    def trainer(env):
+        return SimpleNamespace(strategy=SimpleNamespace(cluster_environment=env))
+
+    for name in ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    cb = Preemption()
+    assert cb._requeue_signal(trainer(LightningEnvironment())) is None  # no SLURM job
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert cb._requeue_signal(trainer(LightningEnvironment())) == signal.SIGUSR1  # srun torchrun
+    assert set(cb._handled(trainer(LightningEnvironment()))) == {signal.SIGTERM, signal.SIGUSR1}
+    monkeypatch.setenv("SLURM_JOB_NAME", "interactive")
+    assert cb._requeue_signal(trainer(LightningEnvironment())) is None  # an salloc shell: never requeued
+    assert cb._requeue_signal(trainer(SLURMEnvironment(requeue_signal=signal.SIGHUP))) == signal.SIGHUP
+    assert cb._requeue_signal(trainer(SLURMEnvironment(auto_requeue=False))) is None

@@ -8,8 +8,8 @@ so all of them see the same decision at the same step; then every rank
 
 1. writes one checkpoint of that step through the trainer's ``AutoCheckpoint`` (complete or invisible, resumed
    by the next ``fit()``); without one, a warning says the state is lost,
-2. on rank 0, under SLURM with Lightning's auto-requeue on and the requeue signal received, requeues the job with
-   ``scontrol requeue`` as Lightning's SLURM handling does,
+2. on rank 0, in a SLURM batch job (Lightning's auto-requeue on, or another launcher inside the job) and when the
+   requeue signal was received, requeues the job with ``scontrol requeue`` as Lightning's SLURM handling does,
 3. exits with ``128 + signal`` (138 for SIGUSR1, 143 for SIGTERM): "stopped, not finished" to a scheduler or
    torchrun (Lightning's own SIGTERM path exits 0, read as success).
 
@@ -55,12 +55,16 @@ class Preemption(Callback):
     # ------------------------------------------------------------------ handlers
 
     def _requeue_signal(self, trainer: Any) -> int | None:
-        """The signal after which Lightning would requeue (SLURM with auto_requeue), else None."""
+        """The signal after which the job is requeued, else None: Lightning's SLURMEnvironment's requeue signal
+        when its auto_requeue is on; SIGUSR1 in a batch SLURM job run by another launcher (``srun torchrun``,
+        where Lightning sees torchrun's environment); none in an interactive allocation (Lightning's rule)."""
         from lightning.fabric.plugins.environments import SLURMEnvironment
 
         env = getattr(trainer.strategy, "cluster_environment", None)
-        if isinstance(env, SLURMEnvironment) and env.auto_requeue:
-            return int(env.requeue_signal or signal.SIGUSR1)
+        if isinstance(env, SLURMEnvironment):
+            return int(env.requeue_signal or signal.SIGUSR1) if env.auto_requeue else None
+        if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+            return int(signal.SIGUSR1)
         return None
 
     def _handled(self, trainer: Any) -> tuple[int, ...]:
