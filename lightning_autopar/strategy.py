@@ -61,6 +61,22 @@ class AutoParallelMixin(PlanningMixin):
         # (topology/worker.py: Lightning's ModelParallelStrategy does neither).
         self._worker_setup()
         self._setup_distributed()
+        self._add_preemption()
+
+    def _add_preemption(self) -> None:
+        """A ``Preemption`` callback unless the trainer has one: SIGUSR1/SIGTERM stop every rank at one step
+        boundary with one checkpoint and a non-zero exit (callbacks/preemption.py). Before the checkpoint
+        callbacks, which Lightning keeps last."""
+        import lightning.pytorch as pl
+        from lightning.pytorch.callbacks import Checkpoint
+
+        from lightning_autopar.callbacks.preemption import Preemption
+
+        trainer = self.lightning_module.trainer
+        if not isinstance(trainer, pl.Trainer) or any(isinstance(c, Preemption) for c in trainer.callbacks):
+            return  # pytorch_lightning's Trainer takes its own package's callbacks
+        at = next((i for i, c in enumerate(trainer.callbacks) if isinstance(c, Checkpoint)), len(trainer.callbacks))
+        trainer.callbacks.insert(at, Preemption())
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:

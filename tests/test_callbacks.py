@@ -10,7 +10,10 @@ and the single-process reference loop:
   accumulation alone is the strategy's "dp_accum" scenario in test_strategy.py);
 * the monitor's CSV (own and the CSVLogger's) and PNG;
 * a re-plan (mbs/grad_accum) at a checkpoint boundary that keeps the losses equal;
-* a straggler (one of 4 ranks slowed by a busy loop) named by the monitor, once, and drawn per rank.
+* a straggler (one of 4 ranks slowed by a busy loop) named by the monitor, once, and drawn per rank;
+* preemption: SIGUSR1 to rank 0 under SLURM's variables (a stand-in ``scontrol`` on PATH) and SIGTERM to every
+  rank of a pipeline plan stop both ranks at one step with one checkpoint and exit codes 138 / 143; the restarted
+  job resumes equal to the uninterrupted run; a checkpoint whose ranks' step records disagree is refused in one line.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ LOSS_RTOL = 1e-5
 PARAM_RTOL = 1e-5
 PARAM_ATOL = 1e-6
 
-WORLD2 = ["plain", "killed", "truncated", "rebalance", "lightning_accum", "elastic_resume"]
+# preempt_usr1 last: its stop restarts the job (the second restart, after killed's)
+WORLD2 = ["plain", "killed", "truncated", "rebalance", "lightning_accum", "elastic_resume", "preempt_term", "mixed",
+          "preempt_usr1"]
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +39,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("callbacks")
-    for nproc, names, extra in ((4, ["elastic_save", "straggler"], ()), (2, WORLD2, ("--max-restarts=2",))):
+    for nproc, names, extra in ((4, ["elastic_save", "straggler"], ()), (2, WORLD2, ("--max-restarts=3",))):
         proc = torchrun(DIST / "callback_scenarios.py", nproc, str(out), ",".join(names), timeout=600,
                         torchrun_args=extra)
         check_launch(proc, [out / f"{name}.pt" for name in names], f"callback scenarios ({nproc} procs)")
@@ -172,3 +177,28 @@ def test_a_slow_rank_is_named_once(runs):
     assert latest[3]["compute_s"] > latest[0]["compute_s"] and latest[0]["waiting_s"] > latest[3]["waiting_s"]
     with open(result["png"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+def test_sigusr1_to_rank0_under_slurm_checkpoints_requeues_and_resumes(runs):
+    plain, result = load(runs, "plain"), load(runs, "preempt_usr1")
+    assert result["exit_codes"] == [138, 138]  # 128 + SIGUSR1 on both ranks: "not finished"
+    assert result["requeue_calls"] == ["requeue 4242"]  # rank 0 alone, once
+    assert result["restarts"] == 2  # killed's restart, then this stop's
+    assert result["resumed_from"].endswith("step=00000003")  # the step the signal arrived in, saved at its end
+    assert_close_losses(result["losses"], plain["losses"][3:])
+    assert_close_state(result["state"], plain["state"])
+
+
+def test_sigterm_to_every_rank_of_a_pipeline_plan_stops_at_one_step(runs, reference):
+    result = load(runs, "preempt_term")
+    assert result["plan"]["pp"] == 2
+    assert result["stopped"] == 143 and result["exit_codes"] == [143, 143]
+    assert result["after_stop"] == ["step=00000002", "step=00000004", "step=00000005"]
+    assert result["resumed_from"].endswith("step=00000005")
+    assert_close_losses(result["losses"], reference[0][5:])
+    assert_close_state(result["state"], reference[1])
+
+
+def test_checkpoint_with_mixed_rank_steps_is_refused(runs):
+    result = load(runs, "mixed")
+    assert result["error"] == (f"checkpoint {result['target']} is mixed: rank 0 at step 8; rank 1 at step 7; "
+                               "delete it or resume from an earlier one")

@@ -319,3 +319,44 @@ def test_stragglers_are_ranks_slower_than_their_stage_peers_every_time():
     assert find_stragglers(staged, 0.25, 3) == []
     message = straggler_message(3, 0.8, 0.4, 3)
     assert "rank 3" in message and "x2.00" in message and "\n" not in message
+
+def test_mixed_step_records_are_named_rank_by_rank(tmp_path):
+    from lightning_autopar.callbacks.checkpoint import STEPS_DIR, mixed_steps, refuse_mixed
+    from lightning_autopar.errors import AutoparError
+
+    path = fake_checkpoint(tmp_path, 4)
+    assert mixed_steps(path) is None  # a checkpoint without step records (written before them) passes
+    (path / STEPS_DIR).mkdir()
+    for rank, step in enumerate((4, 4, 3, 3)):
+        (path / STEPS_DIR / f"rank={rank:05d}.json").write_text(json.dumps({"rank": rank, "step": step}))
+    line = f"checkpoint {path} is mixed: ranks 0, 1 at step 4; ranks 2, 3 at step 3; delete it or resume from an earlier one"
+    assert mixed_steps(path) == line
+    with pytest.raises(AutoparError) as err:
+        refuse_mixed(path)
+    assert str(err.value) == line
+    for rank in (2, 3):
+        (path / STEPS_DIR / f"rank={rank:05d}.json").write_text(json.dumps({"rank": rank, "step": 4}))
+    refuse_mixed(path)  # agreeing ranks load
+
+
+def test_preemption_requeues_only_in_a_slurm_batch_job(monkeypatch):
+    import signal
+
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+
+    from lightning_autopar.callbacks import Preemption
+
+    def trainer(env):
+        return SimpleNamespace(strategy=SimpleNamespace(cluster_environment=env))
+
+    for name in ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    cb = Preemption()
+    assert cb._requeue_signal(trainer(LightningEnvironment())) is None  # no SLURM job
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert cb._requeue_signal(trainer(LightningEnvironment())) == signal.SIGUSR1  # srun torchrun
+    assert set(cb._handled(trainer(LightningEnvironment()))) == {signal.SIGTERM, signal.SIGUSR1}
+    monkeypatch.setenv("SLURM_JOB_NAME", "interactive")
+    assert cb._requeue_signal(trainer(LightningEnvironment())) is None  # an salloc shell: never requeued
+    assert cb._requeue_signal(trainer(SLURMEnvironment(requeue_signal=signal.SIGHUP))) == signal.SIGHUP
+    assert cb._requeue_signal(trainer(SLURMEnvironment(auto_requeue=False))) is None

@@ -4,7 +4,9 @@ Layout of ``dirpath``::
 
     step=00000040/          a published checkpoint: the strategy's own format (torch.distributed.checkpoint
       .metadata, __*.distcp   shards of model and optimizers, plus ``meta.pt`` with loops, LR schedulers,
-      meta.pt                 callback states ...) and
+      meta.pt                 callback states ...),
+      steps/rank=00000.json   every rank's own step, written by that rank (a checkpoint whose ranks disagree is
+                              refused: ``mixed_steps``), and
       COMPLETE.json           the completion marker: step, world size, plan, every file with its size
     .tmp-step=00000048/     being written (never read)
 
@@ -55,6 +57,7 @@ from lightning_autopar.runtime import lightning_private as private
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE.json"
+STEPS_DIR = "steps"
 _NAME = re.compile(r"^step=(\d+)$")
 _TMP_PREFIX = ".tmp-"
 
@@ -193,6 +196,30 @@ def verify(path: str | os.PathLike) -> str | None:
     return None
 
 
+def mixed_steps(path: str | os.PathLike) -> str | None:
+    """Why the checkpoint at ``path`` must not be loaded because its ranks saved different steps (a save that
+    did not wait for a common step boundary), or None. Checkpoints without step records pass."""
+    import json
+
+    by_step: dict[int, list[int]] = {}
+    for record in sorted((Path(path) / STEPS_DIR).glob("rank=*.json")):
+        data = json.loads(record.read_text())
+        by_step.setdefault(int(data["step"]), []).append(int(data["rank"]))
+    if len(by_step) < 2:
+        return None
+    parts = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, sorted(r)))} at step {s}"
+             for s, r in sorted(by_step.items(), key=lambda item: min(item[1]))]
+    return f"checkpoint {path} is mixed: {'; '.join(parts)}; delete it or resume from an earlier one"
+
+
+def refuse_mixed(path: Any) -> None:
+    """Raise the one-line ``mixed_steps`` error when the checkpoint folder at ``path`` is mixed."""
+    from lightning_autopar.errors import AutoparError
+
+    if path is not None and Path(path).is_dir() and (reason := mixed_steps(path)) is not None:
+        raise AutoparError(reason)
+
+
 def published(dirpath: str | os.PathLike) -> list[tuple[int, Path]]:
     """(step, path) of the published checkpoint folders, newest first (complete or not)."""
     root = Path(dirpath)
@@ -314,8 +341,10 @@ class AutoCheckpoint(Checkpoint):
 
         def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
             if checkpoint_path is not None or trainer.state.fn != "fit" or not self._candidates:
+                refuse_mixed(checkpoint_path)
                 return original(checkpoint_path, weights_only)
             for path in self._candidates:
+                refuse_mixed(path)  # never loaded, and no silent fallback past it either
                 try:
                     original(path, weights_only)
                 except Exception as err:  # noqa: BLE001 - any load failure means: use the previous one
@@ -399,8 +428,9 @@ class AutoCheckpoint(Checkpoint):
         elapsed = time.monotonic() - self._last_save_time >= 60 * self.every_n_minutes
         return bool(trainer.strategy.broadcast(elapsed))  # rank 0's clock decides for everyone
 
-    def save(self, trainer: Any) -> Path | None:
-        """Save the current state now (all ranks call it); returns the published path (None while async)."""
+    def save(self, trainer: Any, wait: bool = False) -> Path | None:
+        """Save the current state now (all ranks call it); returns the published path (None while async, unless
+        ``wait``: then an async write is published before returning)."""
         step = trainer.global_step
         final = self.dirpath / checkpoint_name(step)
         tmp = self.dirpath / (_TMP_PREFIX + final.name)
@@ -416,10 +446,15 @@ class AutoCheckpoint(Checkpoint):
             return final  # this step is already saved (same state: training is deterministic per step)
         started = time.monotonic()
         self._last_save_time = started
+        # this rank's own step, beside the shards: the loader refuses a folder whose ranks disagree
+        write_json(tmp / STEPS_DIR / f"rank={trainer.global_rank:05d}.json", {"rank": trainer.global_rank, "step": step})
         if self.async_save and self._can_save_async(trainer):
             future = self._save_async(trainer, tmp)
             self._pending_async = (future, tmp, final, step)
-            return None
+            if not wait:
+                return None
+            self._publish_async(trainer)
+            return final
         trainer.save_checkpoint(tmp)
         return self._publish(trainer, tmp, final, step, started)
 

@@ -119,3 +119,28 @@ def distributed_models(modules: Any) -> Iterator[None]:
         yield
     finally:
         model_parallel._has_dtensor_modules = original
+
+
+def take_over_signal_handlers(trainer: Any, install: Any) -> Any:
+    """Make the trainer install ``install()``'s signal handlers where Lightning installs its own (just before the
+    run stage); returns the undo. Lightning's SLURM auto-requeue handler saves a checkpoint from inside the signal
+    handler on the rank that got the signal alone (a deadlock in any collective of the save) and its SIGTERM path
+    exits 0 mid-training; the public API cannot turn either off. Lightning's own teardown still restores the
+    handlers found before (``_original_handlers``), so nothing of ours outlives the fit."""
+    connector = trainer._signal_connector
+
+    def register_signal_handlers() -> None:
+        connector.received_sigterm = False
+        connector._original_handlers = connector._get_current_signal_handlers()
+        install()
+
+    previous = connector.__dict__.get("register_signal_handlers")
+    connector.register_signal_handlers = register_signal_handlers
+
+    def undo() -> None:
+        if previous is None:
+            connector.__dict__.pop("register_signal_handlers", None)
+        else:
+            connector.register_signal_handlers = previous
+
+    return undo

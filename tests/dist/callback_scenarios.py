@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scenarios  # noqa: E402
 from common import GLOBAL_BATCH, STEPS  # noqa: E402
+from pp_scenarios import gathered_state  # noqa: E402
 from scenarios import fit, full_state, record  # noqa: E402
 
 import lightning.pytorch as L  # noqa: E402
@@ -59,6 +60,47 @@ class SlowRank(L.Callback):
             while time.perf_counter() < end:
                 pass
 
+class SignalAt(L.Callback):
+    """Send ``signum`` to this process on ``ranks`` inside step ``at`` (before its optimizer step), once per
+    ``flag`` file and rank."""
+
+    def __init__(self, flag: Path, signum: int, ranks: tuple[int, ...], at: int) -> None:
+        self.flag, self.signum, self.ranks, self.at = flag, signum, ranks, at
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        flag = self.flag.with_name(f"{self.flag.name}.r{trainer.global_rank}")
+        if trainer.global_step + 1 == self.at and trainer.global_rank in self.ranks and not flag.exists():
+            flag.write_text("signalled")
+            os.kill(os.getpid(), self.signum)
+
+
+def stopped_with(out: Path, name: str, rank: int, fit_call):
+    """Run ``fit_call``; a SystemExit (a preemption stop) is written to out/name.exit.r<rank> and re-raised."""
+    try:
+        return fit_call()
+    except SystemExit as stop:
+        (out / f"{name}.exit.r{rank}").write_text(str(stop.code))
+        raise
+
+
+def exit_codes(out: Path, name: str) -> list[int]:
+    return [int((out / f"{name}.exit.r{r}").read_text()) for r in range(int(os.environ["WORLD_SIZE"]))]
+
+
+def slurm_variables(out: Path, rank: int) -> dict[str, str]:
+    """The variables an ``srun`` task of a 1-node, WORLD_SIZE-task job gets, and a stand-in ``scontrol`` first
+    on PATH that appends its arguments to out/scontrol.log."""
+    bin_dir = out / f"bin.r{rank}"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {out / "scontrol.log"}\n')
+    scontrol.chmod(0o755)
+    world = os.environ["WORLD_SIZE"]
+    return {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": world,
+            "SLURM_NTASKS_PER_NODE": world, "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": os.environ["LOCAL_RANK"], "SLURM_NODELIST": "127.0.0.1",
+            "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
 
 def names(paths) -> list[str]:
     return [p.name for p in paths]
@@ -66,7 +108,7 @@ def names(paths) -> list[str]:
 
 def checkpointed(out: Path, name: str, *callbacks, steps: int = STEPS, fix: str = PLAN, **kwargs):
     """One fit with an AutoCheckpoint in out/name every 2 steps; returns (trainer, module, losses, plan, ckpt)."""
-    ckpt = AutoCheckpoint(out / name, every_n_steps=2, keep_last=3, **kwargs.pop("ckpt_kwargs", {}))
+    ckpt = AutoCheckpoint(out / name, **{"every_n_steps": 2, "keep_last": 3, **kwargs.pop("ckpt_kwargs", {})})
     trainer, module, losses, plan = fit(fix, steps=steps, extra_callbacks=[ckpt, *callbacks], enable_checkpointing=True,
                                         **kwargs)
     return trainer, module, losses, plan, ckpt
@@ -134,6 +176,59 @@ def run(out: Path, name: str) -> None:
         # the same directory on 2 processes: planned for 2, resharded by DCP, continues at step 5
         trainer, module, losses, plan, ckpt = checkpointed(out, "elastic", fix=None)
         record(out, name, losses=losses, state=full_state(module), plan=plan, resumed_from=str(ckpt.resumed_from))
+    elif name == "preempt_usr1":
+        # SLURM's requeue signal to rank 0 alone inside step 3, under SLURM's variables (Lightning's SLURMEnvironment
+        # with auto-requeue): both ranks stop after step 3 with one checkpoint, rank 0 runs `scontrol requeue`,
+        # every process exits 138; torchrun restarts the job (as SLURM would requeue it) and it resumes
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        saved_env = dict(os.environ)
+        os.environ.update(slurm_variables(out, rank))
+        try:
+            trainer, module, losses, plan, ckpt = stopped_with(out, name, rank, lambda: checkpointed(
+                out, name, SignalAt(out / name, signal.SIGUSR1, (0,), 3), plugins=[SLURMEnvironment()]))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved_env)
+        log = out / "scontrol.log"
+        record(out, name, losses=losses, state=full_state(module), resumed_from=str(ckpt.resumed_from),
+               exit_codes=exit_codes(out, name), requeue_calls=log.read_text().splitlines() if log.exists() else [],
+               restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    elif name == "preempt_term":
+        # SIGTERM to every rank inside step 5 of a pipeline plan (pp=2): one checkpoint of step 5 with both stages
+        # at step 5, exit code 143 on both (not Lightning's 0); the next fit resumes there
+        fix = "pp=2,grad_accum=2"
+        try:
+            stopped_with(out, name, rank, lambda: checkpointed(out, name, SignalAt(out / name, signal.SIGTERM, (0, 1), 5),
+                                                               fix=fix))
+        except SystemExit as stop:
+            stopped = stop.code
+        else:
+            stopped = None
+        first = sorted(p.name for p in (out / name).iterdir())
+        trainer, module, losses, plan, ckpt = checkpointed(out, name, fix=fix)
+        record(out, name, losses=losses, state=gathered_state(module), plan=plan, resumed_from=str(ckpt.resumed_from),
+               stopped=stopped, exit_codes=exit_codes(out, name), after_stop=first)
+    elif name == "mixed":
+        # preempt_term's newest checkpoint, hand-edited so that rank 1's record says step 4 (the marker still
+        # verifies): refused in one line, never loaded
+        import shutil
+
+        from lightning_autopar.errors import AutoparError
+
+        source = sorted((out / "preempt_term").glob("step=*"))[-1]
+        target = out / name / source.name
+        if rank == 0:
+            shutil.copytree(source, target)
+            (target / "steps" / "rank=00001.json").write_text(
+                (target / "steps" / "rank=00001.json").read_text().replace('"step": 8', '"step": 7'))
+        dist.barrier()
+        try:
+            checkpointed(out, name, fix="pp=2,grad_accum=2")
+        except AutoparError as err:
+            record(out, name, error=str(err), target=str(target))
+        else:
+            record(out, name, error=None, target=str(target))
     else:
         scenarios.run(out, name)
 
