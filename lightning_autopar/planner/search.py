@@ -863,8 +863,9 @@ def _what_if(model: ModelSpec, cluster: ClusterSpec, space: Space, tables: Table
     if not exhaustive and _same_compute(hw, tables.hw):  # only mids whose compute alone is under a good plan's step
         top = np.flatnonzero(ok & tables.done)
         top = top[np.argsort(tables.step[top], kind="stable")[:8]]
-        best = float(Tables.of(model, hw, space.subset(top), seq, meas).steps(np.ones(len(top), bool), 1).min())
-        ok &= (tables.compute_bounds() <= best)[tables.cm]
+        if len(top):
+            best = float(Tables.of(model, hw, space.subset(top), seq, meas).steps(np.ones(len(top), bool), 1).min())
+            ok &= (tables.compute_bounds() <= best)[tables.cm]
     idx = np.flatnonzero(ok)
     t = Tables.of(model, hw, space.subset(idx), seq, meas)
     steps = t.steps(np.ones(len(idx), dtype=bool), 1, exhaustive=exhaustive)
