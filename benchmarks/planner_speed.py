@@ -38,7 +38,7 @@ def bench(model: str, cluster: str, nodes: int, global_batch: int, repeat: int) 
         report = plan(model, spec, global_batch=global_batch)
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
-    return {"evaluated": report.evaluated, "feasible": report.feasible, "best_s": min(times), "cpu_s": min(cpu),
+    return {"evaluated": report.evaluated, "feasible": report.feasible, "priced": report.priced, "best_s": min(times), "cpu_s": min(cpu),
             "median_s": statistics.median(times), "plan": report.best.plan.short(),
             "mfu": report.best.mfu, "step_s": report.best.step_time_s}
 
@@ -80,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     for label, model, cluster, nodes, gb in CASES:
         r = bench(model, cluster, nodes, gb, args.repeat)
-        print(f"{label}: {r['evaluated']:,} candidates priced, {r['feasible']:,} feasible, "
+        print(f"{label}: {r['evaluated']:,} candidates, {r['feasible']:,} feasible, {r['priced']:,} step-priced, "
               f"{r['best_s']:.3f} s best / {r['median_s']:.3f} s median wall ({r['cpu_s']:.3f} s CPU) -> "
               f"{r['evaluated'] / r['best_s']:,.0f} candidates/s wall, {r['evaluated'] / r['cpu_s']:,.0f}/s CPU; best {r['plan']} "
               f"({r['step_s']:.3g} s/step, MFU {100 * r['mfu']:.1f}%)")

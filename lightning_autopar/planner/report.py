@@ -68,6 +68,7 @@ class PlanReport:
     smallest: PricedPlan | None = None
     # where the step times' figures come from (SOURCE_*; cluster_source by default, the strategy after measuring)
     source: str = ""
+    priced: int = 0  # candidates whose step time was computed (the search skips those that cannot rank)
 
     def __post_init__(self) -> None:
         self.source = self.source or cluster_source(self.cluster)

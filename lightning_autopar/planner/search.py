@@ -73,8 +73,7 @@ def resolve_precisions(cluster: ClusterSpec, precision: str | Sequence[str] | No
 def _unit_reps(model: ModelSpec, units: C.UnitArrays, hw: C.Hardware, space: Space, pp: np.ndarray,
                vpp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unit-form representative ranks for each row's (pp, vpp): masks (rows, N_REP, units), rows (rows, N_REP, 3)."""
-    prec0 = int(space.keys["precision"][0]) if len(space.keys["precision"]) else 0
-    weights = layer_weights(model, hw, 1, prec0, True)[0]
+    weights = layer_weights(model, hw, 1, space.weights_precision(), True)[0]
     shape = (int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, N_REP)
     masks, rows = np.zeros(shape + (len(weights),)), np.zeros(shape + (3,))
     for code in np.unique(pp * 4096 + vpp):
@@ -87,8 +86,7 @@ def _stage_reps(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, fused:
                 vpp: np.ndarray, schedule: np.ndarray) -> np.ndarray:
     """Representative ranks for each row's (pp, vpp, V placement or not): array (rows, N_REP, 5) from one
     partition per distinct triple."""
-    prec0 = int(space.keys["precision"][0]) if len(space.keys["precision"]) else 0
-    weights, emb_w, head_w = layer_weights(model, hw, seq, prec0, fused)
+    weights, emb_w, head_w = layer_weights(model, hw, seq, space.weights_precision(), fused)
     v = np.isin(schedule, V_CODES).astype(np.int64)
     table = np.zeros((int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, 2, N_REP, 5))
     for code in np.unique((pp * 4096 + vpp) * 2 + v):
@@ -106,18 +104,146 @@ def price(model: ModelSpec, hw: C.Hardware, space: Space, global_batch: int, seq
     the fullest sets the memory. A transformer is priced by its blocks, a unit-form model by the sums over
     each rank's units (_unit_terms); both feed the same data-parallel terms and assembly.
     """
-    terms = _unit_terms if model.unit_form else _transformer_terms
-    opts, opt_of = recompute_table(space)
-    mid, dpc = terms(model, hw, space, seq, measured, fused, opts)
-    out = _assemble(hw, space, mid, dpc, detail, opt_of, len(opts))
-    fixed = _runtime_terms(model, hw, space)
-    if fixed is not None:
-        total = sum(fixed.values())
-        out["step"] = out["step"] + total
+    tables = Tables.of(model, hw, space, seq, measured, fused)
+    out = _assemble(tables, detail)
+    if tables.fixed is not None:
+        out["step"] = out["step"] + tables.fixed_total
         if detail:
-            out["runtime"] = total
-            out["terms"] = fixed
+            out["runtime"] = tables.fixed_total
+            out["terms"] = tables.fixed
     return out
+
+
+class Tables:
+    """One hardware's priced factor tables for a space, packed for the per-candidate assembly: the rows each
+    candidate gathers (mid x recompute, mid, dpc), and the steps priced so far (NaN: not yet). ``steps`` prices
+    only what can rank (the bounded search); ``price`` assembles every candidate (the exhaustive path)."""
+
+    def __init__(self, hw: C.Hardware, space: Space, mid: dict[str, list], dpc: dict[str, list], opt_of: np.ndarray,
+                 n_opts: int, fixed: dict[str, np.ndarray] | None) -> None:
+        K, M, Cn = space.keys, space.mids, space.cands
+        mk = M["key"]
+        ga, vpp_m = K["ga"].astype(float), M["vpp"].astype(float)
+        pp = space.layouts["pp"][K["layout"]].astype(float)
+        self.hw, self.space, self.mid, self.dpc, self.n_opts = hw, space, mid, dpc, n_opts
+        # three row-gathers per candidate (mid x recompute, mid, dpc), reduced over the representative ranks;
+        # float32 (ranking needs ~1e-6 relative precision) and cache-sized chunks keep it memory-light
+        self.cm, self.cd = Cn["mid"], Cn["dpc"]
+        self.mrc = self.cm * n_opts + opt_of  # recompute_table's rows
+        t32 = lambda arrs: np.ascontiguousarray(np.stack(arrs, axis=-1), dtype=np.float32)  # noqa: E731
+        self.by_rc = t32([np.stack(mid["base"], axis=2), np.stack(mid["mem"], axis=2)]).reshape(-1, N_REP, 2)
+        # compute windows that can hide data-parallel traffic (x the device's overlap share)
+        self.by_mid = t32([hw.overlap * np.stack(mid["tf"], axis=1), hw.overlap * np.stack(mid["tb"], axis=1)])
+        self.by_dpc = t32([np.stack(dpc[k], axis=1) for k in DPC_TERMS])
+        self.f_sm = np.float32(hw.comm_sm)
+        # steady state + fill/drain: m * (1 + the schedule's bubble fraction) slots (cost.bubble_fraction; 1F1B:
+        # (m + (pp-1)/vpp), Narayanan et al. 2021), then the once-per-step tail
+        self.ga_m = ga[mk]
+        self.span = (self.ga_m + C.bubble_fraction(pp[mk], self.ga_m, vpp_m, M["schedule"]) * self.ga_m
+                     ).astype(np.float32)
+        self.fixed = fixed
+        self.fixed_total = sum(fixed.values()) if fixed is not None else None
+        self.step = np.full(len(self.cm), np.inf)
+        self.done = np.zeros(len(self.cm), dtype=bool)
+
+    @staticmethod
+    def of(model: ModelSpec, hw: C.Hardware, space: Space, seq: int, measured: Measured | None = None,
+           fused: bool = True) -> "Tables":
+        terms = _unit_terms if model.unit_form else _transformer_terms
+        opts, opt_of = recompute_table(space)
+        mid, dpc = terms(model, hw, space, seq, measured, fused, opts)
+        return Tables(hw, space, mid, dpc, opt_of, len(opts), _runtime_terms(model, hw, space))
+
+    def step_memory(self, sl: Any, memory: bool = True) -> tuple[np.ndarray, ...]:
+        """(step without the runtime's fixed terms[, memory, host]) of candidates ``sl`` (a slice or indices)."""
+        cm = self.cm[sl]
+        a, b, d = self.by_rc[self.mrc[sl]], self.by_mid[cm], self.by_dpc[self.cd[sl]]
+        slot_r = slot_of(a, b, d, self.f_sm)
+        tail = C.overlapped_exposed(d[..., 4], b[..., 1], d[..., 5], self.f_sm) + d[..., 6] + d[..., 7]
+        step = self.span[cm] * max3(slot_r) + max3(tail)
+        return (step, max3(a[..., 1] + d[..., 8]), max3(d[..., 13])) if memory else (step,)
+
+    def memory_host(self) -> tuple[np.ndarray, np.ndarray]:
+        """Device memory and host memory of every candidate, as ``step_memory`` sums them (the same float32
+        values), gathered one rank column at a time: 1-D takes are several times faster than row gathers."""
+        n = len(self.cm)
+        memory, host = np.empty(n), np.empty(n)
+        col = lambda arr: [np.ascontiguousarray(arr[:, r]) for r in range(N_REP)]  # noqa: E731
+        mem_rc, mem_d, host_d = col(self.by_rc[..., 1]), col(self.by_dpc[..., 8]), col(self.by_dpc[..., 13])
+        for lo in range(0, n, 8 * CHUNK):
+            sl = slice(lo, min(lo + 8 * CHUNK, n))
+            i, j = self.mrc[sl], self.cd[sl]
+            mem, out = mem_rc[0].take(i) + mem_d[0].take(j), host_d[0].take(j)
+            for r in range(1, N_REP):
+                np.maximum(mem, mem_rc[r].take(i) + mem_d[r].take(j), out=mem)
+                np.maximum(out, host_d[r].take(j), out=out)
+            memory[sl], host[sl] = mem, out
+        return memory, host
+
+    def _price(self, idx: np.ndarray) -> None:
+        todo = idx[~self.done[idx]]
+        self.done[todo] = True
+        for lo in range(0, len(todo), CHUNK):
+            part = todo[lo:lo + CHUNK]
+            self.step[part] = self.step_memory(part, memory=False)[0]
+            if self.fixed_total is not None:
+                self.step[part] += self.fixed_total[part]
+
+    def lower_bounds(self) -> np.ndarray:
+        """Per mid, a step no candidate of it beats: span x the slowest rank's base slot (compute, recompute and
+        TP/CP/EP/PP traffic) at its cheapest recompute option. Every term a candidate adds to it (parameter work,
+        exposed DP traffic, the once-per-step tail, the runtime's fixed costs) is a time >= 0, and float32
+        rounding is monotone, so the bound never exceeds a price computed by ``step_memory``."""
+        base = self.by_rc[..., 0].reshape(-1, self.n_opts, N_REP).min(axis=1)
+        return self.span * max3(base)
+
+    def compute_bounds(self) -> np.ndarray:
+        """Per mid, a bound as ``lower_bounds`` from the compute alone (forward and backward of the slowest
+        rank): no link enters it, so it holds on a cluster that differs only in its links (the what-ifs)."""
+        return self.span * max3(np.stack(self.mid["tf"], 1) + np.stack(self.mid["tb"], 1)).astype(np.float32)
+
+    def steps(self, eligible: np.ndarray, k: int, layout: np.ndarray | None = None,
+              exhaustive: bool = False) -> np.ndarray:
+        """Step per candidate, exact for every ``eligible`` one that can be among the ``k`` fastest (or, with
+        ``layout``, the fastest whose layout differs from the fastest's), +inf for the others. Mids are taken cheapest bound first until the k-th best step found (or the best
+        of another layout, if slower) is below every remaining mid's bound; ``exhaustive`` prices them all."""
+        idx = np.flatnonzero(eligible)
+        if exhaustive or not len(idx) or (self.fixed_total is not None and (self.fixed_total < 0).any()):
+            self._price(idx)
+            return np.where(eligible, self.step, np.inf)
+        bound = self.lower_bounds().astype(float)
+        cm = self.cm[idx]
+        present = np.zeros(len(bound), dtype=bool)
+        present[cm] = True
+        order = np.flatnonzero(present)
+        order = order[np.argsort(bound[order], kind="stable")]
+        counts = np.bincount(cm, minlength=len(bound))[order]
+        # a first batch of the most promising mids sets the threshold; then every mid under it is priced
+        first = order[:int(np.searchsorted(np.cumsum(counts), max(4 * k, 2048))) + 1]
+        take = np.zeros(len(bound), dtype=bool)
+        take[first] = True
+        self._price(idx[take[cm]])
+        limit = self._threshold(idx, k, layout)
+        take |= present & (bound <= limit)
+        self._price(idx[take[cm]])
+        return np.where(eligible, self.step, np.inf)
+
+    def _threshold(self, idx: np.ndarray, k: int, layout: np.ndarray | None) -> float:
+        """The k-th best priced step among ``idx`` (inf if fewer), or the best of another layout if larger."""
+        done = self.done[idx]
+        got, at = self.step[idx[done]], idx[done]
+        if len(got) < k:
+            return float("inf")
+        limit = float(np.partition(got, k - 1)[k - 1])
+        if layout is not None:
+            others = layout[at] != layout[at[np.argmin(got)]]
+            limit = max(limit, float(got[others].min()) if others.any() else float("inf"))
+        return limit
+
+    @property
+    def priced(self) -> int:
+        """Candidates whose step has been computed."""
+        return int(self.done.sum())
 
 
 def recompute_table(space: Space) -> tuple[np.ndarray, np.ndarray]:
@@ -468,45 +594,22 @@ def _dp_rank_terms(hw: C.Hardware, dpc: dict[str, list], zero: np.ndarray, prec_
     dpc["mem"].append(states + bufs * frag + hw.reserved)
 
 
-def _assemble(hw: C.Hardware, space: Space, mid: dict[str, list], dpc: dict[str, list],
-              detail: bool, opt_of: np.ndarray, n_opts: int) -> dict[str, np.ndarray]:
-    """Combine the mid- and dpc-level terms per candidate: step time, memory and (``detail``) the breakdown."""
-    K, M, Cn = space.keys, space.mids, space.cands
-    mk = M["key"]
-    ga, vpp_m = K["ga"].astype(float), M["vpp"].astype(float)
-    pp = space.layouts["pp"][K["layout"]].astype(float)
-
-    # ---- candidates: three row-gathers per chunk (mid x recompute, mid, dpc), reduced over the representative
-    # ranks; float32 (ranking needs ~1e-6 relative precision) and cache-sized chunks keep it memory-light.
-    cm, cd = Cn["mid"], Cn["dpc"]
-    mrc = cm * n_opts + opt_of  # recompute_table's rows
-    t32 = lambda arrs: np.ascontiguousarray(np.stack(arrs, axis=-1), dtype=np.float32)  # noqa: E731
-    by_rc = t32([np.stack(mid["base"], axis=2), np.stack(mid["mem"], axis=2)]).reshape(-1, N_REP, 2)  # (mid, rc)
-    # compute windows that can hide data-parallel traffic (x the device's overlap share)
-    by_mid = t32([hw.overlap * np.stack(mid["tf"], axis=1), hw.overlap * np.stack(mid["tb"], axis=1)])
-    by_dpc = t32([np.stack(dpc[k], axis=1) for k in DPC_TERMS])
-    f_sm = np.float32(hw.comm_sm)
-    # steady state + fill/drain: m * (1 + the schedule's bubble fraction) slots (cost.bubble_fraction; 1F1B:
-    # (m + (pp-1)/vpp), Narayanan et al. 2021), then the once-per-step tail
-    ga_m = ga[mk]
-    span = (ga_m + C.bubble_fraction(pp[mk], ga_m, vpp_m, M["schedule"]) * ga_m).astype(np.float32)
+def _assemble(t: Tables, detail: bool) -> dict[str, np.ndarray]:
+    """Combine the mid- and dpc-level terms of every candidate: step time, memory and (``detail``) the breakdown."""
+    hw, mid, n_opts, cm = t.hw, t.mid, t.n_opts, t.cm
+    by_rc, by_mid, by_dpc, f_sm, span, mrc, cd = t.by_rc, t.by_mid, t.by_dpc, t.f_sm, t.span, t.mrc, t.cd
     n = len(cm)
     step, memory, host = np.empty(n), np.empty(n), np.empty(n)
     for lo in range(0, n, CHUNK):
         sl = slice(lo, min(lo + CHUNK, n))
-        a, b, d = by_rc[mrc[sl]], by_mid[cm[sl]], by_dpc[cd[sl]]
-        slot_r = slot_of(a, b, d, f_sm)
-        tail = C.overlapped_exposed(d[..., 4], b[..., 1], d[..., 5], f_sm) + d[..., 6] + d[..., 7]
-        step[sl] = span[cm[sl]] * max3(slot_r) + max3(tail)
-        memory[sl] = max3(a[..., 1] + d[..., 8])
-        host[sl] = max3(d[..., 13])
+        step[sl], memory[sl], host[sl] = t.step_memory(sl)
     out = {"step": step, "memory": memory, "host": host}
     if detail:
         rows = np.arange(n)
         a, b, d = by_rc[mrc].astype(float), by_mid[cm].astype(float), by_dpc[cd].astype(float)
         worst = slot_of(a, b, d, f_sm).argmax(axis=1)
         w = lambda arr: arr[rows, worst]  # noqa: E731  the slowest rank's value
-        ga_c, span_c = ga_m[cm], span[cm].astype(float)
+        ga_c, span_c = t.ga_m[cm], span[cm].astype(float)
         slot = w(slot_of(a, b, d, f_sm))
         out["bubble"] = (span_c - ga_c) * slot
         out["compute"] = ga_c * w(np.stack(mid["tf"], 1)[cm] + np.stack(mid["tb"], 1)[cm] + d[..., 9]) + w(d[..., 7])
@@ -660,11 +763,14 @@ def _inputs(model: Any, cluster: Any, global_batch: int | None, seq_len: int | N
 def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None, fix: Any = None, top: int = 10,
          precision: str | Sequence[str] | None = None, restrict: Mapping[str, Sequence] | None = None,
          measured: Any = None, memory_fraction: float = 0.9, allow_infeasible: bool = False,
-         explain_choice: bool = True) -> PlanReport:
+         explain_choice: bool = True, exhaustive: bool = False) -> PlanReport:
     """Search the whole plan space; return the top feasible plans, ranked fastest first, with an explanation.
 
     ``allow_infeasible``: when nothing fits, return the least-memory plans flagged instead of raising
     InfeasibleError (the CLI does this for ``--fix`` so a fixed plan that does not fit is still priced).
+    Memory is computed for every candidate; step times only where one can rank (Tables.steps: a lower bound per
+    pipeline configuration against the k-th best found). ``exhaustive``: price every step instead (the same
+    result, slower; tests compare the two).
     """
     start = time.perf_counter()
     spec, clus, seq = _inputs(model, cluster, global_batch, seq_len)
@@ -683,8 +789,11 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
                           "loosen fix/restrict, or pick a global batch / device count with more divisors")
     hw = C.Hardware.from_cluster(clus)
     limit, host_limit = hw.capacity * memory_fraction, host_limit_bytes(clus)
-    costs = price(spec, hw, space, global_batch, seq, meas, detail=False)
-    ok = fits(costs, limit, host_limit)
+    tables = Tables.of(spec, hw, space, seq, meas)
+    memory, host = tables.memory_host()
+    ok = (memory <= limit) & (host <= host_limit)
+    layout = space.keys["layout"][space.mids["key"]][space.cands["mid"]]
+    costs = {"memory": memory, "host": host, "step": tables.steps(ok, max(top, 1), layout, exhaustive)}
     rejected = dict(space.rejected)
     n_mem = int((costs["memory"] > limit).sum())
     if n_mem:
@@ -694,7 +803,7 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
         rejected["host memory (offload)"] = n_host
     feasible = int(ok.sum())
     if feasible:
-        idx = np.flatnonzero(ok)
+        idx = np.flatnonzero(ok & np.isfinite(costs["step"]))  # the others cannot rank (Tables.steps)
         order = idx[np.lexsort((costs["memory"][idx], costs["step"][idx]))[:max(top, 1)]]  # ties: less memory
     elif allow_infeasible:
         order = np.argsort(costs["memory"], kind="stable")[:max(top, 1)]
@@ -704,17 +813,19 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
     report = PlanReport(best=cands[0], candidates=cands, evaluated=space.size, feasible=feasible, rejected=rejected,
                         search_seconds=0.0, model=spec, cluster=clus, global_batch=global_batch, seq_len=seq,
                         memory_fraction=memory_fraction)
+    report.priced = tables.priced
     if spec.unit_form:
         report.excluded = unit_form_restrict(spec, fixed, restrict or {})[1]
     small = smallest_plan(costs, host_limit)
     report.smallest = cands[0] if small == int(order[0]) else _priced(spec, clus, hw, space, [small], global_batch,
                                                                       seq, limit, meas)[0]
     if feasible:
-        report.runner_up = _runner_up(spec, clus, hw, space, costs, ok, int(order[0]), global_batch, seq, limit,
-                                      meas)
+        report.runner_up = _runner_up(spec, clus, hw, space, costs, ok & (layout != layout[order[0]]), global_batch,
+                                      seq, limit, meas)
     if explain_choice and feasible:
-        report.explanation = explain(report, lambda c, reprice: _what_if(spec, c, space, costs, global_batch, seq,
-                                                                         meas, memory_fraction, reprice))
+        report.explanation = explain(report, lambda c, reprice: _what_if(spec, c, space, tables, costs, seq, meas,
+                                                                         memory_fraction, reprice, exhaustive))
+        report.priced = tables.priced
     report.search_seconds = time.perf_counter() - start
     return report
 
@@ -727,28 +838,47 @@ def _priced(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: Space
     return [priced_plan(model, cluster, hw, sub, costs, j, global_batch, seq, limit) for j in range(sub.size)]
 
 
-def _runner_up(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: Space, costs: dict, ok: np.ndarray,
-               best: int, global_batch: int, seq: int, limit: float, meas: Measured | None) -> PricedPlan | None:
-    """Fastest feasible plan whose layout (tp, pp, cp, ep, hence dp) differs from the winner's."""
-    layout = space.keys["layout"][space.mids["key"]][space.cands["mid"]]
-    mask = ok & (layout != layout[best])
+def _runner_up(model: ModelSpec, cluster: ClusterSpec, hw: C.Hardware, space: Space, costs: dict, mask: np.ndarray,
+               global_batch: int, seq: int, limit: float, meas: Measured | None) -> PricedPlan | None:
+    """Fastest feasible plan whose layout (tp, pp, cp, ep, hence dp) differs from the winner's (``mask``)."""
     if not mask.any():
         return None
     idx = np.flatnonzero(mask)
     return _priced(model, cluster, hw, space, [idx[np.argmin(costs["step"][idx])]], global_batch, seq, limit, meas)[0]
 
 
-def _what_if(model: ModelSpec, cluster: ClusterSpec, space: Space, costs: dict, global_batch: int, seq: int,
-             meas: Measured | None, memory_fraction: float, reprice: bool) -> tuple[Plan, float] | None:
-    """Best (plan, step) on a what-if cluster: a memory-only change reuses the times, a link change re-prices."""
+def _what_if(model: ModelSpec, cluster: ClusterSpec, space: Space, tables: Tables, costs: dict, seq: int,
+             meas: Measured | None, memory_fraction: float, reprice: bool,
+             exhaustive: bool = False) -> tuple[Plan, float] | None:
+    """Best (plan, step) on a what-if cluster: a memory-only change reuses the priced tables, a link change
+    re-prices (both by the bounded search, Tables.steps)."""
     hw = C.Hardware.from_cluster(cluster)
-    idx = np.flatnonzero(fits(costs, hw.capacity * memory_fraction, host_limit_bytes(cluster)))
-    if not len(idx):
+    ok = fits(costs, hw.capacity * memory_fraction, host_limit_bytes(cluster))
+    if not ok.any():
         return None
-    steps = (price(model, hw, space.subset(idx), global_batch, seq, meas, detail=False)["step"] if reprice
-             else costs["step"][idx])
+    if not reprice:
+        steps = tables.steps(ok, 1, exhaustive=exhaustive)
+        j = int(np.argmin(steps))
+        return space.plan(j), float(steps[j])
+    if not exhaustive and _same_compute(hw, tables.hw):  # only mids whose compute alone is under a good plan's step
+        top = np.flatnonzero(ok & tables.done)
+        top = top[np.argsort(tables.step[top], kind="stable")[:8]]
+        if len(top):
+            best = float(Tables.of(model, hw, space.subset(top), seq, meas).steps(np.ones(len(top), bool), 1).min())
+            ok &= (tables.compute_bounds() <= best)[tables.cm]
+    idx = np.flatnonzero(ok)
+    t = Tables.of(model, hw, space.subset(idx), seq, meas)
+    steps = t.steps(np.ones(len(idx), dtype=bool), 1, exhaustive=exhaustive)
     j = int(np.argmin(steps))
     return space.plan(int(idx[j])), float(steps[j])
+
+
+def _same_compute(a: C.Hardware, b: C.Hardware) -> bool:
+    """Whether two hardware views price compute alike (they may differ in links, memory and host): the
+    what-ifs' compute bound (Tables.compute_bounds) then holds for both."""
+    fields = ("mem_bw", "gemm_eff", "units", "tile", "overhead_s", "attn_fwd", "attn_bwd", "dispatch_s", "conv_eff",
+              "fused_ew", "compile_fuses", "runtime", "overlap", "comm_sm")
+    return np.array_equal(a.peak, b.peak) and all(getattr(a, f) == getattr(b, f) for f in fields)
 
 
 def smallest_plan(costs: dict[str, np.ndarray], host_limit: float) -> int:

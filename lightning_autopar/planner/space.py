@@ -55,6 +55,7 @@ class Space:
     cands: dict[str, np.ndarray]
     rejected: Counter = field(default_factory=Counter)
     uneven: bool = True
+    partition_precision: int = -1  # the precision of the pipeline partition's layer weights (-1: the first key's)
 
     @property
     def size(self) -> int:
@@ -82,7 +83,14 @@ class Space:
         keys, mids["key"] = _compact(self.keys, mids["key"])
         layouts, both = _compact(self.layouts, np.concatenate([keys["layout"], dpcs["layout"]]))
         keys["layout"], dpcs["layout"] = both[:len(keys["layout"])], both[len(keys["layout"]):]
-        return Space(layouts, keys, mids, dpcs, cands, self.rejected, self.uneven)
+        return Space(layouts, keys, mids, dpcs, cands, self.rejected, self.uneven, self.weights_precision())
+
+    def weights_precision(self) -> int:
+        """The precision the pipeline partition weighs layers at: the first key's, kept by ``subset`` so that a
+        subset prices its candidates exactly as the whole space did."""
+        if self.partition_precision >= 0:
+            return self.partition_precision
+        return int(self.keys["precision"][0]) if len(self.keys["precision"]) else 0
 
     def plan(self, i: int) -> Plan:
         """The Plan object of candidate ``i``."""
