@@ -45,6 +45,7 @@ from lightning_autopar.runtime.analysis import STAGE_HOOKS, step_model_call
 from lightning_autopar.runtime.batches import leading_size
 from lightning_autopar.runtime.planning import RUNTIME_SUPPORT, PlanningMixin
 from lightning_autopar.runtime.step import Accumulation, eval_step, training_step
+from lightning_autopar.topology import worker
 
 __all__ = ["RUNTIME_SUPPORT", "AutoParallelMixin", "AutoParallelStrategy", "register", "register_flavours"]
 
@@ -190,6 +191,21 @@ class AutoParallelMixin(PlanningMixin):
 
     def _loss_scaler(self) -> Any:
         return getattr(self.precision_plugin, "scaler", None)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        worker.note_doing(f"training step {self.lightning_module.trainer.global_step + 1}")  # the heartbeat's word
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # a collective that lost its peer: one line naming it, now (teardown and the excepthook could wait on it)
+        if worker.looks_collective(exception):
+            worker.stop_for_peer(exception)
+
+    @override
+    def teardown(self) -> None:
+        worker.stop_heartbeat()  # joined, not left in a store call at exit (worker.start_heartbeat says why)
+        super().teardown()
 
     # ------------------------------------------------------------------ the step (runtime.step, runtime.pipeline_step)
 

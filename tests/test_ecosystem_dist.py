@@ -128,7 +128,7 @@ def test_own_launcher_shares_the_cores(tmp_path, mode):
 
     proc = subprocess.run([sys.executable, str(DIST / "launcher_threads.py"), str(tmp_path), mode], cwd=ROOT,
                           env=without_thread_env(), capture_output=True, text=True, timeout=600)
-    check_launch(proc, [tmp_path / f"{mode}_rank{rank}.txt" for rank in (0, 1)], f"launcher_threads.py {mode}")
+    check_launch(proc, f"launcher_threads.py {mode}")
     share = max(1, cpu_count() // 2)
     threads = [int((tmp_path / f"{mode}_rank{rank}.txt").read_text()) for rank in (0, 1)]
     assert all(1 <= t <= share for t in threads), (threads, share)

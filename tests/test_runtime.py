@@ -1,5 +1,6 @@
 """The step runtime (``lightning_autopar.runtime``): batch splitting and the log recorder (no process group),
-and trial runs on a live world-2 group (torchrun): times per step, nothing left behind."""
+trial runs on a live world-2 group (torchrun): times per step, nothing left behind; and a peer that stops
+(SIGSTOP) under ``torchrun --max-restarts 1``: the live rank names it in one line, the job resumes."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def test_log_recorder_weights_reduces_and_logs_once():
 def trial_world2(tmp_path_factory):
     out = tmp_path_factory.mktemp("runtime_w2")
     proc = torchrun(DIST / "runtime_scenarios.py", 2, str(out))
-    check_launch(proc, [out / f"trial_r{rank}.pt" for rank in range(2)], "torchrun runtime_scenarios.py")
+    check_launch(proc, "torchrun runtime_scenarios.py")
     return [torch.load(out / f"trial_r{rank}.pt", weights_only=False) for rank in range(2)]
 
 
@@ -95,3 +96,19 @@ def test_trial_measures_and_leaves_no_state(trial_world2):
         assert result["params_unchanged"] and result["same_parameter_objects"] and result["plain_tensors"]
         assert result["rng_unchanged"]
         assert result["world_sum"] == 2.0
+
+
+def test_stopped_peer_is_named_and_the_restart_resumes(tmp_path):
+    """Rank 1 SIGSTOPs itself after step 3 (strategy timeout 20 s): rank 0's all_reduce times out, it prints one
+    line naming rank 1 and exits 1 (no traceback); torchrun restarts the job from the step-2 checkpoint."""
+    proc = torchrun(DIST / "runtime_scenarios.py", 2, str(tmp_path), "stopped", torchrun_args=("--max-restarts=1",))
+    check_launch(proc, "torchrun runtime_scenarios.py stopped")
+    text = proc.stdout + proc.stderr
+    lines = [line for line in text.splitlines() if "stopped answering" in line]
+    # its last beat: step 3, or step 2 when the beat after step 3 began had no time to run before the stop
+    assert len(lines) == 1 and lines[0].startswith("autopar (rank 0): rank 1 stopped answering (last seen in "
+                                                   "training step "), text[-4000:]
+    assert "timed out in training step 4" in lines[0] and "Traceback" not in text
+    result = torch.load(tmp_path / "stopped.pt", weights_only=False)
+    assert result["restarts"] == 1 and result["resumed_from"].endswith("step=00000002")
+    assert len(result["losses"]) == 4  # steps 3..6 after the resume

@@ -7,6 +7,7 @@ parameters must equal the single-process reference (fp32) within LOSS_RTOL / PAR
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -105,14 +106,15 @@ trainer.fit(make_module(hidden=48, heads=3), DataLoader(make_data(), batch_size=
 """
 
 
-@pytest.mark.parametrize("fix, expected", [
-    ("tp=two", "autopar: fix.tp: expected an integer, got 'two'"),
-    ("tq=2", "autopar: fix.tq: unknown plan field"),
-    ("tp=2", "autopar: plan.tp: tp=2 does not divide heads=3"),
+@pytest.mark.parametrize("fix, env, expected", [
+    ("tp=two", {}, "autopar: fix.tp: expected an integer, got 'two'"),
+    ("tq=2", {}, "autopar: fix.tq: unknown plan field"),
+    ("tp=2", {}, "autopar: plan.tp: tp=2 does not divide heads=3"),
+    ("dp=1", {"AUTOPAR_PG_TIMEOUT": "soon"}, "autopar: AUTOPAR_PG_TIMEOUT: 'soon' is not a number of seconds; fix:"),
 ])
-def test_bad_fix_exits_2_with_one_line(fix, expected):
+def test_bad_fix_exits_2_with_one_line(fix, env, expected):
     proc = subprocess.run([sys.executable, "-c", SCRIPT, fix], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, **env})
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("autopar")]

@@ -89,3 +89,31 @@ def test_missing_master_address(monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(ConfigError, match="MASTER_ADDR"):
         mesh.init_process_group_with_timeout("gloo")
+
+
+EXIT_BUSY = """
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from lightning_autopar.topology import worker
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
+worker.destroy_at_exit()
+worker.HEARTBEAT_S = worker.BEAT_GAP_S = 0.0  # the heartbeat thread is always inside a store call
+worker.start_heartbeat()
+time.sleep(0.3)
+"""
+
+
+def test_exit_while_the_heartbeat_is_in_a_store_call_is_clean():
+    """The interpreter exits while the heartbeat thread is busy in store calls: it is stopped and joined at exit,
+    so the process exits 0. A daemon thread left there aborts the exit ("terminate called without an active
+    exception", -6): pthread_exit in pybind11's GIL re-acquisition, a noexcept frame (8 of 8 runs here)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", EXIT_BUSY, str(free_port())], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "terminate called" not in proc.stderr, proc.stderr[-3000:]

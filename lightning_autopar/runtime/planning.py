@@ -22,6 +22,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.topology.mesh import pg_timeout
 from lightning_autopar.topology.worker import install_excepthook
 from lightning_autopar.runtime.analysis import analyse, sequence_length
 from lightning_autopar.runtime.batches import batch_rows, leading_size
@@ -63,15 +64,13 @@ class PlanningMixin(ABC):
         profile_fraction: float = 0.02,
         profile_cache: str | bool | None = None,
     ) -> None:
-        from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-
         install_excepthook()
         super().__init__(
             data_parallel_size=1,
             tensor_parallel_size=1,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
-            timeout=timeout or default_pg_timeout,
+            timeout=pg_timeout(timeout),  # timeout=, else $AUTOPAR_PG_TIMEOUT, else 30 min
         )
         self._fix = parse_fix(fix)  # bad keys and values fail here, before any process starts
         # set-up profiling and trials (runtime.trial.SetupSettings); bad values fail here too
@@ -143,7 +142,7 @@ class PlanningMixin(ABC):
         assert self.accelerator is not None
         worker.share_cpu_threads(self.num_processes)
         worker.destroy_at_exit()  # whichever path creates the group below (worker.destroy_at_exit says why)
-        worker.watch_for_failures()  # a failed rank 0 serving the store stops its peers with its line
+        worker.start_heartbeat()  # names a peer that stops answering; a failed rank 0's line reaches its peers
         if worker.uses_shared_agent_store():
             self.accelerator.setup_device(self.root_device)
             device_id = self.root_device if self.root_device.type != "cpu" else None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from lightning_autopar.errors import AutoparError, ConfigError
 from lightning_autopar.specs import Plan
+from lightning_autopar.topology.worker import PG_TIMEOUT_ENV
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -166,7 +167,6 @@ def build_mesh(plan: Plan, device_type: str) -> MeshLayout:
 
 # --------------------------------------------------------------------------------------------- process group
 
-PG_TIMEOUT_ENV = "AUTOPAR_PG_TIMEOUT"
 _CHECKINS = [0]  # how many check-ins this process has made (every rank makes the same sequence)
 
 
@@ -194,7 +194,7 @@ def pg_timeout(seconds: float | timedelta | None = None) -> timedelta:
         except ValueError:
             raise ConfigError(PG_TIMEOUT_ENV, f"{raw!r} is not a number of seconds", "e.g. AUTOPAR_PG_TIMEOUT=600") from None
     if not seconds > 0:
-        raise ConfigError(PG_TIMEOUT_ENV, f"must be > 0 seconds, got {seconds}")
+        raise ConfigError(PG_TIMEOUT_ENV, f"must be > 0 seconds, got {seconds}", "e.g. AUTOPAR_PG_TIMEOUT=600")
     return timedelta(seconds=seconds)
 
 

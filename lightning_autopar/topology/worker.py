@@ -21,8 +21,13 @@ by peer" tracebacks from the others. The failing rank publishes its line to the 
 (:func:`publish_failure`, called by ``install_excepthook``) before it exits; a peer whose collective then
 fails finds it (:func:`peer_failure`) and prints it. Under torchrun the store is the agent's and outlives the
 workers. Under Lightning's launcher rank 0 serves it, and its peers' collectives fail only once it has exited
-(closing or aborting a gloo group does not end them), so there the other ranks run a thread that looks for a
-failure once a second (:func:`watch_for_failures`), and a failing rank 0 waits until they have read its line.
+(closing or aborting a gloo group does not end them), so there the other ranks' heartbeat thread looks for a
+failure once a second (:func:`start_heartbeat`), and a failing rank 0 waits until they have read its line.
+
+Hangs. A peer that stops (SIGSTOP, a hung host) raises nothing: the others' next collective times out (the
+process-group timeout, ``topology.mesh.pg_timeout``). Every rank's one heartbeat thread writes a beat and what
+it is doing to the store once a second; a rank whose collective failed names the peers whose beat stopped
+(:func:`stop_for_peer`) in one line and exits 1, which torchrun's ``--max-restarts`` restarts.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+PG_TIMEOUT_ENV = "AUTOPAR_PG_TIMEOUT"  # the process-group timeout in seconds (read by topology.mesh.pg_timeout)
 _INITS = [0]  # process groups this process has created through init_process_group (every rank: the same count)
 
 
@@ -116,6 +122,7 @@ _DESTROY_REGISTERED = False
 def _destroy_process_group() -> None:
     import torch.distributed as dist
 
+    stop_heartbeat()  # before its store goes away
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -125,9 +132,7 @@ def _destroy_process_group() -> None:
 FAILED_KEY = "autopar/failed"
 SEEN_KEY = "autopar/failed_seen"  # peers that have read the failure
 PEER_WAIT_S = 5.0  # how long a rank that died in a collective looks for a peer's published failure
-WATCH_INTERVAL_S = 1.0  # how often a rank looks for a published failure when rank 0 serves the store
 _STOPPING = threading.Lock()  # held by the thread printing this process's last line (stop_with)
-_WATCHING = [False]
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,7 @@ def _serves_store() -> bool:
 def publish_failure(line: str, exit_code: int) -> None:
     """Record this rank's error ``line`` in the job's store (the first one published wins), so its peers print
     it instead of gloo tracebacks. A process serving the store stays until every peer has read it (at most
-    2 * PEER_WAIT_S; the peers' :func:`watch_for_failures` threads see it within WATCH_INTERVAL_S). Best effort:
+    2 * PEER_WAIT_S; the peers' heartbeat threads (:func:`start_heartbeat`) see it within HEARTBEAT_S). Best effort:
     a store that cannot be reached leaves the peers' own errors."""
     import time
 
@@ -208,13 +213,14 @@ def _read_failure(store: Any) -> PeerFailure:
 
 def looks_collective(error: BaseException) -> bool:
     """Whether ``error`` is what a collective raises when a peer is gone (gloo: "Connection closed by peer",
-    a DistBackendError / DistNetworkError, a timeout)."""
+    a DistBackendError / DistNetworkError, a timeout: "Application timeout caused pair closure")."""
     import torch.distributed as dist
 
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
     text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(w in text for w in ("gloo", "connection", "peer", "timed out"))
+    words = ("gloo", "connection", "peer", "timed out", "timeout")
+    return isinstance(error, RuntimeError) and any(w in text for w in words)
 
 
 def peer_failure(error: BaseException) -> PeerFailure | None:
@@ -237,44 +243,151 @@ def peer_failure(error: BaseException) -> PeerFailure | None:
         return None
 
 
-def watch_for_failures() -> None:
-    """Where rank 0 serves the store (Lightning's launcher, no torchrun agent store), a peer blocked in a
-    collective would see a failed rank 0 only when it exits, taking the store and its line with it. A daemon
-    thread on every other rank therefore looks for a published failure once a second (one store request) and
-    stops this process with the line (:func:`stop_with`). Under torchrun's agent store nothing is started: the
-    store outlives the workers and the excepthook reads it. Started once per process."""
-    if _WATCHING[0] or uses_shared_agent_store():
+# ------------------------------------------------------------------ the heartbeat: stopped peers, failures
+
+HEARTBEAT_KEY = "autopar/heartbeat/"  # + rank: "<beats>\t<what it is doing>", rewritten every HEARTBEAT_S
+HEARTBEAT_S = 1.0
+BEAT_GAP_S = 0.1  # at least this between two beats: a note per step must not turn into a store call per step
+STALL_S = 2.5  # a peer whose beat count has not moved over this long has stopped answering
+_DOING = ["setting up"]  # what this rank is doing, e.g. "training step 3", published with each beat (note_doing)
+_HEARTBEAT: list[Any] = []  # (thread, stop event) while this process's one heartbeat thread runs
+_NEWS = threading.Event()  # set by note_doing: the heartbeat publishes the change without waiting HEARTBEAT_S
+
+
+def note_doing(doing: str) -> None:
+    """Record what this rank is doing ("training step 3"), for the heartbeat its peers read."""
+    _DOING[0] = doing
+    _NEWS.set()
+
+
+def start_heartbeat() -> None:
+    """Start this process's one heartbeat thread (once): every HEARTBEAT_S it writes its beat count and what the
+    rank is doing (:func:`note_doing`) to the job's store, so that a rank whose collective timed out can name the
+    peer that stopped answering (:func:`stalled_peers`). Where rank 0 serves the store (Lightning's launcher, no
+    torchrun agent store), a peer blocked in a collective would see a failed rank 0 only when it exits, taking
+    the store and its line with it; the same thread on every other rank therefore also looks for a published
+    failure and stops this process with its line (:func:`stop_with`).
+
+    The thread is stopped and joined at interpreter exit (:func:`stop_heartbeat`, also called at the strategy's
+    teardown): a daemon thread still making store calls when the interpreter finalizes is ended by
+    ``pthread_exit`` inside pybind11's GIL re-acquisition, a noexcept frame, and the process aborts with
+    "terminate called without an active exception" (exit -6) after all its work."""
+    if _HEARTBEAT:
         return
-    _WATCHING[0] = True
-    threading.Thread(target=_watch, name="autopar-failure-watch", daemon=True).start()
+    stop = threading.Event()
+    thread = threading.Thread(target=_beat, args=(stop,), name="autopar-heartbeat", daemon=True)
+    _HEARTBEAT.append((thread, stop))
+    atexit.unregister(stop_heartbeat)  # registered once, after destroy_at_exit's hook: it runs first
+    atexit.register(stop_heartbeat)
+    thread.start()
 
 
-def _watch() -> None:
+def stop_heartbeat() -> None:
+    """Stop and join the heartbeat thread, if it runs (its store calls are short; a store that went away fails
+    them at once)."""
+    if _HEARTBEAT:
+        thread, stop = _HEARTBEAT.pop()
+        stop.set()
+        _NEWS.set()
+        if thread is not threading.current_thread():
+            thread.join(timeout=5 * HEARTBEAT_S)
+
+
+def _beat(stop: threading.Event) -> None:
+    import torch.distributed as dist
+
+    beats = 0
+    while True:
+        _NEWS.wait(HEARTBEAT_S)
+        _NEWS.clear()
+        if stop.is_set():
+            return
+        try:
+            store = _job_store()
+            if store is None:
+                continue  # the group is not created yet (or already destroyed)
+            beats += 1
+            rank = dist.get_rank()
+            store.set(f"{HEARTBEAT_KEY}{rank}", f"{beats}\t{_DOING[0]}")
+            if rank != 0 and not uses_shared_agent_store() and store.check([FAILED_KEY]):
+                failure = _read_failure(store)
+                stop_with(failure.line_for(str(rank)), failure.exit_code)
+        except Exception:  # noqa: BLE001 -- the store is gone (the run ended, or its server exited)
+            if stop.wait(HEARTBEAT_S):
+                return
+        if stop.wait(BEAT_GAP_S):
+            return
+
+
+@dataclass(frozen=True)
+class StalledPeer:
+    """A rank whose heartbeat stopped advancing, with what it last said it was doing."""
+
+    rank: int
+    doing: str
+
+
+def _heartbeats(store: Any, ranks: list[int]) -> dict[int, tuple[str, str]]:
+    """(beat count, what it is doing) of each of ``ranks`` that has beaten at least once."""
+    keys = {r: f"{HEARTBEAT_KEY}{r}" for r in ranks}
+    return {r: tuple(store.get(k).decode().split("\t", 1)) for r, k in keys.items() if store.check([k])}
+
+
+def stalled_peers() -> list[StalledPeer]:
+    """The peers whose heartbeat did not advance over STALL_S (a stopped or hung process, or one that died
+    without a word). Empty without a process group, a reachable store or a running heartbeat here."""
     import time
 
     import torch.distributed as dist
 
-    while True:
-        time.sleep(WATCH_INTERVAL_S)
-        try:
-            store = _job_store()
-            if store is None:
-                continue  # the group is not created yet
-            if dist.get_rank() == 0:
-                return  # it serves the store: its own collectives fail when a peer exits
-            if store.check([FAILED_KEY]):
-                failure = _read_failure(store)
-                stop_with(failure.line_for(str(dist.get_rank())), failure.exit_code)
-        except Exception:  # noqa: BLE001 -- the group or the store is gone (the run ended): nothing to watch
-            return
+    try:
+        store = _job_store()
+        if store is None or not _HEARTBEAT:
+            return []
+        me = dist.get_rank()
+        ranks = [r for r in range(dist.get_world_size()) if r != me]
+        before = _heartbeats(store, ranks)
+        time.sleep(STALL_S)
+        after = _heartbeats(store, ranks)
+    except Exception:  # noqa: BLE001 -- the store went with a peer: nothing to name
+        return []
+    return [StalledPeer(r, after.get(r, ("", "before its first heartbeat"))[1]) for r in ranks
+            if after.get(r, ("",))[0] == before.get(r, ("",))[0]]
+
+
+def _what_failed(error: BaseException) -> str:
+    """The collective ``error`` came from and how it failed, in a few words ("an all_reduce timed out"): the
+    innermost torch.distributed function in its traceback (gloo's message names no operation)."""
+    import traceback
+
+    ops = [f.name for f in traceback.extract_tb(error.__traceback__) if f.filename.endswith("distributed_c10d.py")]
+    what = ops[-1] if ops else "a collective"
+    text = str(error).lower()
+    return f"{what} timed out" if ("timeout" in text or "timed out" in text) else f"{what} failed ({error})"
+
+
+def stop_for_peer(error: BaseException) -> None:
+    """Stop this process with one line naming the cause of ``error``: the failure a peer published
+    (:func:`peer_failure`), else, for a failed collective, the peers whose heartbeat stopped
+    (:func:`stalled_peers`) and what they were doing. Returns only when neither explains it."""
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK"))  # Lightning's launcher sets only the latter
+    failed = peer_failure(error)
+    if failed is not None:
+        stop_with(failed.line_for(rank), failed.exit_code)
+    stalled = stalled_peers() if looks_collective(error) else []
+    if stalled:
+        peers = "; ".join(f"rank {p.rank} stopped answering (last seen in {p.doing})" for p in stalled)
+        stop_with(f"autopar (rank {rank}): {peers}; here {_what_failed(error)} in {_DOING[0]} (the limit is "
+                  f"the strategy's timeout= or {PG_TIMEOUT_ENV})", 1)
 
 
 def install_excepthook() -> None:
     """Make an uncaught AutoparError print its one line and exit with its code, instead of a traceback, on every
     rank: the failing rank publishes its line to the job's store (``publish_failure``) before it
     exits; a peer that then dies in a collective (gloo's "Connection closed by peer") finds it there
-    (``peer_failure``; where rank 0 serves the store, the peers' ``watch_for_failures`` threads)
-    and prints "autopar (rank k): stopped because rank j failed: <line>", exiting with the same code.
+    (``peer_failure``; where rank 0 serves the store, the peers' heartbeat threads)
+    and prints "autopar (rank k): stopped because rank j failed: <line>", exiting with the same code. A failed
+    collective with no published failure names the peers that stopped answering (:func:`stop_for_peer`).
 
     Other exceptions keep the previous hook. Installed by the strategy and the Fabric integration, i.e. only in
     programs that use autopar."""
@@ -292,9 +405,7 @@ def install_excepthook() -> None:
             publish_failure(str(value), value.exit_code)
             prefix = f"autopar (rank {rank})" if rank not in (None, "0") else "autopar"
             stop_with(f"{prefix}: {value}", value.exit_code)
-        failed = peer_failure(value)
-        if failed is not None:
-            stop_with(failed.line_for(rank), failed.exit_code)
+        stop_for_peer(value)
         previous(kind, value, tb)
 
     hook._autopar = True  # type: ignore[attr-defined]

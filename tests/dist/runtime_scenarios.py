@@ -2,7 +2,12 @@
 
 Usage: torchrun --nproc-per-node N tests/dist/runtime_scenarios.py OUT_DIR
 Each rank writes OUT_DIR/trial_r<rank>.pt: per plan the measured step times, and whether the module's
-parameters, the RNG states and the process group's sub-groups were as before the trials (or the traceback)."""
+parameters, the RNG states and the process group's sub-groups were as before the trials (or the traceback).
+
+       torchrun --nproc-per-node 2 --max-restarts 1 tests/dist/runtime_scenarios.py OUT_DIR stopped
+A stopped peer: strategy timeout 20 s, checkpoints every 2 steps, rank 1 SIGSTOPs itself after step 3 (once:
+OUT_DIR/stopped.flag). Rank 0 names it and exits; torchrun restarts the job, which resumes from step 2 and
+writes OUT_DIR/stopped.pt (rank 0: where it resumed from, the restart count, the losses)."""
 
 from __future__ import annotations
 
@@ -52,8 +57,35 @@ def trial_result() -> dict:
     return out
 
 
+def stopped_peer(out_dir: Path) -> None:
+    import os
+    import signal
+    from datetime import timedelta
+
+    import lightning.pytorch as L
+    from scenarios import fit, record
+
+    from lightning_autopar.callbacks import AutoCheckpoint
+
+    class StopRank1(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            flag = out_dir / "stopped.flag"
+            if trainer.global_step == 3 and trainer.global_rank == 1 and not flag.exists():
+                flag.write_text("stopped")
+                os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, the heartbeat too; torchrun kills it
+
+    ckpt = AutoCheckpoint(out_dir / "ckpt", every_n_steps=2)
+    _, _, losses, _ = fit("dp=2", steps=6, extra_callbacks=[ckpt, StopRank1()], enable_checkpointing=True,
+                          strategy_kwargs={"timeout": timedelta(seconds=20)})
+    record(out_dir, "stopped", resumed_from=str(ckpt.resumed_from), losses=losses,
+           restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
+    if sys.argv[2:] == ["stopped"]:
+        stopped_peer(out_dir)
+        return
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
