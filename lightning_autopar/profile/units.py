@@ -38,7 +38,8 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.profile.analyze import (BlockInfo, ModelAnalysis, analyze, find_block_list, first_line,
-                                               implements_forward, meta_buffer, meta_example)
+                                               implements_forward, meta_buffer, meta_example,
+                                               meta_friendly)
 from lightning_autopar.specs import UNIT_KINDS, ModelSpec, UnitSpec
 
 REST = "(rest)"  # the spec unit holding what no module unit covers
@@ -281,6 +282,7 @@ def _run_meta(model: nn.Module, example: tuple[tuple, dict], trace: _Trace) -> N
             es.enter_context(torch.enable_grad())
             es.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
             es.enter_context(_CostMode(trace))
+            es.enter_context(meta_friendly(model))
             out = functional_call(model, {**params, **buffers}, args, kwargs, strict=False, tie_weights=True)
         del out  # held until here: saved storages stay alive, so no storage id is reused while counting
     except Exception as err:  # noqa: BLE001 -- data-dependent ops have no meta kernel

@@ -307,6 +307,188 @@ def make_vit(**_: object) -> L.LightningModule:
     return LitImageClassifier(tf.ViTForImageClassification(config))
 
 
+# ------------------------------------------------------------------------------------------- torchtitan-style
+
+
+class TitanAttention(nn.Module):
+    """torchtitan's Llama 3 attention: wq/wk/wv/wo, GQA by repeating k/v heads, rotary on q/k (cos/sin tables
+    here, where torchtitan multiplies by a complex ``freqs_cis``: the same rotation)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = _rotate(xq, rope[:seqlen]), _rotate(xk, rope[:seqlen])
+        rep = xq.shape[2] // xk.shape[2]
+        xk, xv = xk.repeat_interleave(rep, dim=2), xv.repeat_interleave(rep, dim=2)
+        out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2),
+                                             is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+def _rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class TitanFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanMoE(nn.Module):
+    """torchtitan's MoE shape: a router gate whose scores are computed with autocast off for the tensor's own
+    device type (``torch.autocast(device_type=x.device.type, enabled=False)``, as torchtitan's router does),
+    top-k experts (SwiGLU FeedForwards) looped over in forward."""
+
+    def __init__(self, dim: int, hidden_dim: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(TitanFeedForward(dim, hidden_dim) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            scores = F.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(scores, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            if token.numel() == 0:
+                continue
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out.reshape(shape)
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, dim: int, moe: bool) -> None:
+        super().__init__()
+        self.attention = TitanAttention(dim, HEADS, 2)
+        self.feed_forward = TitanMoE(dim, FFN, EXPERTS, TOP_K) if moe else TitanFeedForward(dim, FFN)
+        self.attention_norm = nn.RMSNorm(dim, eps=1e-5)
+        self.ffn_norm = nn.RMSNorm(dim, eps=1e-5)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TitanTransformer(nn.Module):
+    """torchtitan's Llama 3 ``Transformer``: ``tok_embeddings``, the blocks in an ``nn.ModuleDict`` named
+    ``layers`` (keys "0", "1", ...: torchtitan keeps the names stable when pipeline stages delete layers), a
+    non-persistent rotary buffer, ``norm``, ``output``; forward runs ``self.layers.values()`` in order."""
+
+    def __init__(self, moe: bool = False) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, HIDDEN)
+        # as torchtitan, for a max_seq_len above the training length; the forward takes its first seqlen rows
+        self.register_buffer("rope", _rope_table(HIDDEN // HEADS, TITAN_MAX_SEQ), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TitanBlock(HIDDEN, moe) for i in range(LAYERS)})
+        self.norm = nn.RMSNorm(HIDDEN, eps=1e-5)
+        self.output = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+
+TITAN_MAX_SEQ = 2048
+
+
+def _rope_table(head_dim: int, seq: int, theta: float = 10000.0) -> torch.Tensor:
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.outer(torch.arange(seq).float(), freqs)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def make_titan_llama(**_: object) -> L.LightningModule:
+    return LitLM(TitanTransformer())
+
+
+def make_titan_moe(**_: object) -> L.LightningModule:
+    """The torchtitan-style Llama with an MoE feed-forward per block (the autocast router)."""
+    return LitLM(TitanTransformer(moe=True))
+
+
+# ------------------------------------------------------------------------------------------- a small-image CNN
+
+
+CIFAR = 32  # a CIFAR-size image: the 4x4 token image upsampled; ResNet's last feature map is 1x1
+
+
+class LitSmallImageClassifier(LitImageClassifier):
+    """The token rows as 4x4 images (LitImageClassifier), upsampled to CIFAR x CIFAR (nearest)."""
+
+    def loss(self, batch) -> torch.Tensor:
+        idx, targets = batch
+        pixels = (idx.float() * (2.0 / VOCAB) - 1.0).view(-1, CHANNELS, IMAGE, IMAGE)
+        pixels = F.interpolate(pixels, size=(CIFAR, CIFAR), mode="nearest")
+        return F.cross_entropy(self.model(pixel_values=pixels).logits, targets[:, -1] % LABELS)
+
+
+def make_resnet(**_: object) -> L.LightningModule:
+    """ResNetForImageClassification (BatchNorm in every conv block) on 32x32 images: stem /4, then three
+    stride-2 stages, so the last feature map is 1x1 (one value per channel and row)."""
+    import transformers as tf
+
+    config = tf.ResNetConfig(num_channels=CHANNELS, embedding_size=8, hidden_sizes=[8, 8, 16, 16],
+                             depths=[1, 1, 1, 1], layer_type="basic", num_labels=LABELS)
+    return LitSmallImageClassifier(tf.ResNetForImageClassification(config))
+
+
+# ------------------------------------------------------------------------------------------- a two-tower model
+
+
+class TwoTower(nn.Module):
+    """A vision-language shape: a frozen "vision" tower (requires_grad=False, the usual VLM fine-tune) whose
+    ``post_norm`` is never called (LLaVA never uses its vision tower's ``post_layernorm``), a projector and a
+    trained text tower (nn.Sequential of blocks) over token embeddings plus the projected image feature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vision = nn.ModuleDict(dict(
+            patch=nn.Linear(IMAGE * IMAGE, HIDDEN), encoder=nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU()),
+            post_norm=nn.LayerNorm(HIDDEN)))
+        self.vision.requires_grad_(False)
+        self.projector = nn.Linear(HIDDEN, HIDDEN)
+        self.tok = nn.Embedding(VOCAB, HIDDEN)
+        self.text = nn.Sequential(*(nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, FFN), nn.GELU(),
+                                                  nn.Linear(FFN, HIDDEN)) for _ in range(LAYERS)))
+        self.unused_head = nn.Linear(HIDDEN, VOCAB)  # a head this forward never calls
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pixels = idx.float().div(VOCAB)
+        image = self.vision["encoder"](self.vision["patch"](pixels))  # post_norm skipped, as LLaVA does
+        x = self.tok(idx) + self.projector(image)[:, None, :]
+        return self.head(self.text(x))
+
+
+def make_two_tower(**_: object) -> L.LightningModule:
+    return LitLM(TwoTower())
+
+
 # ------------------------------------------------------------------------------------------- the matrix
 
 
@@ -338,4 +520,8 @@ MODELS: dict[str, ThirdPartyModel] = {
     "plain_moe": ThirdPartyModel(make_plain_moe, moe=True),
     "bert": ThirdPartyModel(make_bert, tied=True),
     "vit": ThirdPartyModel(make_vit),
+    "titan_llama": ThirdPartyModel(make_titan_llama),
+    "titan_moe": ThirdPartyModel(make_titan_moe, moe=True),
+    "resnet": ThirdPartyModel(make_resnet),
+    "two_tower": ThirdPartyModel(make_two_tower),
 }
