@@ -341,6 +341,8 @@ def _dry_run(transformer: nn.Module, analysis: ModelAnalysis, info: BlockInfo, t
     (args, kwargs) in the model's forward on S = 4 tp tokens."""
     from torch.func import functional_call
 
+    from lightning_autopar.profile.analyze import meta_friendly
+
     seq = 4 * tp  # S/tp > 1: a residual added across the split cannot broadcast
     block = transformer.get_submodule(info.fqn)
     call = _block_call(transformer, analysis, block, seq, runner)

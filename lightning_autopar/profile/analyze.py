@@ -133,6 +133,9 @@ class ModelAnalysis:
     seq_len: int = 0  # the traced sequence length (FLOPs and activation bytes are for (batch, seq_len))
     flops_total: float = 0.0  # whole model forward + backward for (batch, seq_len)
     unclassified: list[str] = field(default_factory=list)
+    # trainable parameters the traced forward never touched (LLaVA's vision post_layernorm, an unused head):
+    # DDP must be told to expect no gradient for them; frozen parameters (requires_grad=False) are not listed
+    unused_params: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         b0 = self.blocks[0] if self.blocks else None
@@ -639,6 +642,29 @@ class _TraceRecorder(torch.overrides.TorchFunctionMode):
         return result
 
 
+class ParameterUses(torch.overrides.TorchFunctionMode):
+    """The parameters (``params``: name -> the tensor the traced forward gets) that any torch function of the
+    forward takes; ``unused()``: the trainable ones it never took."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.names = {id(t): n for n, t in params.items()}
+        self.trainable = [n for n, t in params.items() if t.requires_grad]
+        self.used: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        kwargs = kwargs or {}
+        for leaf in tree_leaves((args, kwargs)):
+            if (name := self.names.get(id(leaf))) is not None:
+                self.used.add(name)
+        return func(*args, **kwargs)
+
+    def unused(self) -> list[str]:
+        return [n for n in self.trainable if n not in self.used]
+
+
 class _MetaAutocast(torch.amp.autocast_mode.autocast):
     """``torch.autocast`` that takes ``device_type="meta"`` (code calling ``autocast(x.device.type)``, as
     torchtitan's MoE router does) as the CPU's: its casts apply to CPU tensors only, so on meta tensors it is a
@@ -882,9 +908,11 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
     args, kwargs = ((torch.zeros(batch, seq_len, dtype=torch.long, device="meta"),), {}) if example is None \
         else meta_example(example, batch)
     stood_in: list[str] = []
+    uses = ParameterUses(params)
     try:
         with ExitStack() as es:
             counter = es.enter_context(FlopCounterMode(display=False))
+            es.enter_context(uses)
             es.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
             es.enter_context(recorder)
             es.enter_context(meta_friendly(model))
@@ -902,7 +930,9 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
     return {"flops": block_flops, "total": float(counter.get_total_flops()), "saved": saved, "attn": recorder.calls,
             "attn_seq": recorder.attn_seq,
             "orientation": recorder.orientation, "consumers": recorder.consumers, "probe": probe,
-            "stood_in": list(dict.fromkeys(stood_in))}
+            "stood_in": list(dict.fromkeys(stood_in)),
+            # a block that stood in did not run to its end: what it did not reach is not known to be unused
+            "unused": [] if stood_in else uses.unused()}
 
 
 def _int_attrs(mod: nn.Module) -> dict[str, int]:
@@ -1324,6 +1354,7 @@ def _relative(traced: dict[str, Any], prefix: str) -> dict[str, Any]:
 
     probe: _Probe = traced["probe"]
     return {**traced,
+            "unused": [rel(n) for n in traced["unused"] if n.startswith(prefix + ".")],
             "flops": {rel(k): v for k, v in traced["flops"].items()},
             "saved": {rel(k): v for k, v in traced["saved"].items()},
             "attn": [(rel(site), *rest) for site, *rest in traced["attn"]],
@@ -1502,6 +1533,7 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
         seq_len=traced_seq,
         flops_total=traced.get("total", 0.0),
         unclassified=unclassified,
+        unused_params=list(traced.get("unused", [])),
     )
 
 
