@@ -536,6 +536,7 @@ class ThirdPartyModel:
     moe: bool = False
     balance_loss: bool = False
     tied: bool = False
+    not_run: tuple[str, ...] = ()  # columns left out of the matrix (each with its reason at the row)
 
 
 MODELS: dict[str, ThirdPartyModel] = {
@@ -553,7 +554,10 @@ MODELS: dict[str, ThirdPartyModel] = {
     "vit": ThirdPartyModel(make_vit),
     "titan_llama": ThirdPartyModel(make_titan_llama),
     "titan_moe": ThirdPartyModel(make_titan_moe, moe=True),
-    "resnet": ThirdPartyModel(make_resnet, balance_loss=True),  # BatchNorm statistics: per micro-batch
+    # BatchNorm statistics: per micro-batch. ga2 left out: a pinned grad_accum=2 gives 1 row per rank and
+    # micro-batch through the 1x1 map and ends 7e-5 (relative) off one device after one step (issue 26, open);
+    # the planner's own plan excludes grad_accum for BatchNorm with its reason
+    "resnet": ThirdPartyModel(make_resnet, balance_loss=True, not_run=("ga2",)),
     "two_tower": ThirdPartyModel(make_two_tower),
     "pad_skipping": ThirdPartyModel(make_pad_skipping),
 }
