@@ -111,6 +111,9 @@ class ModelSpec:
     # twice, capture and replay (parallel.experts.PlainExpertForward; priced by planner.cost.moe_replay_time)
     moe_replay: bool = False
     units: list[UnitSpec] = field(default_factory=list)  # unit form (any model); empty: a transformer
+    # unit form from the module structure alone: why the meta trace of the forward failed. Only data
+    # parallelism (DP, FSDP: no structure needed) is planned; the rest is excluded with this reason
+    trace_failure: str = ""
 
     def __post_init__(self) -> None:
         if self.units:

@@ -163,3 +163,75 @@ def test_vit_is_traced_with_the_example_call():
         model(pixel_values=pixels[:2]).logits.sum().backward()
     assert a.flops_total == pytest.approx(counter.get_total_flops(), rel=1e-6)
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------- issue 26
+
+
+def _third_party():
+    """tests/dist/third_party_models.py (the matrix's rows), importable from here."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+    import third_party_models
+
+    return third_party_models
+
+
+def test_torchtitan_blocks_in_a_module_dict_and_its_autocast_router_are_traced():
+    """torchtitan keeps its blocks in a ModuleDict (``layers``) and its MoE router calls
+    ``torch.autocast(device_type=x.device.type)``: the blocks are found, the trace runs (no 'meta forward
+    failed'), attention (GQA) and MLP / MoE are found from it, and TP is validated."""
+    tp = _third_party()
+    dense = analyze(tp.TitanTransformer())
+    assert dense.blocks_fqn == "layers" and [b.fqn for b in dense.blocks] == ["layers.0", "layers.1"]
+    assert dense.unclassified == [] and dense.flops_total > 0
+    attn = dense.blocks[0].attention
+    assert (attn.q, attn.k, attn.v, attn.o, attn.heads, attn.kv_heads) == ("wq", "wk", "wv", "wo", 4, 2)
+    assert attn.tp_validated and attn.tp_refusal is None
+    assert dense.blocks[0].mlp is not None and dense.blocks[0].mlp.ffn_hidden == tp.FFN
+    moe = analyze(tp.TitanTransformer(moe=True))
+    assert not any("meta forward failed" in u or "autocast" in u for u in moe.unclassified), moe.unclassified
+    assert moe.spec.experts == tp.EXPERTS and all(b.moe is not None for b in moe.blocks)
+
+
+def test_meta_friendly_autocast_and_batchnorm_are_restored():
+    """Inside ``meta_friendly``: autocast takes the meta device type, BatchNorm in train mode takes one value per
+    channel on meta tensors; both are torch's own again afterwards."""
+    import torch.nn.functional as F
+
+    from lightning_autopar.profile.analyze import meta_friendly
+
+    bn = nn.BatchNorm2d(3).train()
+    x = torch.empty(1, 3, 1, 1, device="meta")
+    autocast, batch_norm = torch.autocast, F.batch_norm
+    with meta_friendly(bn):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            assert bn.to_empty(device="meta")(x).shape == (1, 3, 1, 1)
+    assert torch.autocast is autocast and F.batch_norm is batch_norm
+    with pytest.raises(RuntimeError):
+        torch.autocast(device_type="meta")
+
+
+def test_cifar_resnet_traces_with_a_one_by_one_feature_map():
+    """HF ResNet on 32x32 images ends on a 1x1 map: the unit trace of one row runs through BatchNorm in train
+    mode (no 'Expected more than 1 value per channel', no division by n - 1 = 0)."""
+    pytest.importorskip("transformers")
+    from lightning_autopar.profile.units import analyze_units
+
+    model = _third_party().make_resnet().model.train()
+    a = analyze_units(model, ((), {"pixel_values": torch.randn(2, 1, 32, 32)}))
+    assert a.failure == "" and a.has_batchnorm and sum(u.flops for u in a.units) > 0
+
+
+def test_unused_parameters_are_found_and_frozen_ones_are_not_unused():
+    """The two-tower model: its vision ``post_norm`` and ``unused_head`` are trainable and never used by the
+    forward; its frozen vision layers are not listed. A torchtitan Llama uses every parameter."""
+    from lightning_autopar.profile.units import analyze_model
+
+    model = _third_party().TwoTower()
+    a = analyze_model(model, ((torch.zeros(2, 16, dtype=torch.long),), {}))
+    assert a.unused_params == ["vision.post_norm.weight", "vision.post_norm.bias", "unused_head.weight",
+                               "unused_head.bias"]
+    assert analyze(_third_party().TitanTransformer()).unused_params == []

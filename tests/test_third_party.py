@@ -3,7 +3,9 @@
 Rows: Hugging Face GPT-2 (tied lm_head), Llama, Mixtral, Qwen2, Phi-3, OLMoE (q/k norms over the full projection
 width); litgpt's GPT dense and MoE; a nanoGPT-style model (one fused c_attn, tied wte/lm_head), a plain-loop MoE,
 Hugging Face BERT (masked LM, decoder tied to the word embeddings) and Hugging Face ViT (image classification,
-Conv2d patch embedding) (tests/dist/third_party_models.py).
+Conv2d patch embedding) (tests/dist/third_party_models.py); issue 26: a torchtitan-style Llama and MoE (blocks
+in a ModuleDict, an autocast router), a CIFAR-size BatchNorm ResNet (HF, 32x32, last map 1x1), a two-tower model
+with frozen and unused parameters, and a model whose forward does not run on meta tensors.
 Columns: the planner's own plan, zero=3 (dp=4), tp=2 (dp=2), ep=2 (dp=4, MoE rows) and pp=2 (dp=2). One torchrun
 launch of world 4 runs every cell (tests/dist/third_party_scenarios.py).
 
@@ -54,7 +56,12 @@ EQUAL, REFUSED = "equal", "refused"
 # and ViT train equal at tp=2 (issue 13); BERT's decoder is tied to the word embeddings (no pp). ViT's CLS token
 # and position embeddings are parameters outside the layers that no stage of today's block-stack pipeline owns:
 # pp=2 is refused in one line, or equal once the pipeline splits other models (issue 13, item 2).
-REFUSALS = {"gpt2__pp2", "nanogpt__pp2", "nanogpt__tp2", "bert__pp2"}
+# Issue 26's rows: torchtitan-style Llama and MoE (blocks in a ModuleDict, an autocast router) are transformers and
+# equal at every column. The CIFAR-size ResNet is in unit form (tp: nothing to split) with BatchNorm (pp: a stage
+# would normalise each micro-batch apart); the two-tower model (unused and frozen parameters) is in unit form
+# (tp); the pad-skipping model's forward does not run on meta tensors: data parallelism only (tp, pp refused).
+REFUSALS = {"gpt2__pp2", "nanogpt__pp2", "nanogpt__tp2", "bert__pp2", "resnet__tp2", "resnet__pp2", "two_tower__tp2",
+            "pad_skipping__tp2", "pad_skipping__pp2"}
 EITHER = {"olmoe__tp2", "vit__pp2"}
 EXPECTED: dict[str, str | set[str]] = {
     cell: (REFUSED if cell in REFUSALS else {EQUAL, REFUSED} if cell in EITHER else EQUAL) for cell in cells()}

@@ -214,7 +214,13 @@ def test_saved_storage_counted_once():
     assert a.units[1].name == REST and a.units[1].activation_bytes == 8 * 4
 
 
-def test_meta_failure_units_from_structure_and_refusal():
+def test_meta_failure_units_from_structure_and_data_parallel_only():
+    """A forward that does not run on meta tensors: units from structure, and the planner still offers DP and
+    FSDP (they need no structure), reporting why the rest is excluded; a pinned pp is refused in one line."""
+    from lightning_autopar.planner.search import plan
+    from lightning_autopar.planner.space import check_unit_fix
+    from lightning_autopar.specs import load_cluster_spec
+
     class DataDependent(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -228,10 +234,17 @@ def test_meta_failure_units_from_structure_and_refusal():
     a = analyze_units(model, ((torch.randn(2, 4),), {}))
     assert a.failure and a.modules == ["a", "b"]
     assert sum(u.params for u in a.units) == 40
-    with pytest.raises(ConfigError, match="does not run on meta tensors"):
-        a.spec("m")
-    with pytest.raises(ConfigError, match="does not run on meta tensors"):
-        analyze_model(model, ((torch.randn(2, 4),), {}))
+    spec = analyze_model(model, ((torch.randn(2, 4),), {})).spec
+    assert spec.unit_form and "nonzero" in spec.trace_failure
+    report = plan(spec, load_cluster_spec("cpu", devices_per_node=4), global_batch=8, precision="fp32",
+                  explain_choice=False)
+    assert {(c.plan.tp, c.plan.pp, c.plan.cp, c.plan.ep) for c in report.candidates} == {(1, 1, 1, 1)}
+    assert {c.plan.dp for c in report.candidates} == {4}
+    assert {"pp", "tp", "recompute"} <= set(report.excluded)
+    assert all("meta trace of the forward failed" in report.excluded[k] for k in ("pp", "tp", "recompute"))
+    check_unit_fix(spec, {"dp": 4, "zero": 3})
+    with pytest.raises(ConfigError, match=r"^fix\.pp: DataDependent: its forward does not run on meta tensors"):
+        check_unit_fix(spec, {"pp": 2})
 
 
 # ------------------------------------------------------------------------------------------- front door

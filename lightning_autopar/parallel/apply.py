@@ -270,7 +270,7 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
         if traced:
             pipeline.rebind_parameters()  # the sharded parameters back under the user's names
     elif plain_ddp(plan, local):
-        roots = apply_replicate(root, units, layout["dp_flat"].get_group())
+        roots = apply_replicate(root, units, layout["dp_flat"].get_group(), find_unused=bool(local.unused_params))
     else:
         roots = apply_data_parallel(root, units, dp_mesh, plan.zero, plan.precision, divide, offload)
     check_applied(root, ties, every_param=pipeline is None)

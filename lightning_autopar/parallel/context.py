@@ -741,7 +741,7 @@ def attention_calls(transformer: nn.Module, block_fqns: list[str], seq: int) -> 
     tensors, so the live check decides)."""
     from torch.func import functional_call
 
-    from lightning_autopar.profile.analyze import meta_buffer
+    from lightning_autopar.profile.analyze import meta_buffer, meta_friendly
 
     calls: dict[str, list[bool]] = {}
     current: list[str] = []
@@ -760,7 +760,7 @@ def attention_calls(transformer: nn.Module, block_fqns: list[str], seq: int) -> 
     state = {n: torch.empty_like(p, device="meta") for n, p in transformer.named_parameters()}
     state.update({n: meta_buffer(b) for n, b in transformer.named_buffers()})
     try:
-        with torch.no_grad(), recording_attention(current, calls):
+        with torch.no_grad(), meta_friendly(transformer), recording_attention(current, calls):
             functional_call(transformer, state, (torch.zeros((1, seq), dtype=torch.long, device="meta"),))
     except Exception:  # noqa: BLE001 -- a model that cannot run on meta tensors: the live check decides
         return None

@@ -147,17 +147,19 @@ def apply_data_parallel(root: nn.Module, units: UnitChoice, dp_mesh: DeviceMesh,
 
 
 def apply_replicate(root: nn.Module, units: UnitChoice, dp_group: ProcessGroup,
-                    bucket_mb: float = 25.0) -> list[nn.Module]:
+                    bucket_mb: float = 25.0, find_unused: bool = False) -> list[nn.Module]:
     """zero=0 for data parallelism alone: composable ``replicate`` (DDP) on the chosen units (chosen without
     blocks: the modules the user's step calls); returns them (their gradient sync is what the strategy toggles
     for accumulation). Buffers are not re-broadcast every forward: every rank starts from rank 0's state and a
-    decoder's buffers (RoPE tables, masks) never change."""
+    decoder's buffers (RoPE tables, masks) never change. ``find_unused``: the trace shows trainable parameters
+    the forward never uses (``ModelAnalysis.unused_params``): DDP then looks for them every step, which it
+    otherwise waits for forever ("Expected to have finished reduction in the prior iteration")."""
     from torch.distributed._composable.replicate import replicate
 
     modules = units.modules(root)
     for unit in modules:
         replicate(unit, process_group=dp_group, bucket_cap_mb=bucket_mb, broadcast_buffers=False,
-                  gradient_as_bucket_view=False)
+                  gradient_as_bucket_view=False, find_unused_parameters=find_unused)
     keep_hf_output_recording(modules)
     return modules
 

@@ -311,7 +311,7 @@ def _block_call(transformer: nn.Module, analysis: ModelAnalysis, block: nn.Modul
     innermost ancestor in ``runner`` that has one, as the analysis traces it."""
     from torch.func import functional_call
 
-    from lightning_autopar.profile.analyze import _traced_module
+    from lightning_autopar.profile.analyze import _traced_module, meta_friendly
 
     def stop(module: nn.Module, args: tuple, kwargs: dict) -> None:
         raise _Captured((args, kwargs))
@@ -319,7 +319,7 @@ def _block_call(transformer: nn.Module, analysis: ModelAnalysis, block: nn.Modul
     _, model = _traced_module(transformer, runner)
     handle = block.register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), meta_friendly(model):
             functional_call(model, _meta_state(model),
                             (torch.zeros(1, seq, dtype=torch.long, device="meta"),), strict=False)
     except _Captured as got:
@@ -341,6 +341,8 @@ def _dry_run(transformer: nn.Module, analysis: ModelAnalysis, info: BlockInfo, t
     (args, kwargs) in the model's forward on S = 4 tp tokens."""
     from torch.func import functional_call
 
+    from lightning_autopar.profile.analyze import meta_friendly
+
     seq = 4 * tp  # S/tp > 1: a residual added across the split cannot broadcast
     block = transformer.get_submodule(info.fqn)
     call = _block_call(transformer, analysis, block, seq, runner)
@@ -353,7 +355,7 @@ def _dry_run(transformer: nn.Module, analysis: ModelAnalysis, info: BlockInfo, t
         handles.append(block.get_submodule(path).register_forward_hook(
             lambda m, a, out, p=path: row_output_sp(out, comm, f"{info.fqn}.{p}")))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), meta_friendly(block):
             out = functional_call(block, _meta_state(block), *call, strict=False)
     except ConfigError:
         raise

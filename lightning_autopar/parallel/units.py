@@ -152,7 +152,7 @@ def _trace(root: nn.Module, entry: str, seq_len: int, blocks: Iterable[str] = ()
     (root-relative) stand in as identity where they cannot run on meta tensors."""
     from torch.func import functional_call
 
-    from lightning_autopar.profile.analyze import _meta_friendly_experts, blocks_stand_in_on_failure
+    from lightning_autopar.profile.analyze import blocks_stand_in_on_failure, meta_friendly
 
     model = root.get_submodule(entry)
     prefix = entry + "." if entry else ""
@@ -186,7 +186,7 @@ def _trace(root: nn.Module, entry: str, seq_len: int, blocks: Iterable[str] = ()
     failures: list[str] = []
     stand_ins = [root.get_submodule(b) for b in blocks if _inside(b, entry) and b != entry]
     try:
-        with (torch.no_grad(), _meta_friendly_experts(model), blocks_stand_in_on_failure(stand_ins, failures),
+        with (torch.no_grad(), meta_friendly(model), blocks_stand_in_on_failure(stand_ins, failures),
               recorder):
             functional_call(model, tensors, args, kwargs, strict=False, tie_weights=True)
     finally:

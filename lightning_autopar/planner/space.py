@@ -275,6 +275,9 @@ def check_unit_fix(model: ModelSpec, fix: Mapping[str, Any]) -> None:
         if fix.get(name, 1) != 1:
             raise ConfigError(f"fix.{name}", f"{model.name} is in unit form (no attention, MLP or sequence found): "
                               f"{name}={fix[name]} has nothing to split", f"use {name}=1")
+    if model.trace_failure and fix.get("pp", 1) != 1:
+        raise ConfigError("fix.pp", f"{model.name}: its forward does not run on meta tensors "
+                          f"({model.trace_failure}), so no pipeline split can be traced", "use pp=1 (DP / FSDP)")
     if fix.get("sp"):
         raise ConfigError("fix.sp", "sequence parallel needs a transformer with tp > 1", "set sp=false")
     if fix.get("schedule") in UNIT_FORM_EXCLUDED or fix.get("vpp", 1) != 1:
@@ -297,6 +300,13 @@ def unit_form_restrict(model: ModelSpec, fix: Mapping[str, Any],
     if not any("attention" in u.kinds for u in model.units) and "recompute" not in fix:
         out["recompute"] = [r for r in restrict.get("recompute", RECOMPUTE_MODES) if r != "selective"]
         why["recompute"] = "selective recompute keeps matmul/attention outputs; no unit holds attention"
+    if model.trace_failure:  # structure only: data parallelism alone, whose plans all do the same compute
+        out["pp"] = [1]
+        out["recompute"] = ["none"] if "recompute" not in fix else restrict.get("recompute", RECOMPUTE_MODES)
+        failed = f"the meta trace of the forward failed ({model.trace_failure}): "
+        why["pp"] = failed + "no pipeline split can be traced; DP and FSDP need no structure"
+        why["recompute"] = failed + "no activation sizes to price recompute by"
+        why.update({k: failed + v for k, v in why.items() if k in ("tp", "cp", "ep", "sp")})
     if any("batchnorm" in u.kinds for u in model.units) and "grad_accum" not in fix:
         out["grad_accum"] = [1]
         why["grad_accum"] = ("BatchNorm: statistics over the whole per-rank batch, as on one device (fix "

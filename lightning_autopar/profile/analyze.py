@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -133,6 +133,9 @@ class ModelAnalysis:
     seq_len: int = 0  # the traced sequence length (FLOPs and activation bytes are for (batch, seq_len))
     flops_total: float = 0.0  # whole model forward + backward for (batch, seq_len)
     unclassified: list[str] = field(default_factory=list)
+    # trainable parameters the traced forward never touched (LLaVA's vision post_layernorm, an unused head):
+    # DDP must be told to expect no gradient for them; frozen parameters (requires_grad=False) are not listed
+    unused_params: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         b0 = self.blocks[0] if self.blocks else None
@@ -155,14 +158,20 @@ def _param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def block_modules(container: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The (key, block) children of a block container, in order: a ModuleList's or Sequential's indices,
+    a ModuleDict's keys (torchtitan's ``layers``), any other holder's attribute names."""
+    return list(container.named_children())
+
+
 def find_block_list(module: nn.Module) -> tuple[str, nn.Module] | None:
-    """The ModuleList/Sequential of >= 2 same-class children holding the most parameters."""
+    """The container of >= 2 children of one class (the blocks) holding the most parameters, whatever its
+    class: a ModuleList, a Sequential, a ModuleDict (torchtitan keeps its blocks in ``layers``, a ModuleDict),
+    or a module of the user's own holding only its blocks. Linears (a projection list) are not blocks."""
     best: tuple[int, str, nn.Module] | None = None
     for name, child in module.named_modules():
-        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < 2:
-            continue
-        kinds = {type(c) for c in child}
-        if len(kinds) != 1 or isinstance(child[0], nn.Linear):
+        kids = [m for _, m in block_modules(child)]
+        if len(kids) < 2 or len({type(c) for c in kids}) != 1 or isinstance(kids[0], nn.Linear):
             continue
         count = _param_count(child)
         if best is None or count > best[0]:
@@ -633,21 +642,79 @@ class _TraceRecorder(torch.overrides.TorchFunctionMode):
         return result
 
 
+class ParameterUses(torch.overrides.TorchFunctionMode):
+    """The parameters (``params``: name -> the tensor the traced forward gets) that any torch function of the
+    forward takes; ``unused()``: the trainable ones it never took."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.names = {id(t): n for n, t in params.items()}
+        self.trainable = [n for n, t in params.items() if t.requires_grad]
+        self.used: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        kwargs = kwargs or {}
+        for leaf in tree_leaves((args, kwargs)):
+            if (name := self.names.get(id(leaf))) is not None:
+                self.used.add(name)
+        return func(*args, **kwargs)
+
+    def unused(self) -> list[str]:
+        return [n for n in self.trainable if n not in self.used]
+
+
+class _MetaAutocast(torch.amp.autocast_mode.autocast):
+    """``torch.autocast`` that takes ``device_type="meta"`` (code calling ``autocast(x.device.type)``, as
+    torchtitan's MoE router does) as the CPU's: its casts apply to CPU tensors only, so on meta tensors it is a
+    no-op, and the user's arguments (enabled, dtype) are kept."""
+
+    def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+
+def _batch_norm_two_rows(batch_norm: Any) -> Any:
+    """``F.batch_norm`` that normalises a meta input with one value per channel as two copies of it (the rows of
+    the result: the input's)."""
+
+    def call(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if input.device.type == "meta" and input.dim() >= 2 and input.numel() == input.shape[1]:
+            return batch_norm(torch.cat((input, input)), *args, **kwargs)[:1]
+        return batch_norm(input, *args, **kwargs)
+
+    return call
+
+
 @contextmanager
-def _meta_friendly_experts(model: nn.Module) -> Iterator[None]:
-    """Hugging Face fused experts run as ``batched_mm`` while traced: the same math and FLOPs (each routed token
-    through its experts), and, unlike ``grouped_mm`` (meta kernel: bf16 only) or ``eager`` (``nonzero``), it
-    runs on meta tensors of any dtype."""
+def meta_friendly(model: nn.Module) -> Iterator[None]:
+    """What every meta forward runs under, so the trace survives what real code does on meta tensors:
+
+    - Hugging Face fused experts run as ``batched_mm``: the same math and FLOPs (each routed token through its
+      experts), and, unlike ``grouped_mm`` (meta kernel: bf16 only) or ``eager`` (``nonzero``), it runs on meta
+      tensors of any dtype;
+    - ``torch.autocast(device_type="meta")`` is accepted (``_MetaAutocast``);
+    - BatchNorm in train mode does not refuse one value per channel (a trace of one row through a 1x1 feature
+      map, a CIFAR-size ResNet; the meta kernel divides by n - 1): such an input is normalised as two copies
+      of itself, the same shapes and, but for that one op, the same FLOPs (``_batch_norm_two_rows``)."""
+    import torch.nn.functional as F
+
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
                and getattr(c, "_experts_implementation", None) not in (None, "batched_mm")}
     saved = {key: c._experts_implementation for key, c in configs.items()}
+    autocasts = (torch.autocast, torch.amp.autocast)
+    batch_norm = F.batch_norm
     try:
         for c in configs.values():
             c._experts_implementation = "batched_mm"
+        torch.autocast = torch.amp.autocast = _MetaAutocast
+        F.batch_norm = _batch_norm_two_rows(batch_norm)
         yield
     finally:
         for key, c in configs.items():
             c._experts_implementation = saved[key]
+        torch.autocast, torch.amp.autocast = autocasts
+        F.batch_norm = batch_norm
 
 
 @dataclass
@@ -841,12 +908,14 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
     args, kwargs = ((torch.zeros(batch, seq_len, dtype=torch.long, device="meta"),), {}) if example is None \
         else meta_example(example, batch)
     stood_in: list[str] = []
+    uses = ParameterUses(params)
     try:
         with ExitStack() as es:
             counter = es.enter_context(FlopCounterMode(display=False))
+            es.enter_context(uses)
             es.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
             es.enter_context(recorder)
-            es.enter_context(_meta_friendly_experts(model))
+            es.enter_context(meta_friendly(model))
             es.enter_context(blocks_stand_in_on_failure([model.get_submodule(f) for f in block_fqns], stood_in))
             out = functional_call(model, {**params, **buffers}, args, kwargs, strict=False, tie_weights=True)
             logits = out if isinstance(out, torch.Tensor) else (out.logits if hasattr(out, "logits") else out[0])
@@ -861,7 +930,9 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns
     return {"flops": block_flops, "total": float(counter.get_total_flops()), "saved": saved, "attn": recorder.calls,
             "attn_seq": recorder.attn_seq,
             "orientation": recorder.orientation, "consumers": recorder.consumers, "probe": probe,
-            "stood_in": list(dict.fromkeys(stood_in))}
+            "stood_in": list(dict.fromkeys(stood_in)),
+            # a block that stood in did not run to its end: what it did not reach is not known to be unused
+            "unused": [] if stood_in else uses.unused()}
 
 
 def _int_attrs(mod: nn.Module) -> dict[str, int]:
@@ -1078,7 +1149,7 @@ def _dry_run(unit: nn.Module, call: tuple[tuple, dict], out_shape: tuple[int, ..
         for mod, attr, value in widths:
             setattr(mod, attr, value)
         args, kwargs = call
-        with torch.no_grad(), recorder:
+        with torch.no_grad(), meta_friendly(unit), recorder:
             out = functional_call(unit, _local_params(unit, shards, tp), args, kwargs, strict=False)
     except Exception as err:  # the model's own code refusing local shapes is the answer, not a failure
         message = str(err).splitlines()[0][:160] if str(err) else ""
@@ -1209,7 +1280,7 @@ def _smallest_split(*sizes: int) -> int:
     return next((t for t in range(2, min(sizes) + 1) if all(s % t == 0 for s in sizes)), 0) if sizes else 0
 
 
-def _tp_feasibility(blocks: nn.Module, infos: list[BlockInfo], traced: dict[str, Any]) -> None:
+def _tp_feasibility(blocks: Sequence[nn.Module], infos: list[BlockInfo], traced: dict[str, Any]) -> None:
     """Block 0's TP layout checks (fused layouts, q/k norms, the dry run) apply to every block (same class).
     Without a trace, fused projections are refused (their layout is unknown) and the head-count attributes found
     by name are used unvalidated, as before."""
@@ -1283,6 +1354,7 @@ def _relative(traced: dict[str, Any], prefix: str) -> dict[str, Any]:
 
     probe: _Probe = traced["probe"]
     return {**traced,
+            "unused": [rel(n) for n in traced["unused"] if n.startswith(prefix + ".")],
             "flops": {rel(k): v for k, v in traced["flops"].items()},
             "saved": {rel(k): v for k, v in traced["saved"].items()},
             "attn": [(rel(site), *rest) for site, *rest in traced["attn"]],
@@ -1306,7 +1378,8 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
     if found is None:
         raise ValueError(f"{type(model).__name__}: no repeated blocks found (need an nn.ModuleList or nn.Sequential "
                          "of identical blocks, as in GPT/Llama-style models)")
-    blocks_fqn, blocks = found
+    blocks_fqn, container = found
+    keys, blocks = zip(*block_modules(container))
     embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
     embeddings.sort(key=lambda nm: -nm[1].num_embeddings)
     # the token embedding: the one an LM head outside the blocks maps back to (same table size and width, or the
@@ -1329,7 +1402,7 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
     unclassified: list[str] = []
 
     traced: dict[str, Any] = {}
-    block_fqns = [f"{blocks_fqn}.{i}" for i in range(len(blocks))]
+    block_fqns = [f"{blocks_fqn}.{key}" for key in keys]
     traced_seq = seq_len
     if trace:
         # a model bounded below the default length (litgpt's block_size, no position embedding to read it from)
@@ -1460,6 +1533,7 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
         seq_len=traced_seq,
         flops_total=traced.get("total", 0.0),
         unclassified=unclassified,
+        unused_params=list(traced.get("unused", [])),
     )
 
 

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from lightning_autopar.profile.analyze import block_modules
 from lightning_autopar.profile.measure import (block_pass_seconds, cluster_yaml, measure_blocks, median_time,
                                                optimizer_step_seconds, pass_seconds, token_forward, p2p_call,
                                                repeated_blocks, time_collective)
@@ -262,7 +263,8 @@ def model_blocks(model: nn.Module, analysis: Any) -> tuple[list[nn.Module], nn.M
     """(blocks, token embedding, LM head) as the analysis named them (else found by shape; None: measure_blocks
     finds the embedding and head by the vocabulary)."""
     holder = _named(model, getattr(analysis, "blocks_fqn", None))
-    blocks = list(holder) if isinstance(holder, (nn.ModuleList, nn.Sequential)) else repeated_blocks(model)
+    holds = holder is not None and getattr(analysis, "blocks_fqn", "")  # "": a model in unit form, no stack
+    blocks = [m for _, m in block_modules(holder)] if holds else repeated_blocks(model)
     head = _named(model, getattr(analysis, "lm_head", None))
     embedding = _named(model, getattr(analysis, "token_embedding", None))
     return blocks, embedding, head if isinstance(head, nn.Linear) else None

@@ -37,8 +37,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_autopar.errors import ConfigError
-from lightning_autopar.profile.analyze import (BlockInfo, ModelAnalysis, analyze, find_block_list, first_line,
-                                               implements_forward, meta_buffer, meta_example)
+from lightning_autopar.profile.analyze import (BlockInfo, ModelAnalysis, ParameterUses, analyze, find_block_list, first_line,
+                                               implements_forward, meta_buffer, meta_example,
+                                               meta_friendly)
 from lightning_autopar.specs import UNIT_KINDS, ModelSpec, UnitSpec
 
 REST = "(rest)"  # the spec unit holding what no module unit covers
@@ -182,6 +183,7 @@ class _Trace:
     stack: list[str] = field(default_factory=list)
     key: tuple[str, ...] = ()
     failure: str = ""
+    unused: list[str] = field(default_factory=list)  # trainable parameters the forward never took
 
     def push(self, name: str) -> None:
         self.order.setdefault(name, len(self.order))
@@ -276,13 +278,17 @@ def _run_meta(model: nn.Module, example: tuple[tuple, dict], trace: _Trace) -> N
         handles.append(mod.register_forward_pre_hook(pre(name)))
         handles.append(mod.register_forward_hook(post(name), always_call=True))  # pops after a failure too
     args, kwargs = meta_example(example, rows=1)  # sizes per sample
+    uses = ParameterUses(params)
     try:
         with ExitStack() as es:
+            es.enter_context(uses)
             es.enter_context(torch.enable_grad())
             es.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
             es.enter_context(_CostMode(trace))
+            es.enter_context(meta_friendly(model))
             out = functional_call(model, {**params, **buffers}, args, kwargs, strict=False, tie_weights=True)
         del out  # held until here: saved storages stay alive, so no storage id is reused while counting
+        trace.unused = uses.unused()
     except Exception as err:  # noqa: BLE001 -- data-dependent ops have no meta kernel
         trace.failure = first_line(err)
     finally:
@@ -479,12 +485,20 @@ class UnitAnalysis:
     has_batchnorm: bool = False
     ties: list[tuple[str, ...]] = field(default_factory=list)
     failure: str = ""
+    unused_params: list[str] = field(default_factory=list)  # trainable parameters the forward never took
 
     def spec(self, name: str) -> ModelSpec:
-        """The unit-form ModelSpec; refused in one line when the trace failed (no FLOPs to plan with)."""
-        if self.failure:
-            raise ConfigError("model", f"its forward does not run on meta tensors ({self.failure})", META_FIX)
-        return ModelSpec(name=name, units=[UnitSpec(**vars(u)) for u in self.units])
+        """The unit-form ModelSpec. When the trace failed, the units come from structure with an estimate of
+        2 FLOPs per parameter and sample (each weight used once, as a dense layer's) and ``trace_failure`` set:
+        the planner then offers data parallelism only (DP / FSDP: the same compute on every plan, so the
+        estimate cannot rank them wrong) and reports why the rest is excluded."""
+        if not self.failure:
+            return ModelSpec(name=name, units=[UnitSpec(**vars(u)) for u in self.units])
+        units = [UnitSpec(**{**vars(u), "flops": 2.0 * u.params}) for u in self.units if u.params]
+        if not units:
+            raise ConfigError("model", f"its forward does not run on meta tensors ({self.failure}) and it has no "
+                              "parameters to plan by", META_FIX)
+        return ModelSpec(name=name, units=units, trace_failure=self.failure)
 
 
 def _module_kinds(module: nn.Module) -> set[str]:
@@ -575,7 +589,7 @@ def analyze_units(model: nn.Module, example: tuple[tuple, dict]) -> UnitAnalysis
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) \
         or any("batchnorm" in c.kinds for c in trace.costs.values())
     return UnitAnalysis(units=_specs(s, trace, modules), modules=modules, has_batchnorm=has_bn,
-                        ties=list(s.ties), failure=trace.failure)
+                        ties=list(s.ties), failure=trace.failure, unused_params=trace.unused)
 
 
 # ------------------------------------------------------------------------------------------- front door
@@ -643,7 +657,8 @@ def analyze_model(model: nn.Module, example: tuple[tuple, dict] | None,
     return UnitModelAnalysis(
         spec=spec, blocks_fqn="", blocks=blocks, token_embedding=None, position_embedding=None, final_norm=None,
         lm_head=None, tied_embeddings=bool(detail.ties), total_params=spec.total_params(), batch=1, seq_len=1,
-        flops_total=3 * sum(u.flops for u in detail.units), detail=detail)
+        unclassified=[f"meta forward failed ({detail.failure}): data parallelism only"] if detail.failure else [],
+        flops_total=3 * sum(u.flops for u in detail.units), unused_params=detail.unused_params, detail=detail)
 
 
 def describe_units(what: ModelSpec | UnitAnalysis | ModelAnalysis) -> str:

@@ -39,7 +39,8 @@ PLAN_FIELD = {"zero3": "zero", "tp2": "tp", "ep2": "ep", "pp2": "pp", "ga2": "gr
 
 
 def cells() -> list[str]:
-    return [f"{model}__{plan}" for model, info in MODELS.items() for plan in PLANS if plan != "ep2" or info.moe]
+    return [f"{model}__{plan}" for model, info in MODELS.items() for plan in PLANS
+            if (plan != "ep2" or info.moe) and plan not in info.not_run]
 
 
 def first_line(err: BaseException) -> str:

@@ -41,6 +41,8 @@ def blocks_container(items: Sequence[tuple[str, nn.Module]], like: nn.Module) ->
         for key, module in items:
             seq.add_module(key, module)
         return seq
+    if isinstance(like, nn.ModuleDict):  # the user's forward iterates .values() / .items()
+        return nn.ModuleDict(dict(items))
     return StageBlocks(items)
 
 
