@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -33,7 +32,7 @@ SCENARIOS = {
 }
 
 
-def run(out: Path, name: str) -> dict:
+def planned(out: Path, name: str) -> dict:
     from lightning_autopar import AutoParallelStrategy
     from lightning_autopar.models import GPTConfig
     from lightning_autopar.models.lit import LitGPT
@@ -60,17 +59,13 @@ def run(out: Path, name: str) -> dict:
                 excluded=dict(report.excluded), loss=float(trainer.callback_metrics.get("train_loss", float("nan"))))
 
 
-def main() -> None:
-    out, names = Path(sys.argv[1]), sys.argv[2].split(",")
-    rank = int(os.environ["RANK"])
-    for name in names:
-        try:
-            result = run(out, name)
-        except Exception:  # noqa: BLE001 -- recorded for the test to show
-            result = dict(error=traceback.format_exc())
-        if rank == 0:
-            torch.save(result, out / f"{name}.pt")
+def run(out: Path, name: str) -> None:
+    from scenarios import record
+
+    record(out, name, **planned(out, name))
 
 
 if __name__ == "__main__":
-    main()
+    from scenarios import main
+
+    main(run)
