@@ -214,8 +214,14 @@ def run_batch(out: Path, nproc: int, scenarios: list[tuple[str, str]]) -> None:
         result.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"crash": f"{script}:{name} (batch of world {nproc}): {text}"}, result)
 
+    def done(script: str, name: str) -> bool:
+        return len(list(progress.glob(f"{Path(script).stem}.{name}.done_r*"))) == nproc
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # as torchrun()
-    while todo := [s for s in scenarios if not state(*s, "done").exists() and not state(*s, "failed").exists()]:
+    while todo := [s for s in scenarios if not done(*s) and not state(*s, "failed").exists()]:
+        for s in todo:  # a scenario some ranks ran in a launch that ended early runs again from the start
+            for mark in progress.glob(f"{Path(s[0]).stem}.{s[1]}.*"):
+                mark.unlink()
         log_path = out / f"launch_{len(list(out.glob('launch_*.log')))}.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(BATCH_SCRIPT), str(out),
@@ -230,19 +236,20 @@ def run_batch(out: Path, nproc: int, scenarios: list[tuple[str, str]]) -> None:
                     stalled = True
                     kill_launch(proc)
         text = log_path.read_text(errors="replace")
-        done = [s for s in todo if state(*s, "done").exists()]
+        finished = [s for s in todo if done(*s)]
         crashed = [s for s in todo if list(progress.glob(f"{Path(s[0]).stem}.{s[1]}.crash_r*.txt"))]
-        if len(done) == len(todo) and not crashed:
+        if len(finished) == len(todo) and not crashed:
             if proc.returncode != 0:  # the results stand (each test checks its own); the exit is reported
                 import warnings
 
                 warnings.warn(f"batch of world {nproc}: exit {proc.returncode} after every scenario was done: "
                               f"{last_error_line(text)} (log: {log_path})")
             continue
-        blamed = crashed or [s for s in todo if state(*s, "started").exists() and s not in done]
+        # the scenario that failed, else the first one not every rank finished (the launch hung or died in it)
+        blamed = crashed or [s for s in todo if state(*s, "started").exists() and s not in finished][:1]
         reason = (f"launch stalled: no progress in {STALL_S} s" if stalled else
                   f"launch exit {proc.returncode}: {last_error_line(text)}")
-        if not blamed and not done:  # nothing ran: relaunching would fail the same way
+        if not blamed and not finished:  # nothing ran: relaunching would fail the same way
             blamed, reason = todo, f"not run, {reason}"
         for s in blamed:
             fail(*s, f"{reason}\n{text[-8000:]}")

@@ -3,7 +3,7 @@
 Usage: torchrun --nproc-per-node N tests/dist/batch.py OUT_DIR script:name[,script:name...]
 Scenario ``name`` of ``script`` (a tests/dist file whose ``run(out, name)`` the scenarios' ``main`` drives) runs as
 that file's own launch would run it, writing into OUT_DIR/<script stem>/. Before it, rank 0 writes
-OUT_DIR/_progress/<stem>.<name>.started, after it .done, so the launcher can blame a scenario the launch died or
+OUT_DIR/_progress/<stem>.<name>.started, after it each rank .done_r<rank>, so the launcher can blame a scenario the launch died or
 hung in and relaunch the ones not run. Each scenario starts from the same state: seeds reset, the environment and
 working directory as the launch began (a scenario may set a variable for itself).
 """
@@ -50,8 +50,7 @@ def run_one(out: Path, script: str, name: str) -> None:
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
-    if _rank() == 0:
-        (progress / f"{stem}.{name}.done").touch()
+    (progress / f"{stem}.{name}.done_r{_rank()}").touch()  # every rank's: one rank may be ahead of another
 
 
 def main() -> None:
