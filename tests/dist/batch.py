@@ -50,24 +50,7 @@ def run_one(out: Path, script: str, name: str) -> None:
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
-    drop_groups()
     (progress / f"{stem}.{name}.done_r{_rank()}").touch()  # every rank's: one rank may be ahead of another
-
-
-def drop_groups() -> None:
-    """Destroy every process group but the default one after a scenario: each gloo group keeps its own threads
-    (a run loop and a TCP loop per peer), so groups the scenarios' meshes made would pile up over a batch
-    (a thousand threads per rank after ~60 scenarios at world 4). The next scenario builds its own."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    default = c10d._get_default_group()
-    dist.barrier(group=default)
-    for group in list(c10d._world.pg_map):
-        if group is not default:
-            dist.destroy_process_group(group)
 
 
 def main() -> None:
