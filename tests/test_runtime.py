@@ -4,6 +4,8 @@ trial runs on a live world-2 group (torchrun): times per step, nothing left behi
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import DIST, check_launch, torchrun
@@ -108,7 +110,8 @@ def test_stopped_peer_is_named_and_the_restart_resumes(tmp_path):
     # its last beat: step 3, or step 2 when the beat after step 3 began had no time to run before the stop
     assert len(lines) == 1 and lines[0].startswith("autopar (rank 0): rank 1 stopped answering (last seen in "
                                                    "training step "), text[-4000:]
-    assert "timed out in training step 4" in lines[0] and "Traceback" not in text
+    # the collective that times out: the preemption flag's reduce at step 3's end, or step 4's gradient reduce
+    assert re.search(r"timed out in training step [34] ", lines[0]) and "Traceback" not in text, lines[0]
     result = torch.load(tmp_path / "stopped.pt", weights_only=False)
     assert result["restarts"] == 1 and result["resumed_from"].endswith("step=00000002")
     assert len(result["losses"]) == 4  # steps 3..6 after the resume
