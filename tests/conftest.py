@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ["AUTOPAR_CACHE"] = tempfile.mkdtemp(prefix="autopar_cache")  # tests never read or write a user's cache
@@ -39,8 +41,196 @@ def check_launch(proc: subprocess.CompletedProcess, what: str) -> None:
         pytest.fail(f"{what} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--launch-each", action="store_true",
+                     help="launch each test file's scenarios on their own (one launch per file and world size, "
+                          "for debugging) instead of one launch per world size for the whole session")
+
+
+# ------------------------------------------------------------------------- batches: one launch per world size
+#
+# Test files ask for their scenarios with run_scenarios(tmp_path_factory, nproc, names, script=...) in a module
+# fixture, as before. Before the first test runs, each such fixture of a selected test is called once in
+# "declare" mode (run_scenarios records its request and stops the fixture), so the first request at world N
+# launches every selected file's scenarios of world N together (tests/dist/batch.py). A scenario that fails, or
+# that the launch dies or hangs in, gets <name>.pt = {"crash": why} (its own test fails with it) and the
+# scenarios not yet run are relaunched. Scripts whose __main__ is not ``main(run)`` keep their own launch.
+
+BATCH_SCRIPT = DIST / "batch.py"
+STALL_S = 600  # one scenario running this long: the launch hangs; the scenario is recorded as failed
+
+
+class _Declared(Exception):
+    """Stops a fixture body at its run_scenarios call while requests are being collected."""
+
+
+_declaring: list[tuple[int, str, list[str]]] | None = None
+_planned: dict[int, list[tuple[str, str]]] = {}  # world size -> (script, name) of the selected tests, in order
+_launched: dict[int, Path] = {}  # world size -> its batch's output folder
+_attempted: set[tuple[int, str, str]] = set()
+_launch_each = False
+
+
+def batchable(script: str) -> bool:
+    """``script`` runs its scenarios with scenarios.main(run): its ``run(out, name)`` can run in any launch."""
+    import ast
+
+    tree = ast.parse((DIST / script).read_text())
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "main"
+                and [getattr(a, "id", None) for a in node.args] == ["run"]):
+            return True
+    return False
+
+
+def pytest_configure(config):
+    global _launch_each
+    _launch_each = config.getoption("--launch-each")
+
+
+def pytest_collection_finish(session):
+    """Collect the scenario requests of the selected tests' fixtures (see above)."""
+    global _declaring
+    if _launch_each:
+        return
+    seen = set()
+    for item in session.items:
+        fixtureinfo = getattr(item, "_fixtureinfo", None)
+        for defs in fixtureinfo.name2fixturedefs.values() if fixtureinfo else ():
+            func = defs[-1].func
+            code = getattr(func, "__code__", None)
+            if func in seen or code is None or "run_scenarios" not in code.co_names:
+                continue
+            seen.add(func)
+            if list(inspect.signature(func).parameters) != ["tmp_path_factory"]:
+                continue  # not declarable: it launches on its own when it runs
+            _declaring = []
+            try:
+                func(None)
+            except BaseException:  # noqa: BLE001  (_Declared, a skip, or a body that needs more than a request)
+                pass
+            for nproc, script, names in _declaring:
+                if batchable(script):
+                    todo = _planned.setdefault(nproc, [])
+                    todo += [(script, n) for n in names if (script, n) not in todo]
+            _declaring = None
+
+
 def run_scenarios(tmp_path_factory, nproc: int, names: list[str], script: str = "scenarios.py") -> Path:
-    out = tmp_path_factory.mktemp(f"{Path(script).stem}_w{nproc}")
-    proc = torchrun(DIST / script, nproc, str(out), ",".join(names))
-    check_launch(proc, f"torchrun {script} ({nproc} procs)")
-    return out
+    """The folder holding ``<name>.pt`` for each of ``names`` of ``script`` run at world ``nproc``."""
+    if _declaring is not None:
+        _declaring.append((nproc, script, list(names)))
+        raise _Declared
+    if not batchable(script):
+        out = tmp_path_factory.mktemp(f"{Path(script).stem}_w{nproc}")
+        proc = torchrun(DIST / script, nproc, str(out), ",".join(names))
+        check_launch(proc, f"torchrun {script} ({nproc} procs)")
+        return out
+    wanted = [(script, n) for n in names]
+    if _launch_each:
+        out = tmp_path_factory.mktemp(f"{Path(script).stem}_w{nproc}")
+        run_batch(out, nproc, wanted)
+        return out / Path(script).stem
+    if nproc not in _launched:
+        _launched[nproc] = tmp_path_factory.mktemp(f"batch_w{nproc}")
+    todo = [s for s in [*_planned.get(nproc, []), *wanted] if (nproc, *s) not in _attempted]
+    if todo:
+        _attempted.update((nproc, *s) for s in todo)
+        run_batch(_launched[nproc], nproc, list(dict.fromkeys(todo)))
+    return _launched[nproc] / Path(script).stem
+
+
+def last_error_line(log: str) -> str:
+    """The last line of a torchrun log that reads like an exception ("SomeError: ..."), else its last line."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        head = line.split(":", 1)[0].split()[-1] if ":" in line else ""
+        if head.endswith(("Error", "Exception", "Timeout")):
+            return line
+    return lines[-1] if lines else "no output"
+
+
+def _descendants(pid: int) -> list[int]:
+    """The process ids below ``pid`` (torchrun's workers run in sessions of their own, so killing torchrun's
+    process group would leave them running)."""
+    found: list[int] = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            kids = [int(k) for k in children.read_text().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            found += [kid, *_descendants(kid)]
+    return found
+
+
+def kill_launch(proc: subprocess.Popen) -> None:
+    """End a stalled launch: torchrun and each of its workers, by process id."""
+    import signal
+
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def run_batch(out: Path, nproc: int, scenarios: list[tuple[str, str]]) -> None:
+    """Run ``scenarios`` ((script, name) pairs) at world ``nproc`` in as few launches as they allow: when a launch
+    ends early, the scenario that failed (its rank's crash record) or that it hung or died in is recorded as
+    failed with the reason, and the scenarios not yet run are relaunched."""
+    import time
+
+    progress = out / "_progress"
+
+    def state(script: str, name: str, what: str) -> Path:
+        return progress / f"{Path(script).stem}.{name}.{what}"
+
+    def fail(script: str, name: str, why: str) -> None:
+        crashes = sorted(progress.glob(f"{Path(script).stem}.{name}.crash_r*.txt"))
+        text = "\n".join(c.read_text() for c in crashes) or why
+        result = out / Path(script).stem / f"{name}.pt"
+        result.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"crash": f"{script}:{name} (batch of world {nproc}): {text}"}, result)
+
+    def done(script: str, name: str) -> bool:
+        return len(list(progress.glob(f"{Path(script).stem}.{name}.done_r*"))) == nproc
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # as torchrun()
+    while todo := [s for s in scenarios if not done(*s) and not state(*s, "failed").exists()]:
+        for s in todo:  # a scenario some ranks ran in a launch that ended early runs again from the start
+            for mark in progress.glob(f"{Path(s[0]).stem}.{s[1]}.*"):
+                mark.unlink()
+        log_path = out / f"launch_{len(list(out.glob('launch_*.log')))}.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(BATCH_SCRIPT), str(out),
+               ",".join(f"{script}:{name}" for script, name in todo)]
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            began, stalled = time.time(), False
+            while proc.poll() is None:
+                time.sleep(1)
+                marks = [p.stat().st_mtime for p in progress.glob("*")] if progress.exists() else []
+                if time.time() - max([began, *marks]) > STALL_S:
+                    stalled = True
+                    kill_launch(proc)
+        text = log_path.read_text(errors="replace")
+        finished = [s for s in todo if done(*s)]
+        crashed = [s for s in todo if list(progress.glob(f"{Path(s[0]).stem}.{s[1]}.crash_r*.txt"))]
+        if len(finished) == len(todo) and not crashed:
+            if proc.returncode != 0:  # the results stand (each test checks its own); the exit is reported
+                import warnings
+
+                warnings.warn(f"batch of world {nproc}: exit {proc.returncode} after every scenario was done: "
+                              f"{last_error_line(text)} (log: {log_path})")
+            continue
+        # the scenario that failed, else the first one not every rank finished (the launch hung or died in it)
+        blamed = crashed or [s for s in todo if state(*s, "started").exists() and s not in finished][:1]
+        reason = (f"launch stalled: no progress in {STALL_S} s" if stalled else
+                  f"launch exit {proc.returncode}: {last_error_line(text)}")
+        if not blamed and not finished:  # nothing ran: relaunching would fail the same way
+            blamed, reason = todo, f"not run, {reason}"
+        for s in blamed:
+            fail(*s, f"{reason}\n{text[-8000:]}")
+            state(*s, "failed").touch()

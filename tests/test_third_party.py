@@ -36,6 +36,7 @@ sys.path.insert(0, str(DIST))
 
 from common import reference_run  # noqa: E402
 from conftest import ROOT, free_port  # noqa: E402
+from conftest import kill_launch as _kill_launch, last_error_line as _last_error_line  # noqa: E402
 from test_strategy import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL  # noqa: E402
 
 pytest.importorskip("transformers")
@@ -76,41 +77,6 @@ STALL_S = 300  # no cell finished for this long: the launch hangs; the running c
 
 def _recorded(out: Path, cell: str) -> bool:
     return (out / f"{cell}.pt").exists()
-
-
-def _last_error_line(log: str) -> str:
-    """The last line of a torchrun log that reads like an exception ("SomeError: ..."), else its last line."""
-    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    for line in reversed(lines):
-        head = line.split(":", 1)[0].split()[-1] if ":" in line else ""
-        if head.endswith(("Error", "Exception", "Timeout")):
-            return line
-    return lines[-1] if lines else "no output"
-
-
-def _descendants(pid: int) -> list[int]:
-    """The process ids below ``pid`` (torchrun's workers run in sessions of their own, so killing torchrun's
-    process group would leave them running)."""
-    found: list[int] = []
-    for children in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            kids = [int(k) for k in children.read_text().split()]
-        except OSError:
-            continue
-        for kid in kids:
-            found += [kid, *_descendants(kid)]
-    return found
-
-
-def _kill_launch(proc: subprocess.Popen) -> None:
-    """End a stalled launch: torchrun and each of its workers, by process id."""
-    pids = [proc.pid, *_descendants(proc.pid)]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
 
 
 def launch_matrix(out: Path, names: list[str]) -> None:

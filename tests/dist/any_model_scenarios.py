@@ -5,14 +5,14 @@ Usage: torchrun --nproc-per-node 4 tests/dist/any_model_scenarios.py OUT_DIR cel
 A cell is ``f"{model}__{plan}"`` (any_model_models.MODELS x PLANS). Rank 0 writes OUT_DIR/<cell>.pt: the per-step
 losses, the full state (parameters and buffers, single-device names), the plan, the plan report's ``excluded``
 reasons and the warnings autopar gave; or the one-line error the cell was refused with; or, when it crashed, the
-traceback. A refused or crashed cell does not stop the launch.
+traceback. A refused cell does not stop the launch; a crashed one ends it (tests/conftest.py relaunches the
+cells not run).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import traceback
 import warnings
 from pathlib import Path
 
@@ -158,15 +158,7 @@ def run(out: Path, cell: str) -> None:
            excluded=dict(strategy.report.excluded))
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
-    for cell in sys.argv[2].split(","):
-        try:
-            run(out, cell)
-        except Exception:  # noqa: BLE001  (recorded as the cell's failure; the launch goes on)
-            record(out, cell, crash=traceback.format_exc())
-
-
 if __name__ == "__main__":
-    main()
+    from scenarios import main
+
+    main(run)

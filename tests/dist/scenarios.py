@@ -123,4 +123,4 @@ def main(run_one=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(run)
