@@ -152,19 +152,6 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _sub_groups(layout: Any, applied: Any) -> list[Any]:
-    """The process groups the plan's meshes hold, less the default (world) group, which is never destroyed."""
-    import torch.distributed as dist
-
-    meshes = [layout.mesh, *layout.submeshes.values(), *(applied.expert_meshes.values() if applied else ())]
-    seen: dict[int, Any] = {}
-    for mesh in meshes:
-        for group in mesh.get_all_groups():
-            if group is not dist.group.WORLD:
-                seen.setdefault(id(group), group)
-    return list(seen.values())
-
-
 def run_trial(module: nn.Module, plan: Plan, batches: Sequence[Any], steps: int, device: torch.device | None = None,
               layers_per_stage: Sequence[int] | None = None) -> list[float]:
     """Run ``plan`` for ``steps`` optimizer steps on a copy of ``module`` (a LightningModule: its
@@ -194,24 +181,7 @@ def run_trial(module: nn.Module, plan: Plan, batches: Sequence[Any], steps: int,
             times.append(time.perf_counter() - started)
         return times
     finally:
-        rng.restore()
-        if layout is not None:
-            for group in _sub_groups(layout, applied):
-                dist.destroy_process_group(group)
-            forget_destroyed_meshes()
-
-
-def forget_destroyed_meshes() -> None:
-    """Drop DTensor's cached sharding decisions: they are keyed by mesh equality (ranks, dim names), so a later mesh
-    equal to a trial's destroyed one (the real run of the same plan, the next trial) would reuse its dead process
-    groups ("Could not resolve the process group registered under the name ...")."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # the Python cache
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
-    if clear_native is not None:
-        clear_native()
+        rng.restore()  # the mesh's groups stay: topology.mesh keeps them for the next build of the same shape
 
 
 # ------------------------------------------------------------------ set-up measurement: settings, trials, outcome

@@ -122,6 +122,7 @@ class MeshLayout:
     plan: Plan
     mesh: DeviceMesh
     submeshes: dict[str, DeviceMesh] = field(default_factory=dict)
+    derived: dict[Any, DeviceMesh] = field(default_factory=dict)  # meshes carved later (expert meshes), shared
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """Sub-mesh by name: a MESH_DIMS entry, "dp" (replicate x shard, 2D when hybrid) or "dp_flat" (1D)."""
@@ -151,18 +152,52 @@ class MeshLayout:
         return {name: self.all_ranks(name) for name in GROUP_DIMS}
 
 
+# Meshes built in this process, by (device type, mesh shape): one layout's process groups are created once and
+# shared by every plan with that shape (trials, the chosen plan, a later fit in the same process). Each gloo/NCCL
+# group holds threads and sockets, so building a fresh mesh per trial or per fit piles them up; destroying them
+# instead leaves DTensor's sharding caches (keyed by mesh equality) pointing at groups that no longer resolve.
+_MESHES: dict[tuple[str, tuple[int, ...]], tuple[Any, MeshLayout]] = {}
+
+
+def _cached_layout(device_type: str, shape: tuple[int, ...]) -> MeshLayout | None:
+    """The layout built for ``shape`` on the live default group, if its groups all still resolve."""
+    from torch.distributed import distributed_c10d as c10d
+
+    entry = _MESHES.get((device_type, shape))
+    if entry is None or entry[0] is not c10d._get_default_group():
+        return None
+    layout = entry[1]
+    try:
+        for mesh in (layout.mesh, *layout.submeshes.values(), *layout.derived.values()):
+            for group in mesh.get_all_groups():
+                c10d._resolve_process_group(group.group_name)
+    except (RuntimeError, ValueError, KeyError):  # a group someone destroyed: build the layout again
+        return None
+    return layout
+
+
 def build_mesh(plan: Plan, device_type: str) -> MeshLayout:
-    """Create the DeviceMesh for ``plan`` on the live process group (``device_type`` "cpu", "cuda", "npu")."""
+    """The DeviceMesh for ``plan`` on the live process group (``device_type`` "cpu", "cuda", "npu"); the groups
+    of a mesh shape are created once per process group (see _MESHES)."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
     plan.validate(world_size=world)
-    mesh = init_device_mesh(device_type, mesh_shape(plan), mesh_dim_names=MESH_DIMS)
-    subs: dict[str, DeviceMesh] = {name: mesh[name] for name in MESH_DIMS}
-    subs["dp"] = mesh["dp_replicate", "dp_shard"]
-    subs["dp_flat"] = subs["dp"]._flatten("dp_flat") if plan.dp > 1 else mesh["dp_shard"]
-    return MeshLayout(plan=plan, mesh=mesh, submeshes=subs)
+    shape = tuple(mesh_shape(plan))
+    layout = _cached_layout(device_type, shape)
+    if layout is None:
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        subs: dict[str, DeviceMesh] = {name: mesh[name] for name in MESH_DIMS}
+        subs["dp"] = mesh["dp_replicate", "dp_shard"]
+        subs["dp_flat"] = subs["dp"]._flatten("dp_flat") if plan.dp > 1 else mesh["dp_shard"]
+        layout = MeshLayout(plan=plan, mesh=mesh, submeshes=subs)
+        live = {key: entry for key, entry in _MESHES.items() if entry[0] is c10d._get_default_group()}
+        _MESHES.clear()  # layouts of an earlier process group are dropped with it
+        _MESHES.update(live)
+        _MESHES[(device_type, shape)] = (c10d._get_default_group(), layout)
+    return MeshLayout(plan=plan, mesh=layout.mesh, submeshes=dict(layout.submeshes), derived=layout.derived)
 
 
 # --------------------------------------------------------------------------------------------- process group
@@ -307,6 +342,9 @@ def expert_meshes(layout: MeshLayout, plan: Plan) -> dict[str, DeviceMesh]:
         raise ConfigError("plan.ep", f"ep={plan.ep} does not divide dp={plan.dp}", "choose ep dividing dp")
     edp = plan.dp // plan.ep
     sizes = (edp, 1, plan.ep) if plan.zero == 0 else (1, edp, plan.ep)
-    grid = layout["dp_flat"]._unflatten(0, sizes, ("edp_replicate", "edp_shard", "ep"))
+    key = ("expert", sizes)
+    if key not in layout.derived:  # carved once per layout: _unflatten creates new groups each call
+        layout.derived[key] = layout["dp_flat"]._unflatten(0, sizes, ("edp_replicate", "edp_shard", "ep"))
+    grid = layout.derived[key]
     edp_mesh = grid["edp_replicate", "edp_shard"] if plan.zero == 0 else grid["edp_shard"]
     return {"ep": grid["ep"], "edp": edp_mesh}

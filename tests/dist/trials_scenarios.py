@@ -7,8 +7,8 @@ Scenarios (run in this order; "cached" reads the cache "trials" wrote):
   cached  "trials" again on the same cache: nothing measured, no trial, the same plan
   nocache trials=1 with profile_cache=False: nothing written (the default cache is OUT_DIR/default_cache here)
   fabric  the Fabric strategy, DataLoader first, a LightningModule's training_step for the trials
-  tp      trials=2 of tensor-parallel plans, then the real run on one of them: the trial's destroyed mesh must
-          not leave DTensor a cached sharding on its process groups (runtime.trial.forget_destroyed_meshes)
+  tp      trials=2 of tensor-parallel plans, then the real run on one of them: the run reuses the trial's mesh
+          and its process groups (topology.mesh builds each mesh shape once per process group)
   quick   the default settings on a run of QUICK_MIN_STEPS steps (stopped after its first): the quick measurement
 Each writes OUT_DIR/<name>_r<rank>.pt: the applied plan, the report's trials and best prediction, the set-up
 outcome, the per-step losses, the final state and the RNG states after fit (or the traceback)."""
