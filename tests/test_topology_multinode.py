@@ -3,7 +3,9 @@
 Scenarios (each rank writes its findings to result-<rank>.json): discovery sees 2 x 2; `ranktable --from-env`
 writes tables that validate and match the live ranks; RANK_TABLE_FILE is checked (a wrong one is refused on
 every rank); a faked version mismatch names the odd rank; build_mesh(tp=2) keeps TP groups inside a node and
-matches the priced groups; the probe measures both levels and writes a spec YAML that loads.
+matches the priced groups; the probe measures both levels and writes a spec YAML that loads. A second spawn
+trains on the two nodes (Trainer(devices=2, num_nodes=2)): DDP, HSDP (shard group inside a node), tp2 x dp2 and
+pp2 x dp2, each equal to one device.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port  # tests/conftest.py
+from conftest import DIST, ROOT, free_port  # tests/conftest.py
 from lightning_autopar.specs import load_cluster_spec
 from lightning_autopar.topology.ranktable import read_table
 
@@ -124,28 +126,35 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-@pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory) -> tuple[Path, list[dict]]:
-    out = tmp_path_factory.mktemp("two_nodes")
-    script = out / "worker.py"
-    script.write_text(WORKER)
+def two_agents(args: list[str], cwd: Path, timeout: int) -> list[str]:
+    """Run ``args`` (a script and its arguments) under two torchrun agents, ``--nnodes 2 --node-rank 0/1`` x 2
+    processes with one rendezvous endpoint on localhost, as a user starts a job on two nodes; their logs."""
     port = free_port()
     env = {**os.environ, "AUTOPAR_PG_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK_TABLE_FILE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                                 "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                                str(script), str(out)], cwd=out, env=env, stdout=subprocess.PIPE,
+                                *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True) for node in (0, 1)]
     logs = []
     try:
         for agent in agents:
-            logs.append(agent.communicate(timeout=120)[0])
+            logs.append(agent.communicate(timeout=timeout)[0])
     finally:
         for agent in agents:
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
                 agent.wait()
+    return logs
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("two_nodes")
+    script = out / "worker.py"
+    script.write_text(WORKER)
+    logs = two_agents([str(script), str(out)], out, timeout=120)
     results = []
     for rank in range(4):
         path = out / f"result-{rank}.json"
@@ -154,6 +163,22 @@ def two_nodes(tmp_path_factory) -> tuple[Path, list[dict]]:
     for res in results:
         assert not res["errors"], "\n".join(res["errors"])
     return out, results
+
+
+# Training on the two "nodes" (tests/dist/batch.py runs the scenarios as their own files' launches would): plain
+# DDP, HSDP with the shard group inside a node, tp2 x dp2 and a pp2 x dp2 pipeline, each against one device.
+TRAINING = ["scenarios.py:dp_zero0", "scenarios.py:hsdp", "scenarios.py:tp2_dp2_zero3", "pp_scenarios.py:pp2_dp2_zero3"]
+
+
+@pytest.fixture(scope="module")
+def two_node_training(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("two_node_training")
+    logs = two_agents([str(DIST / "batch.py"), str(out), ",".join(TRAINING)], ROOT, timeout=600)
+    for item in TRAINING:
+        script, name = item.split(":")
+        if not (out / Path(script).stem / f"{name}.pt").exists():
+            pytest.fail(f"{item} wrote no result; logs:\n" + "\n".join(log[-4000:] for log in logs))
+    return out
 
 
 def test_discovery_sees_two_by_two(two_nodes):
@@ -209,3 +234,29 @@ def test_probe_figures(two_nodes):
     assert (spec.nodes, spec.devices_per_node) == (2, 2) and [link.level for link in spec.links] == ["node", "cluster"]
     assert all(link.bandwidth_gbs > 0 and link.latency_us > 0 for link in spec.links)
     assert spec.device.peak_tflops.fp32 > 0
+
+
+@pytest.mark.parametrize("name", ["dp_zero0", "hsdp", "tp2_dp2_zero3"])
+def test_two_nodes_train_equal_to_one_device(two_node_training, name):
+    from common import reference_run
+    from test_strategy import assert_equivalent, load
+
+    result = load(two_node_training / "scenarios", name)
+    assert result["nodes"] == 2
+    assert_equivalent(result, *reference_run())
+
+
+def test_two_node_pipeline_trains_equal_to_one_device(two_node_training):
+    from test_pipeline_expert import reference
+    from test_strategy import assert_equivalent, load
+
+    assert_equivalent(load(two_node_training / "pp_scenarios", "pp2_dp2_zero3"), *reference("pp2_dp2_zero3"))
+
+
+def test_two_node_groups_keep_the_shard_and_tp_groups_inside_a_node(two_node_training):
+    from test_strategy import load
+
+    hsdp = load(two_node_training / "scenarios", "hsdp")["groups"]
+    assert hsdp["dp_shard"] == [[0, 1], [2, 3]] and hsdp["dp_replicate"] == [[0, 2], [1, 3]]  # HSDP across nodes
+    tp = load(two_node_training / "scenarios", "tp2_dp2_zero3")["groups"]
+    assert tp["tp"] == [[0, 1], [2, 3]] and tp["dp_shard"] == [[0, 2], [1, 3]]

@@ -49,8 +49,9 @@ def fit(fix, steps=STEPS, ckpt_path=None, seed=0, model_kwargs=None, strategy_kw
     cbs = trainer_kwargs.pop("extra_callbacks", [])
     trainer_kwargs.setdefault("enable_checkpointing", False)
     trainer_kwargs.setdefault("logger", False)
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # as a multi-node user writes it: per node x nodes
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_steps=steps,
+        strategy=strategy, accelerator="cpu", devices=devices, num_nodes=world // devices, max_steps=steps,
         enable_progress_bar=False, enable_model_summary=False,
         callbacks=[collector, *cbs], **trainer_kwargs,
     )
@@ -93,7 +94,8 @@ def run(out: Path, name: str) -> None:
     if name in FIXES:
         fix = FIXES[name].format(w=world, ga=GLOBAL_BATCH // world) if FIXES[name] else None
         trainer, module, losses, plan = fit(fix)
-        record(out, name, losses=losses, state=full_state(module), plan=plan)
+        record(out, name, losses=losses, state=full_state(module), plan=plan, nodes=trainer.num_nodes,
+               groups=trainer.strategy.mesh_layout.groups())
     elif name == "clip":
         trainer, module, losses, plan = fit("tp=2,dp=2,zero=3", gradient_clip_val=0.05)
         record(out, name, losses=losses, state=full_state(module), plan=plan)
