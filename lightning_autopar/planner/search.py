@@ -23,7 +23,7 @@ from lightning_autopar.planner.partition import layer_weights, stage_chunks
 from lightning_autopar.planner.report import PlanReport, explain
 from lightning_autopar.planner.space import Space, enumerate_space, space_from_plans, unit_form_restrict
 from lightning_autopar.planner.terms import (
-    DPC_TERMS, N_REP, recompute_table, runtime_terms, transformer_terms, unit_terms)
+    DPC_TERMS, N_REP, Dpc, Rc, Window, recompute_table, runtime_terms, transformer_terms, unit_terms)
 from lightning_autopar.specs import (
     PRECISIONS,
     Breakdown,
@@ -107,13 +107,14 @@ class Tables:
         self.cm, self.cd = Cn["mid"], Cn["dpc"]
         self.mrc = self.cm * n_opts + opt_of  # recompute_table's rows
         t32 = lambda arrs: np.ascontiguousarray(np.stack(arrs, axis=-1), dtype=np.float32)  # noqa: E731
-        self.by_rc = t32([np.stack(mid["base"], axis=2), np.stack(mid["mem"], axis=2)]).reshape(-1, N_REP, 2)
+        # the last axes are named by terms.Rc, terms.Window and terms.Dpc
+        self.by_rc = t32([np.stack(mid[k.name.lower()], axis=2) for k in Rc]).reshape(-1, N_REP, len(Rc))
         # compute windows that can hide data-parallel traffic (x the device's overlap share)
-        self.by_mid = t32([hw.overlap * np.stack(mid["tf"], axis=1), hw.overlap * np.stack(mid["tb"], axis=1)])
+        self.by_mid = t32([hw.overlap * np.stack(mid[k.name.lower()], axis=1) for k in Window])
         self.by_dpc = t32([np.stack(dpc[k], axis=1) for k in DPC_TERMS])
         self.f_sm = np.float32(hw.comm_sm)
-        # steady state + fill/drain: m * (1 + the schedule's bubble fraction) slots (cost_pipeline.bubble_fraction; 1F1B:
-        # (m + (pp-1)/vpp), Narayanan et al. 2021), then the once-per-step tail
+        # steady state + fill/drain: m * (1 + the schedule's bubble fraction) slots
+        # (cost_pipeline.bubble_fraction; 1F1B: (m + (pp-1)/vpp), Narayanan et al. 2021), then the once-per-step tail
         self.ga_m = ga[mk]
         self.span = (self.ga_m + bubble_fraction(pp[mk], self.ga_m, vpp_m, M["schedule"]) * self.ga_m
                      ).astype(np.float32)
@@ -135,9 +136,10 @@ class Tables:
         cm = self.cm[sl]
         a, b, d = self.by_rc[self.mrc[sl]], self.by_mid[cm], self.by_dpc[self.cd[sl]]
         slot_r = slot_of(a, b, d, self.f_sm)
-        tail = overlapped_exposed(d[..., 4], b[..., 1], d[..., 5], self.f_sm) + d[..., 6] + d[..., 7]
+        tail = (overlapped_exposed(d[..., Dpc.A3], b[..., Window.TB], d[..., Dpc.B3], self.f_sm) + d[..., Dpc.C3]
+                + d[..., Dpc.OPT])
         step = self.span[cm] * max3(slot_r) + max3(tail)
-        return (step, max3(a[..., 1] + d[..., 8]), max3(d[..., 13])) if memory else (step,)
+        return (step, max3(a[..., Rc.MEM] + d[..., Dpc.MEM]), max3(d[..., Dpc.HOST])) if memory else (step,)
 
     def memory_host(self) -> tuple[np.ndarray, np.ndarray]:
         """Device memory and host memory of every candidate, as ``step_memory`` sums them (the same float32
@@ -145,7 +147,8 @@ class Tables:
         n = len(self.cm)
         memory, host = np.empty(n), np.empty(n)
         col = lambda arr: [np.ascontiguousarray(arr[:, r]) for r in range(N_REP)]  # noqa: E731
-        mem_rc, mem_d, host_d = col(self.by_rc[..., 1]), col(self.by_dpc[..., 8]), col(self.by_dpc[..., 13])
+        mem_rc, mem_d = col(self.by_rc[..., Rc.MEM]), col(self.by_dpc[..., Dpc.MEM])
+        host_d = col(self.by_dpc[..., Dpc.HOST])
         for lo in range(0, n, 8 * CHUNK):
             sl = slice(lo, min(lo + 8 * CHUNK, n))
             i, j = self.mrc[sl], self.cd[sl]
@@ -170,7 +173,7 @@ class Tables:
         TP/CP/EP/PP traffic) at its cheapest recompute option. Every term a candidate adds to it (parameter work,
         exposed DP traffic, the once-per-step tail, the runtime's fixed costs) is a time >= 0, and float32
         rounding is monotone, so the bound never exceeds a price computed by ``step_memory``."""
-        base = self.by_rc[..., 0].reshape(-1, self.n_opts, N_REP).min(axis=1)
+        base = self.by_rc[..., Rc.BASE].reshape(-1, self.n_opts, N_REP).min(axis=1)
         return self.span * max3(base)
 
     def compute_bounds(self) -> np.ndarray:
@@ -240,9 +243,10 @@ def _assemble(t: Tables, detail: bool) -> dict[str, np.ndarray]:
         ga_c, span_c = t.ga_m[cm], span[cm].astype(float)
         slot = w(slot_of(a, b, d, f_sm))
         out["bubble"] = (span_c - ga_c) * slot
-        out["compute"] = ga_c * w(np.stack(mid["tf"], 1)[cm] + np.stack(mid["tb"], 1)[cm] + d[..., 9]) + w(d[..., 7])
-        base0 = by_rc[cm * n_opts][..., 0].astype(float)  # the same mid without recompute (row 0)
-        out["recompute"] = ga_c * (w(a[..., 0]) - w(base0))  # with the collectives full recompute re-runs
+        out["compute"] = (ga_c * w(np.stack(mid["tf"], 1)[cm] + np.stack(mid["tb"], 1)[cm] + d[..., Dpc.MB])
+                          + w(d[..., Dpc.OPT]))
+        base0 = by_rc[cm * n_opts][..., Rc.BASE].astype(float)  # the same mid without recompute (row 0)
+        out["recompute"] = ga_c * (w(a[..., Rc.BASE]) - w(base0))  # with the collectives full recompute re-runs
         out["comm"] = step - out["compute"] - out["recompute"] - out["bubble"]  # TP/CP/EP/PP/DP exposed
         out["memory_terms"] = _memory_terms(hw, a, d, rows)
     return out
@@ -253,11 +257,11 @@ def _memory_terms(hw: Hardware, a: np.ndarray, d: np.ndarray, rows: np.ndarray) 
     states + FSDP2's shard copy), activations (saved activations, logits, pipeline and MoE buffers, with the
     fragmentation margin: the mid level), buffers (DDP buckets / FSDP2 gather and reduce-scatter buffers, with
     the margin) and the cluster's reserved memory; they sum to the candidate's memory."""
-    top = (a[..., 1] + d[..., 8]).argmax(axis=1)
+    top = (a[..., Rc.MEM] + d[..., Dpc.MEM]).argmax(axis=1)
     at = lambda arr: arr[rows, top]  # noqa: E731
-    terms = {"parameters": at(d[..., 10]), "gradients": at(d[..., 11]), "optimizer": at(d[..., 12]),
-             "activations": at(a[..., 1])}
-    terms["buffers"] = at(d[..., 8]) - terms["parameters"] - terms["gradients"] - terms["optimizer"] - hw.reserved
+    terms = {"parameters": at(d[..., Dpc.M_PARAMS]), "gradients": at(d[..., Dpc.M_GRADS]),
+             "optimizer": at(d[..., Dpc.M_OPTIM]), "activations": at(a[..., Rc.MEM])}
+    terms["buffers"] = at(d[..., Dpc.MEM]) - terms["parameters"] - terms["gradients"] - terms["optimizer"] - hw.reserved
     terms["reserved"] = np.full(len(rows), hw.reserved)
     return terms
 
@@ -269,10 +273,11 @@ def max3(x: np.ndarray) -> np.ndarray:
 
 def slot_of(a: np.ndarray, b: np.ndarray, d: np.ndarray, f_sm: float = 0.0) -> np.ndarray:
     """Per-rank micro-batch slot: base (compute, recompute, TP/CP/EP/PP traffic) + memory-bound parameter work + exposed
-    DP traffic per micro-batch (b holds the forward and backward windows that can hide it; cost_comm.overlapped_exposed)."""
-    tf, tb = b[..., 0], b[..., 1]
-    return (a[..., 0] + d[..., 9] + overlapped_exposed(d[..., 0], tf, d[..., 1], f_sm)
-            + overlapped_exposed(d[..., 2], tb, d[..., 3], f_sm))
+    DP traffic per micro-batch (b holds the forward and backward windows that can hide it;
+    cost_comm.overlapped_exposed)."""
+    tf, tb = b[..., Window.TF], b[..., Window.TB]
+    return (a[..., Rc.BASE] + d[..., Dpc.MB] + overlapped_exposed(d[..., Dpc.A1], tf, d[..., Dpc.B1], f_sm)
+            + overlapped_exposed(d[..., Dpc.A2], tb, d[..., Dpc.B2], f_sm))
 
 
 # ============================================================================================ assembling results

@@ -10,6 +10,7 @@ cost-module function named there with its formula and source. search.Tables comb
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,8 @@ from lightning_autopar.planner.hardware import (
     ACT_BYTES, BASE_PREC, FP8, FRAGMENTATION, GRAD_REDUCE_BYTES, WEIGHT_BYTES, Hardware)
 from lightning_autopar.planner.partition import layer_weights, stage_table, unit_stage_table
 from lightning_autopar.planner.space import THINNED_MODES, Space
-from lightning_autopar.specs import PRECISIONS, RECOMPUTE_MODES, SCHEDULES, V_SCHEDULES, BlockMeasure, Measured, ModelSpec
+from lightning_autopar.specs import (
+    PRECISIONS, RECOMPUTE_MODES, SCHEDULES, V_SCHEDULES, BlockMeasure, Measured, ModelSpec)
 
 
 N_REP = 3  # representative pipeline ranks priced per candidate: first, last, heaviest middle
@@ -315,7 +317,44 @@ def _apply_measured_units(meas: Measured, model: ModelSpec, u: UnitArrays, hw: H
     return uf, ub, act
 
 
-DPC_TERMS = ("a1", "b1", "a2", "b2", "a3", "b3", "c3", "opt", "mem", "mb", "m_params", "m_grads", "m_optim", "host")
+class Rc(IntEnum):
+    """The mid x recompute terms of a representative rank, by position on the last axis of search.Tables.by_rc."""
+
+    BASE = 0  # seconds per micro-batch slot: compute, recompute, TP/CP/EP/PP traffic (the "base" list)
+    MEM = 1  # bytes: saved activations, logits, pipeline and MoE buffers, with the fragmentation margin ("mem")
+
+
+class Window(IntEnum):
+    """The compute windows that can hide data-parallel traffic (x Hardware.overlap), by position on the last axis
+    of search.Tables.by_mid."""
+
+    TF = 0  # the rank's forward per micro-batch ("tf")
+    TB = 1  # its backward ("tb")
+
+
+class Dpc(IntEnum):
+    """The dpc-level terms of a representative rank (_dp_rank_terms), by position on the last axis of
+    search.Tables.by_dpc; seconds unless bytes. Per micro-batch the exposed DP traffic is
+    overlapped_exposed(A1, tf, B1) + overlapped_exposed(A2, tb, B2); once per step overlapped_exposed(A3, tb, B3)
+    + C3 + OPT (search.slot_of, Tables.step_memory)."""
+
+    A1 = 0  # zero 3's forward all-gathers per micro-batch (outside a pipeline stage)
+    B1 = 1  # the part of A1 no compute hides (the first unit's gather)
+    A2 = 2  # zero 3's backward all-gathers per micro-batch
+    B2 = 3  # the part of A2 no compute hides
+    A3 = 4  # once per step: the gradient reduction (+ HSDP's all-reduce; + zero 3's one gather in a pipeline stage)
+    B3 = 5  # the part of A3 no compute hides (the last unit's reduction)
+    C3 = 6  # once per step: zero 1/2's one gather, exposed
+    OPT = 7  # once per step: the optimizer step (device or host) and its parameter copies
+    MEM = 8  # bytes: model states + DDP / FSDP2 buffers (with the margin) + the reserved memory
+    MB = 9  # per micro-batch: memory-bound parameter work (fp32 gradient accumulation, zero 3's shard copies)
+    M_PARAMS = 10  # bytes: the parameters' part of the model states (with FSDP2's shard copy)
+    M_GRADS = 11  # bytes: the gradients' part
+    M_OPTIM = 12  # bytes: the optimizer states' part
+    HOST = 13  # bytes kept on the host per device (plan.offload)
+
+
+DPC_TERMS = tuple(term.name.lower() for term in Dpc)  # the keys of the dpc dict, in Dpc order
 
 
 def runs_plain_ddp(zero: Any, dp: Any, tp: Any, pp: Any, ep: Any, cp: Any, has_moe: Any) -> np.ndarray:
@@ -334,8 +373,9 @@ def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d:
     buffers); ``tail``: the share of the rank's gather/reduction that no compute hides (first / last unit);
     ``pp``: the pipeline degree (a pipeline stage keeps its FSDP parameters gathered from one micro-batch's
     backward to the next one's forward: torch.distributed.pipelining turns reshard_after_backward off until the
-    step's last); ``offload``: the OFFLOAD_MODES code (model states on the host: cost_memory.offloaded_state_bytes, their
-    copies and the host optimizer step: offload_copy_time, host_optimizer_step_time).
+    step's last); ``offload``: the OFFLOAD_MODES code (model states on the host: cost_memory.offloaded_state_bytes,
+    their copies and the host optimizer step: offload_copy_time, host_optimizer_step_time). What it appends is
+    named by ``Dpc``.
     """
     frag = 1 + FRAGMENTATION
     # context parallelism: FSDP runs over dp x cp (parallel/context.data_mesh, torchtitan's dp_shard_cp); at zero 0
