@@ -27,7 +27,7 @@ benchmarks/overhead.py builds it), global batch ``--global-batch``:
    set-up run's first choice) and with trials (the trial-chosen plan), set-up profiling and trials seconds and
    drift, each against issue 14's targets (met / MISSED); and where the errors come from: a least-squares fit
    measured ~ a*compute + b*comm + c*bubble + d*runtime over the plans (each coefficient is the factor that
-   term is off by), the runtime term split into its named parts (cost.py).
+   term is off by), the runtime term split into its named parts (cost_runtime.py).
 
 Default OUT: outputs/benchmarks. On a shared machine the launcher first waits for a quieter machine and every
 run is paused / repeated while the machine is slowed by other work (``_common.guarded_run``).
@@ -196,7 +196,7 @@ def pinned_run(name: str, cfg: Any, plan: Any, args: argparse.Namespace, cache: 
 
 def terms(priced: Any) -> dict[str, Any]:
     """The prediction's named terms (seconds): compute (with recompute), exposed comm, bubble, runtime, and the
-    runtime term by cost.py name."""
+    runtime term by cost_runtime.py name."""
     b = priced.breakdown
     return {"compute_s": b.compute_s + b.recompute_s, "comm_s": b.comm_exposed_s, "bubble_s": b.bubble_s,
             "runtime_s": b.runtime_s, "runtime_terms_s": dict(b.terms)}

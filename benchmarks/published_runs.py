@@ -206,11 +206,11 @@ def predict(row: Row, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tup
 def tp_overlap_hidden(model: ModelSpec, cluster: ClusterSpec, plan: Plan, seq: int) -> float:
     """Seconds per step of tensor-parallel traffic that Transformer Engine's userbuffers overlap hides.
 
-    The planner exposes each block's four TP collectives in full (``cost.tp_comm_per_block``: with SP, all-gather
+    The planner exposes each block's four TP collectives in full (``cost_comm.tp_comm_per_block``: with SP, all-gather
     before qkv and up, reduce-scatter after out and down, a quarter of its time each; the same backward), as
     autopar's DTensor runtime runs them. Userbuffers splits each into tp chunks pipelined against the GEMM that consumes (AG) or produces (RS)
     it (Wang et al. 2023, "Overlap communication with dependent computation via decomposition"; TE
-    ``initialize_ub``), so per collective c against its GEMM's time W: exposed = cost.overlapped_exposed(c, W,
+    ``initialize_ub``), so per collective c against its GEMM's time W: exposed = cost_comm.overlapped_exposed(c, W,
     c/tp, comm_sm) -- one chunk cannot overlap, and the communication kernels hold the device's comm_sm share of
     the SMs. Hidden = span * blocks * sum(c - exposed), span = ga + (pp-1)/vpp micro-batch slots (the step's
     assembly in planner.search) and blocks = ceil(layers / pp) on the busiest rank; full recompute re-runs the

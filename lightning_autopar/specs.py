@@ -275,7 +275,7 @@ class RuntimeCosts:
     step_us: float = 0.0  # per optimizer step: the loop around it (hooks, closure, zero_grad, optimizer dispatch)
     microbatch_us: float = 0.0  # per micro-batch per rank: batch slicing, autocast / no_sync contexts, loss scaling
     # per FSDP unit per all-gather or reduce-scatter: pre/post hooks, copy-in/out dispatch (0 on a CPU device: its
-    # eager ops counted at the device's per-op cost, planner.cost.fsdp_unit_seconds)
+    # eager ops counted at the device's per-op cost, planner.cost_runtime.fsdp_unit_seconds)
     fsdp_unit_us: float = 0.0
     tp_block_us: float = 0.0  # per block per micro-batch with tp > 1: DTensor dispatch and sharding propagation
     pipeline_action_us: float = 0.0  # per pipeline schedule action: one stage's fwd or bwd of one micro-batch + p2p posts
@@ -549,7 +549,7 @@ class Breakdown:
     comm_exposed_s: float = 0.0
     bubble_s: float = 0.0
     runtime_s: float = 0.0  # the runtime's fixed host costs (ClusterSpec.runtime), named in ``terms``
-    terms: dict[str, float] = field(default_factory=dict)  # runtime_s by cost.py term name (seconds)
+    terms: dict[str, float] = field(default_factory=dict)  # runtime_s by cost_runtime.py term name (seconds)
 
 
 @dataclass

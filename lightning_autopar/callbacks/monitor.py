@@ -47,7 +47,7 @@ import torch
 import lightning.pytorch as L
 
 from lightning_autopar.files import atomic_file
-from lightning_autopar.planner.cost import RUNTIME_TERMS
+from lightning_autopar.planner.cost_runtime import RUNTIME_TERMS
 from lightning_autopar.runtime.lightning_private import batches_that_stepped
 
 GIB = float(2**30)
@@ -82,7 +82,7 @@ class StepRecord:
     pred_comm_exposed_s: float | None = None
     pred_bubble_s: float | None = None
     pred_runtime_s: float | None = None  # the runtime's fixed costs, = the sum of the named ones below
-    pred_step_s: float | None = None  # each of Breakdown.terms (cost.RUNTIME_TERMS) from here on
+    pred_step_s: float | None = None  # each of Breakdown.terms (cost_runtime.RUNTIME_TERMS) from here on
     pred_microbatch_s: float | None = None
     pred_fsdp_units_s: float | None = None
     pred_tp_dispatch_s: float | None = None

@@ -63,7 +63,7 @@ def choose_overlap(report: Any) -> OverlapKnobs:
     there is no such stall and benchmarks/overlap.py measured them slower); a separate reduce-scatter
     communicator is chosen for communication-bound plans (it measured faster on CPU/gloo too).
     """
-    from lightning_autopar.planner import cost as C
+    from lightning_autopar.planner.hardware import GIB, WEIGHT_BYTES, prec_index
 
     best = report.best
     plan = best.plan
@@ -75,7 +75,7 @@ def choose_overlap(report: Any) -> OverlapKnobs:
     if ratio <= _WORTH_OVERLAPPING:
         return knobs
     model, cluster = report.model, report.cluster
-    unit_gib = model.block_params() / plan.tp * float(C.WEIGHT_BYTES[C.prec_index(plan.precision)]) / C.GIB
+    unit_gib = model.block_params() / plan.tp * float(WEIGHT_BYTES[prec_index(plan.precision)]) / GIB
     headroom = cluster.device.memory_gib * report.memory_fraction - best.memory_gib_per_device
     depth = 2 if ratio > _COMM_BOUND and headroom > 2 * unit_gib else 1 if headroom > unit_gib else 0
     if plan.zero == 3:

@@ -15,7 +15,7 @@ pipeline chunks, whose blocks are the rank's own modules):
   ``SAVED_OPS`` are kept (MUST_SAVE), except that of the ops in ``ALTERNATED_OPS`` (aten.mm) only every other
   one in forward order is (the 1st, 3rd, ...: q, v, gate, down in a Llama block), the rest is recomputed
   (PREFER_RECOMPUTE). That keeps about half of the matmul memory of ``selective`` for a few re-run GEMMs, the
-  trade torchtitan ships for Llama 3 8B (planner.cost.ops_saved_elements / ops_recompute_time price it). MoE
+  trade torchtitan ships for Llama 3 8B (planner.cost_memory.ops_saved_elements / ops_recompute_time price it). MoE
   blocks cannot run it (planner.space.ops_rule: refused in one line).
 
   ``SAVED_OPS`` is a module-level set of aten overloads a user can extend before setup, e.g.

@@ -7,7 +7,7 @@ keeping the cost model's own formulas and adjusting only the hardware figures th
   share cores share their rates) -> the device's matmul rate, streaming bandwidth and per-op overhead, by
   non-negative least squares on the relative error of the analytic block times (cost.dense_block_time, ...).
 * ``fit_links``: collective times (``RuntimeProfile.collectives``) -> each link level's latency and bandwidth, by
-  least squares on the planner's own collective formulas (cost.allreduce_time, allgather_time, ...).
+  least squares on the planner's own collective formulas (cost_comm.allreduce_time, allgather_time, ...).
 * ``refit``: measured steps of whole plans (trials, the StepMonitor) -> a time scale on the profiled rates and the
   runtime's per-step and per-micro-batch costs (``RuntimeCosts.step_us``, ``microbatch_us``), ridge-regularised
   towards "the profile was right" so that one or two steps cannot move it far.
@@ -25,7 +25,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from lightning_autopar.planner import cost as C
+from lightning_autopar.planner.cost import dense_block_time, embedding_time, head_time, moe_block_time, optimizer_time
+from lightning_autopar.planner.cost_comm import (
+    allgather_time, allreduce_time, alltoall_time, p2p_time, reduce_scatter_time)
+from lightning_autopar.planner.cost_units import UnitArrays, unit_time
+from lightning_autopar.planner.hardware import ACT_BYTES, Hardware
 from lightning_autopar.planner.report import describe_cluster as describe  # the figures, for reports
 from lightning_autopar.specs import (
     PRECISIONS,
@@ -64,15 +68,15 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 # ============================================================================================ device
 
 
-def _block_times(hw: C.Hardware, model: ModelSpec, sample: BlockSample) -> tuple[float, float]:
+def _block_times(hw: Hardware, model: ModelSpec, sample: BlockSample) -> tuple[float, float]:
     """The cost model's (fwd, bwd) seconds of one measured kind at the sample's shape, tp = cp = 1: a block, the
     embedding, the head + loss, the whole model ("model": embedding + blocks + head), or one optimizer step over
     all parameters ("optimizer": its time as fwd, 0 as bwd)."""
     prec = PRECISIONS.index(sample.precision)
-    peak, elem = hw.peak[prec], C.ACT_BYTES[prec]
+    peak, elem = hw.peak[prec], ACT_BYTES[prec]
     b, s = float(sample.mbs), float(sample.seq_len)
     if sample.kind == "optimizer":
-        return float(C.optimizer_time(hw, float(model.total_params()), prec)), 0.0
+        return float(optimizer_time(hw, float(model.total_params()), prec)), 0.0
     if sample.kind == "model" and not model.unit_form:
         parts = [_block_times(hw, model, dataclasses.replace(sample, kind=kind)) for kind in ("embedding", "head")]
         dense = _block_times(hw, model, dataclasses.replace(sample, kind="dense"))
@@ -81,19 +85,19 @@ def _block_times(hw: C.Hardware, model: ModelSpec, sample: BlockSample) -> tuple
         return (sum(p[0] for p in parts) + n_dense * dense[0] + model.moe_layers * moe[0],
                 sum(p[1] for p in parts) + n_dense * dense[1] + model.moe_layers * moe[1])
     if model.unit_form:
-        units = C.UnitArrays.of(model)
-        fwd, bwd = C.unit_time(hw, units, b, peak, elem)
+        units = UnitArrays.of(model)
+        fwd, bwd = unit_time(hw, units, b, peak, elem)
         names = [u.name for u in model.units]
         pick = slice(None) if sample.kind in ("units", "model") else [names.index(sample.kind)]
         return float(np.sum(fwd[..., pick])), float(np.sum(bwd[..., pick]))
     if sample.kind == "embedding":
-        f, bk = C.embedding_time(hw, model, b, s, 1, elem)
+        f, bk = embedding_time(hw, model, b, s, 1, elem)
         return float(f), float(bk)
     if sample.kind == "head":
-        f, bk = C.head_time(hw, model, b, s, 1, 1, peak, elem)
+        f, bk = head_time(hw, model, b, s, 1, 1, peak, elem)
         return float(f), float(bk)
-    block = (C.moe_block_time(hw, model, b, s, 1, 1, 1, False, peak, elem) if sample.kind == "moe"
-             else C.dense_block_time(hw, model, b, s, 1, 1, False, peak, elem))
+    block = (moe_block_time(hw, model, b, s, 1, 1, 1, False, peak, elem) if sample.kind == "moe"
+             else dense_block_time(hw, model, b, s, 1, 1, False, peak, elem))
     return float(block.fwd), float(block.bwd)
 
 
@@ -110,13 +114,13 @@ def _rows(samples: Sequence[BlockSample]) -> list[tuple[int, int]]:
     return [(i, j) for i, s in enumerate(samples) for j, t in enumerate((s.fwd_s, s.bwd_s)) if t > 0]
 
 
-def _device_at(hw: C.Hardware, theta: np.ndarray) -> C.Hardware:
+def _device_at(hw: Hardware, theta: np.ndarray) -> Hardware:
     """``hw`` with its compute time x theta[0], streaming time x theta[1] and per-op overhead theta[2] seconds."""
     return dataclasses.replace(hw, peak=hw.peak / max(theta[0], 1e-30), mem_bw=hw.mem_bw / max(theta[1], 1e-30),
                                overhead_s=theta[2], dispatch_s=0.0)
 
 
-def device_parts(hw: C.Hardware, model: ModelSpec, samples: Sequence[BlockSample], theta: np.ndarray) -> np.ndarray:
+def device_parts(hw: Hardware, model: ModelSpec, samples: Sequence[BlockSample], theta: np.ndarray) -> np.ndarray:
     """Rows (fwd and bwd of each sample) x d time / d theta at ``theta`` (_device_at): what the matmul rate, the
     streaming bandwidth and the per-op overhead each contribute on the branch each roofline max() takes there.
     The analytic time is piecewise linear and homogeneous in theta, so time = parts @ theta (Euler)."""
@@ -129,7 +133,7 @@ def device_parts(hw: C.Hardware, model: ModelSpec, samples: Sequence[BlockSample
     return np.stack(cols, axis=1)
 
 
-def _times(hw: C.Hardware, model: ModelSpec, samples: Sequence[BlockSample], theta: np.ndarray) -> np.ndarray:
+def _times(hw: Hardware, model: ModelSpec, samples: Sequence[BlockSample], theta: np.ndarray) -> np.ndarray:
     """The cost model's time of every measured row (_rows) on the device at ``theta``."""
     at = _device_at(hw, theta)
     times = [_block_times(at, model, s) for s in samples]
@@ -147,7 +151,7 @@ def fit_device(cluster: ClusterSpec, model: ModelSpec, samples: Sequence[BlockSa
     samples = [s for s in samples if _known_kind(model, s) and s.fwd_s > 0]
     if not samples:
         return cluster, float("nan")
-    hw = C.Hardware.from_cluster(cluster)
+    hw = Hardware.from_cluster(cluster)
     measured = np.array([(s.fwd_s, s.bwd_s)[j] for i, j in _rows(samples) for s in [samples[i]]])
     theta = np.array([1.0, 1.0, hw.overhead_s])
     for _ in range(4):
@@ -175,19 +179,19 @@ def fit_device(cluster: ClusterSpec, model: ModelSpec, samples: Sequence[BlockSa
 # ============================================================================================ links
 
 
-def _collective_time(hw: C.Hardware, s: CollectiveSample) -> float:
+def _collective_time(hw: Hardware, s: CollectiveSample) -> float:
     """The cost model's seconds for one measured collective (its own formula for that op)."""
     if s.op == "all_reduce":
-        return float(C.allreduce_time(hw, float(s.nbytes), s.ranks, s.stride))
+        return float(allreduce_time(hw, float(s.nbytes), s.ranks, s.stride))
     if s.op == "all_gather":
-        return float(C.allgather_time(hw, float(s.nbytes), s.ranks, s.stride))
+        return float(allgather_time(hw, float(s.nbytes), s.ranks, s.stride))
     if s.op == "reduce_scatter":
-        return float(C.reduce_scatter_time(hw, float(s.nbytes), s.ranks, s.stride))
+        return float(reduce_scatter_time(hw, float(s.nbytes), s.ranks, s.stride))
     if s.op == "all_to_all":
-        return float(C.alltoall_time(hw, float(s.nbytes), s.ranks, s.stride))
+        return float(alltoall_time(hw, float(s.nbytes), s.ranks, s.stride))
     if s.op == "p2p":
         inter = hw.nodes > 1 and s.stride >= hw.dpn
-        return float(C.p2p_time(hw, float(s.nbytes), inter))
+        return float(p2p_time(hw, float(s.nbytes), inter))
     raise ValueError(f"unknown collective {s.op!r}")
 
 
@@ -209,8 +213,8 @@ def _link_rows(cluster: ClusterSpec, level: int, samples: Sequence[CollectiveSam
     link = cluster.links[level]
     alpha = max(link.latency_us * 1e-6, 1e-9)
     inv = 1.0 / (link.bandwidth_gbs * 1e9 * link.efficiency)
-    latency_only = C.Hardware.from_cluster(_with_link(cluster, level, alpha, 1.0 / HUGE))
-    bandwidth_only = C.Hardware.from_cluster(_with_link(cluster, level, 0.0, inv))
+    latency_only = Hardware.from_cluster(_with_link(cluster, level, alpha, 1.0 / HUGE))
+    bandwidth_only = Hardware.from_cluster(_with_link(cluster, level, 0.0, inv))
     rows = []
     for s in samples:
         rows.append([_collective_time(latency_only, s) / alpha, _collective_time(bandwidth_only, s) / inv])
@@ -257,7 +261,7 @@ def fit_links(cluster: ClusterSpec, samples: Sequence[CollectiveSample]) -> tupl
             if inv <= 0:
                 break
             cluster = _with_link(cluster, level, alpha, inv)
-    hw = C.Hardware.from_cluster(cluster)
+    hw = Hardware.from_cluster(cluster)
     err = [abs(_collective_time(hw, s) / s.seconds - 1) for s in samples]
     return cluster, float(np.median(err))
 

@@ -6,26 +6,29 @@ from __future__ import annotations
 
 import numpy as np
 
-from lightning_autopar.planner import cost as C
+from lightning_autopar.planner.cost import dense_block_time, embedding_time, head_time, moe_block_time
+from lightning_autopar.planner.cost_pipeline import partition_layers
+from lightning_autopar.planner.cost_units import UnitArrays, unit_time
+from lightning_autopar.planner.hardware import ACT_BYTES, BASE_PREC, FP8, Hardware
 from lightning_autopar.specs import ModelSpec
 
 
-def layer_weights(model: ModelSpec, hw: C.Hardware, seq: int, prec: int, fused: bool) -> tuple[np.ndarray, float, float]:
+def layer_weights(model: ModelSpec, hw: Hardware, seq: int, prec: int, fused: bool) -> tuple[np.ndarray, float, float]:
     """Per-block fwd+bwd time at tp=cp=mbs=1 (the DP's costs), plus embedding and head costs in the same units.
     In unit form: each unit's fwd+bwd time at mbs=1, no separate embedding or head (they are units)."""
-    peak, elem, fp8 = hw.peak[C.BASE_PREC[prec]], C.ACT_BYTES[prec], prec == C.FP8
+    peak, elem, fp8 = hw.peak[BASE_PREC[prec]], ACT_BYTES[prec], prec == FP8
     if model.unit_form:
-        fwd, bwd = C.unit_time(hw, C.UnitArrays.of(model), 1.0, peak, elem)
+        fwd, bwd = unit_time(hw, UnitArrays.of(model), 1.0, peak, elem)
         return (fwd + bwd).reshape(-1), 0.0, 0.0
-    dense = C.dense_block_time(hw, model, 1, seq, 1, 1, False, peak, elem, fused, fp8)
+    dense = dense_block_time(hw, model, 1, seq, 1, 1, False, peak, elem, fused, fp8)
     w_dense = float(dense.fwd + dense.bwd)
     is_moe = moe_mask(model)
     w = np.full(model.layers, w_dense)
     if is_moe.any():
-        moe = C.moe_block_time(hw, model, 1, seq, 1, 1, 1, False, peak, elem, fused, fp8)
+        moe = moe_block_time(hw, model, 1, seq, 1, 1, 1, False, peak, elem, fused, fp8)
         w[is_moe] = float(moe.fwd + moe.bwd)
-    ef, eb = C.embedding_time(hw, model, 1, seq, 1, elem)
-    hf, hb = C.head_time(hw, model, 1, seq, 1, 1, peak, elem)
+    ef, eb = embedding_time(hw, model, 1, seq, 1, elem)
+    hf, hb = head_time(hw, model, 1, seq, 1, 1, peak, elem)
     return w, float(ef + eb), float(hf + hb)
 
 
@@ -45,7 +48,7 @@ def stage_chunks(weights: np.ndarray, emb: float, head: float, pp: int, vpp: int
     w = weights.copy()
     w[0] += emb
     w[-1] += head
-    return C.partition_layers(w, pp)
+    return partition_layers(w, pp)
 
 
 _STAGE_CACHE: dict[tuple, tuple[np.ndarray, list[int]]] = {}
@@ -92,7 +95,7 @@ def _stage_table(model: ModelSpec, weights: np.ndarray, emb: float, head: float,
 _UNIT_STAGE_CACHE: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
 
-def unit_stage_table(units: C.UnitArrays, weights: np.ndarray, pp: int, vpp: int,
+def unit_stage_table(units: UnitArrays, weights: np.ndarray, pp: int, vpp: int,
                      uneven: bool) -> tuple[np.ndarray, np.ndarray]:
     """Representative ranks (first, last, heaviest middle) of a unit-form model: a (N_REP, units) membership mask,
     and rows [stage, boundary bytes, FSDP head params]. Stages are contiguous units split by their time weights
@@ -107,7 +110,7 @@ def unit_stage_table(units: C.UnitArrays, weights: np.ndarray, pp: int, vpp: int
     return _UNIT_STAGE_CACHE[key]
 
 
-def _unit_stage_table(units: C.UnitArrays, weights: np.ndarray, pp: int, vpp: int,
+def _unit_stage_table(units: UnitArrays, weights: np.ndarray, pp: int, vpp: int,
                       uneven: bool) -> tuple[np.ndarray, np.ndarray]:
     n_units = len(weights)
     chunks = stage_chunks(weights, 0.0, 0.0, pp, vpp, uneven)

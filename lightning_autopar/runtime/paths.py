@@ -7,7 +7,7 @@ cluster: each path is run for a few steps (``runtime.trial.run_trial``, the runt
 GPT so small that its device work is a few kernels, and what the cost model does not already price for it (on
 the calibrated cluster, runtime terms at zero) is the path's fixed cost. Non-negative least squares over the
 paths gives each ``RuntimeCosts`` figure, with its occurrences per step counted by the cost model itself
-(``cost.runtime_fixed_time``). The Lightning loop around a step is not in a trial: trials of the user's plans and
+(``cost_runtime.runtime_fixed_time``). The Lightning loop around a step is not in a trial: trials of the user's plans and
 the step monitor refit ``step_us`` (``planner.calibrate.refit``).
 """
 
@@ -73,7 +73,7 @@ def occurrences(cluster: ClusterSpec, spec: ModelSpec, plan: Plan, global_batch:
         at = dataclasses.replace(cluster, runtime=RuntimeCosts(**figures))
         return estimate(spec, at, plan, global_batch=global_batch, seq_len=spec.seq_len).breakdown.runtime_s
 
-    # the difference of 2 us and 1 us: a figure left at 0 may be priced from the device (cost.fsdp_unit_seconds),
+    # the difference of 2 us and 1 us: a figure left at 0 may be priced from the device (cost_runtime.fsdp_unit_seconds),
     # the same in both, so it cancels
     return {name: runtime_s({name: 2.0}) - runtime_s({name: 1.0}) for name in FIELDS}
 

@@ -1,0 +1,128 @@
+"""Communication cost terms: group placement on nodes, ring / tree collectives, point-to-point, the TP/CP/EP
+traffic of a block, and the share of a collective that compute does not hide. Pure numpy, broadcasting over
+candidates; each docstring gives the formula and its source on one line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from lightning_autopar.planner.hardware import Hardware, moe_load_imbalance
+from lightning_autopar.specs import ModelSpec
+
+
+def group_nodes(hw: Hardware, size: Any, stride: Any) -> tuple[Any, Any]:
+    """(members per node, nodes spanned) of a group of `size` ranks `stride` apart, ranks filling nodes in order."""
+    size = np.asarray(size, dtype=float)
+    per_node = np.where(stride < hw.dpn, np.minimum(size, np.maximum(np.floor(hw.dpn / np.maximum(stride, 1)), 1)), 1)
+    if hw.nodes == 1:
+        per_node = size
+    return per_node, np.ceil(size / per_node)
+
+
+def _intra_bw(hw: Hardware, local: Any) -> Any:
+    """Switch: full per-device bandwidth; full mesh: a group of g uses g-1 of the dpn-1 links (HCCS)."""
+    if hw.intra_mesh and hw.dpn > 1:
+        return hw.intra_bw * np.maximum(local - 1, 1) / (hw.dpn - 1)
+    return hw.intra_bw
+
+
+def ring_allgather(nbytes: Any, n: Any, bw: Any, lat: Any) -> Any:
+    """(n-1)*(alpha + S/(n*beta)), S = gathered bytes (ring; Thakur et al. 2005). Reduce-scatter costs the same."""
+    n = np.asarray(n, dtype=float)
+    return np.where(n > 1, (n - 1) * (lat + nbytes / (np.maximum(n, 1) * bw)), 0.0)
+
+
+def ring_allreduce(nbytes: Any, n: Any, bw: Any, lat: Any) -> Any:
+    """2*(n-1)*(alpha + S/(n*beta)): reduce-scatter + all-gather (ring; Patarasuk & Yuan 2009)."""
+    return 2 * ring_allgather(nbytes, n, bw, lat)
+
+
+def tree_allreduce(nbytes: Any, n: Any, bw: Any, lat: Any) -> Any:
+    """2*ceil(log2 n)*alpha + 2*S/beta: pipelined double binary tree, latency-optimal (NCCL; Sanders et al. 2009)."""
+    n = np.asarray(n, dtype=float)
+    return np.where(n > 1, 2 * np.ceil(np.log2(np.maximum(n, 2))) * lat + 2 * nbytes / bw, 0.0)
+
+
+def spanning_bw(hw: Hardware, local: Any) -> Any:
+    """min(beta_intra, local*beta_inter): a ring through `local` members per node, channels striped over their NICs (NCCL rings)."""
+    return np.where(local > 1, np.minimum(_intra_bw(hw, local), local * hw.inter_bw), hw.inter_bw)
+
+
+def allreduce_time(hw: Hardware, nbytes: Any, size: Any, stride: Any) -> Any:
+    """min(ring, tree); across nodes one ring of n at spanning_bw, 2(nodes-1) inter + 2(n-nodes) intra hops; tree: log2(nodes) (NCCL)."""
+    local, nodes = group_nodes(hw, size, stride)
+    bw_in = _intra_bw(hw, local)
+    intra = np.minimum(ring_allreduce(nbytes, local, bw_in, hw.intra_lat), tree_allreduce(nbytes, local, bw_in, hw.intra_lat))
+    n = local * nodes
+    bw = spanning_bw(hw, local)
+    hops = (nodes - 1) * hw.inter_lat + (n - nodes) * hw.intra_lat
+    ring = ring_allreduce(nbytes, n, bw, 0.0) + 2 * hops
+    tree = tree_allreduce(nbytes, nodes, bw, hw.inter_lat) + 2 * np.maximum(local - 1, 0) * hw.intra_lat
+    return np.where(nodes > 1, np.minimum(ring, tree), intra)
+
+
+def allgather_time(hw: Hardware, nbytes: Any, size: Any, stride: Any) -> Any:
+    """Ring all-gather of S bytes over n ranks; across nodes at spanning_bw, (nodes-1) inter + (n-nodes) intra hops (NCCL). RS symmetric."""
+    local, nodes = group_nodes(hw, size, stride)
+    n = local * nodes
+    hops = (nodes - 1) * hw.inter_lat + (n - nodes) * hw.intra_lat
+    across = ring_allgather(nbytes, n, spanning_bw(hw, local), 0.0) + hops
+    return np.where(nodes > 1, across, ring_allgather(nbytes, local, _intra_bw(hw, local), hw.intra_lat))
+
+
+def reduce_scatter_time(hw: Hardware, nbytes: Any, size: Any, stride: Any) -> Any:
+    """allgather_time x rs_factor: a ring reduce-scatter moves what an all-gather moves (Thakur et al. 2005);
+    a backend whose reduce-scatter is slower says so in LinkSpec.reduce_scatter_factor (measured at set-up:
+    planner/calibrate.fit_links)."""
+    return allgather_time(hw, nbytes, size, stride) * hw.rs_factor
+
+
+def alltoall_time(hw: Hardware, nbytes: Any, size: Any, stride: Any) -> Any:
+    """(n-1)*alpha + max(S*(l-1)/n / beta_intra, S*(n-l)/n / beta_inter): pairwise exchange, S = bytes held per rank."""
+    size = np.asarray(size, dtype=float)
+    local, nodes = group_nodes(hw, size, stride)
+    n = np.maximum(size, 1)
+    intra = nbytes * (local - 1) / n / _intra_bw(hw, local)
+    inter = nbytes * (n - local) / n / hw.inter_bw
+    lat = np.where(nodes > 1, hw.inter_lat, hw.intra_lat)
+    return np.where(size > 1, (size - 1) * lat + np.maximum(intra, inter), 0.0)
+
+
+def p2p_time(hw: Hardware, nbytes: Any, inter_node: Any) -> Any:
+    """alpha + S/beta on the link the two stages share (Hockney model)."""
+    return np.where(inter_node, hw.inter_lat + nbytes / hw.inter_bw, hw.intra_lat + nbytes / _intra_bw(hw, 2))
+
+
+def tp_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any) -> tuple[Any, Any]:
+    """2 all-reduces (or AG+RS with SP, same volume) of T*h per block forward, 2 backward (Korthikanti et al. 2022)."""
+    S = mbs * seq / cp * m.hidden * elem
+    one = allreduce_time(hw, S, tp, 1)
+    return 2 * one, 2 * one
+
+
+def cp_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any) -> tuple[Any, Any]:
+    """All-gather based CP (Llama 3; Dubey et al. 2024, sec. 3.3.2): per block forward an all-gather of K and V
+    (2*mbs*seq*kv_heads*head_dim/tp*e bytes gathered over the cp group), backward a reduce-scatter of their
+    gradients (parallel/context.py); both run inside the attention call, so nothing hides them."""
+    kv = 2 * mbs * seq * m.kv_heads * m.head_dim / tp * elem
+    fwd = np.where(cp > 1, allgather_time(hw, kv, cp, tp), 0.0)
+    bwd = np.where(cp > 1, reduce_scatter_time(hw, kv, cp, tp), 0.0)
+    return fwd, bwd
+
+
+def overlapped_exposed(comm: Any, window: Any, tail: Any, sm_share: float) -> Any:
+    """max(c - W, tail + f*(c - tail)): compute W runs on 1-f of the SMs while collective c (NCCL channels, one CTA each) is in flight."""
+    if not sm_share:
+        return np.maximum(comm - window, tail)
+    return np.maximum(comm - window, tail + sm_share * (comm - tail))
+
+
+def ep_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, ep: Any, sp: Any,
+                      elem: Any) -> tuple[Any, Any]:
+    """Dispatch + combine all-to-all of T*k*h x load imbalance per MoE block forward, the same backward (GShard; Lepikhin et al. 2020)."""
+    T = mbs * seq / cp
+    S = T / np.where(sp, tp, 1) * m.top_k * m.hidden * elem * moe_load_imbalance(T * m.top_k, ep)  # the busiest rank
+    one = alltoall_time(hw, S, ep, cp * tp)
+    return 2 * one, 2 * one

@@ -1,0 +1,143 @@
+"""Memory cost terms, in bytes per device: ZeRO model states, FSDP2 / DDP buffers, saved activations per block by
+recompute mode, logits, the offloaded states and the total with the allocator's margin. Pure numpy,
+broadcasting over candidates; each docstring gives the formula and its source."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from lightning_autopar.planner.hardware import (
+    FRAGMENTATION, GRAD_REDUCE_BYTES, OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS, OPTIM_BYTES, WEIGHT_BYTES, Hardware)
+from lightning_autopar.specs import ModelSpec
+
+
+def model_state_parts(params: Any, zero: Any, shard: Any, prec: Any) -> tuple[Any, Any, Any]:
+    """(weights, gradients, optimizer states) bytes: w, g, o per param (16 B mixed: 2+2+12); zero 1 /N on o, 2 also
+    g, 3 all (Rajbhandari et al. 2020)."""
+    w, g, o = WEIGHT_BYTES[prec], WEIGHT_BYTES[prec], OPTIM_BYTES[prec]
+    shard = np.maximum(shard, 1)
+    return (params * np.where(zero == 3, w / shard, w), params * np.where(zero >= 2, g / shard, g),
+            params * np.where(zero >= 1, o / shard, o))
+
+
+def model_state_bytes(params: Any, zero: Any, shard: Any, prec: Any) -> Any:
+    """Weights + grads + Adam states (model_state_parts summed)."""
+    w, g, o = model_state_parts(params, zero, shard, prec)
+    return w + g + o
+
+
+def fsdp_shard_copy_bytes(params: Any, zero: Any, shard: Any, prec: Any, fsdp: Any) -> Any:
+    """w*P/N at zero 0-2 under FSDP2 (N = shard, 1 for zero 0's replicate mesh): FSDP2 without resharding after
+    forward keeps the unsharded parameters (model_state_bytes' w*P) in their own buffer beside the rank's shard,
+    the sharded DTensor the optimizer updates (torch.distributed.fsdp._fully_shard._fsdp_param: all-gather output
+    vs sharded_param). Measured: benchmarks/memory.py, parameters = w*P*(1 + 1/N) at zero 0-2 with tp, pp, ep, cp.
+    Plain DDP (fsdp false) and zero 3 (the gathered unit: fsdp_buffer_bytes) hold no such copy."""
+    return np.where(np.asarray(fsdp, dtype=bool) & (zero < 3), params * WEIGHT_BYTES[prec] / np.maximum(shard, 1), 0.0)
+
+
+def ddp_bucket_bytes(grad_bytes: Any) -> Any:
+    """G: DDP with ``gradient_as_bucket_view=False`` (parallel.fsdp.apply_replicate) copies every gradient into
+    its flat buckets, allocated once when the reducer is built and kept (torch/csrc/distributed/c10d/reducer.cpp,
+    initialize_buckets); G = the rank's gradient bytes in the reduction dtype."""
+    return np.asarray(grad_bytes, dtype=float)
+
+
+def fsdp_buffer_bytes(unit: Any, zero: Any, prec: Any) -> Any:
+    """zero 3: 2*U*w, the gathered parameters of the unit in use and of the next one, prefetched (FSDP2's implicit
+    forward / backward prefetch; Zhao et al. 2023 §3.3); zero 0-2: U*g, the unsharded fp32 gradient of the unit
+    being reduce-scattered (FSDP2's reduce-scatter input). U = the largest FSDP unit's parameters."""
+    return np.where(zero == 3, 2.0 * unit * WEIGHT_BYTES[prec], unit * GRAD_REDUCE_BYTES[prec])
+
+
+def activation_bytes_per_block(m: ModelSpec, mbs: Any, seq: Any, tp: Any, sp: Any, cp: Any, recompute: Any,
+                               elem: Any, fused: bool = True, moe: bool = False) -> Any:
+    """sbh(10 + 24/t) + 5as^2b/t (Korthikanti et al. 2022) [SP as autopar runs it: sbh(4 + 6/t + 24/t) + 5as^2b/t,
+    the attention's and MLP's gathered inputs kept whole]; selective drops the s^2 term; full keeps 2sbh;
+    ops (code 3) keeps the block input 2sbh (/t with SP) and the compute-bound ops' outputs (ops_saved_elements).
+    cp > 1: s = seq/cp, plus the K and V the attention gathered from the other cp ranks, 2b(seq - s)kvd/t, which
+    the attention keeps for backward (all-gather CP, parallel/context.py)."""
+    s = seq / cp
+    b, h = mbs, m.hidden
+    kvd = m.kv_heads * m.head_dim
+    ffn_elems = (4 if m.ffn_kind == "gelu" else 8) * m.ffn_hidden * (m.top_k if moe else 1)
+    # 2-byte activations: replicated = LN inputs 4h, QKV input 2h, MLP input 2h, 2 dropout masks 2h = 10h;
+    # TP-split = Q 2h, K,V 2*2kvd, proj input 2h, MLP intermediates (gelu 4f, swiglu 8f) (= 24h for MHA, f=4h gelu)
+    # SP splits the LN inputs and dropout masks (6h); the QKV and MLP inputs (4h) are the sequence the attention /
+    # MLP all-gathers, which autopar's SP keeps whole for backward (parallel/sequence.py; Megatron re-gathers it)
+    on_sequence, gathered_inputs = 6.0 * h, 4.0 * h
+    split = 2 * h + 4 * kvd + 2 * h + ffn_elems
+    scores = 0.0 if fused else 5.0 * m.heads * seq  # softmax out 2, mask 1, dropout out 2 bytes per score (x s)
+    rep_div = np.where(sp, tp, 1)
+    replicated = on_sequence / rep_div + gathered_inputs
+    gathered_kv = (seq - s) * b * 4.0 * kvd / tp  # 2-byte units as above: K and V, 2 bytes each per element
+    full_layer = s * b * (replicated + split / tp + scores / tp) + gathered_kv
+    selective = s * b * (replicated + split / tp) + gathered_kv
+    checkpoint = s * b * 2.0 * h / rep_div
+    ops = s * b * (2.0 * h / rep_div + ops_saved_elements(m, tp))  # CP's K/V gather re-runs in backward
+    out = np.where(recompute == 0, full_layer, np.where(recompute == 1, selective,
+                                                        np.where(recompute == 2, checkpoint, ops)))
+    return out * elem / 2.0
+
+
+def ops_matmuls(m: ModelSpec, tp: Any) -> list[tuple[Any, Any, Any]]:
+    """A dense block's matmuls in forward order (q, k, v, out, [gate,] up, down: models.GPT, HF Llama), as
+    (output elements per token in 2-byte units, output columns n, inner size k) on one TP rank; the out and down
+    projections' outputs are whole (the partial sums before TP's all-reduce / reduce-scatter)."""
+    h, kvd, f = float(m.hidden), float(m.kv_heads * m.head_dim), float(m.ffn_hidden)
+    col = lambda n, k: (2.0 * n / tp, n / tp, k)  # noqa: E731  column-parallel: output split by tp
+    row = lambda n, k: (2.0 * n + 0.0 * tp, n + 0.0 * tp, k / tp)  # noqa: E731  row-parallel: inner split
+    return ([col(h, h), col(kvd, h), col(kvd, h), row(h, h)] + [col(f, h)] * (m.ffn_matrices - 1) + [row(h, f)])
+
+
+def ops_saved_elements(m: ModelSpec, tp: Any) -> Any:
+    """recompute=ops, 2-byte units per token kept besides the block input: every other matmul's output (the 1st,
+    3rd, ... in forward order, ops_matmuls: q, v, gate/up, down for Llama) and the attention output 2h/t with its
+    fp32 logsumexp 4a/t (parallel.recompute: torchtitan's op-level SAC policy, which saves the compute-bound ops'
+    outputs but only every second mm, torch.utils.checkpoint selective checkpointing). The norms, activations,
+    dropout, RoPE, residual adds and the other matmuls are recomputed from these in backward. Dense blocks only:
+    MoE blocks do not run ops (space.ops_rule)."""
+    kept = sum(out for i, (out, _, _) in enumerate(ops_matmuls(m, tp)) if i % 2 == 0)
+    return kept + (2.0 * m.hidden + 4.0 * m.heads) / tp
+
+
+def logits_bytes(m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any) -> Any:
+    """T*V/tp*(e + 4 + 4): logits, their fp32 copy and the fp32 gradient of the loss (one micro-batch at a time);
+    T = mbs*seq whatever cp: the logits are gathered and the loss runs on the whole sequence (parallel/context.py)."""
+    return mbs * seq * m.vocab / tp * (elem + 8.0)
+
+
+def memory_total(states: Any, activations: Any, buffers: Any, hw: Hardware) -> Any:
+    """states + (activations + buffers)*(1 + fragmentation) + reserved runtime memory (PyTorch caching allocator)."""
+    return states + (activations + buffers) * (1 + FRAGMENTATION) + hw.reserved
+
+
+def offloaded_state_bytes(weights: Any, grads: Any, optim: Any, shard_copy: Any, zero: Any,
+                          offload: Any) -> tuple[Any, Any, Any]:
+    """(weights, gradients, optimizer) bytes of this rank's model states that plan.offload keeps on the host, from
+    the device-side parts (model_state_parts at zero >= 1, where gradients and optimizer states are sharded):
+    optimizer -> o*P/N, the Adam states and the fp32 master copy (OPTIM_BYTES; ZeRO-Offload, Ren et al. 2021 s.4);
+    params -> also the gradient shard g*P/N and the parameter shard w*P/N: zero 3's sharded parameters, zero 1/2's
+    shard beside the gathered parameters (fsdp_shard_copy_bytes, ``shard_copy``) (FSDP2 CPUOffloadPolicy: sharded
+    parameters and gradients live on the host; torch.distributed.fsdp._fully_shard._fsdp_param). The device keeps
+    what fsdp_buffer_bytes prices (the gathered parameters of the units in flight -- FSDP2 copies a unit's shard
+    host->device before its all-gather -- and the unit's unsharded gradient before its reduce-scatter) and, at zero
+    1/2, the gathered parameters it holds through the step."""
+    off = np.asarray(offload)
+    params = off == OFFLOAD_PARAMS
+    w = np.where(params, np.where(np.asarray(zero) == 3, weights, shard_copy), 0.0)
+    return w, np.where(params, grads, 0.0), np.where(off > 0, optim, 0.0)
+
+
+def host_step_copy_bytes(local_params: Any, prec: Any, offload: Any) -> tuple[Any, Any]:
+    """(weights, gradients) bytes of the copies offload=optimizer's host step works on, P/N = the rank's shard
+    (``local_params``): the gradient shard copied out, 4*P/N (fp32, FSDP2's reduce dtype), and the parameter shard
+    the optimizer updates, 4*P/N where the plan is fp32 (in mixed precision that copy is the fp32 master already in
+    OPTIM_BYTES: 0) (ZeRO-Offload keeps the gradients and the fp32 parameters on the CPU, Ren et al. 2021 s.4.1;
+    parallel/offload.HostStep's host mirrors). They are host memory where the device has a host of its own,
+    else (a CPU) more of the same memory."""
+    optimizer = np.asarray(offload) == OFFLOAD_OPTIMIZER
+    fp32 = np.asarray(prec) == 0
+    return (np.where(optimizer & fp32, 4.0 * local_params, 0.0),
+            np.where(optimizer, GRAD_REDUCE_BYTES[prec] * local_params, 0.0))
