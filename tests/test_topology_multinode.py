@@ -126,16 +126,19 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-def two_agents(args: list[str], cwd: Path, timeout: int) -> list[str]:
+def two_agents(args: list[str], cwd: Path, timeout: int, restarts: int = 0) -> list[str]:
     """Run ``args`` (a script and its arguments) under two torchrun agents, ``--nnodes 2 --node-rank 0/1`` x 2
-    processes with one rendezvous endpoint on localhost, as a user starts a job on two nodes; their logs."""
+    processes with one rendezvous endpoint on localhost, as a user starts a job on two nodes; their logs. With
+    ``restarts``, the elastic form a job that survives a lost node uses: the c10d rendezvous, ``--max-restarts``."""
     port = free_port()
+    rendezvous = (["--master-addr", "127.0.0.1", "--master-port", str(port)] if not restarts else
+                  ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two_nodes",
+                   f"--max-restarts={restarts}"])
     env = {**os.environ, "AUTOPAR_PG_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK_TABLE_FILE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                                "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                                *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                "--nproc-per-node", "2", *rendezvous, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True) for node in (0, 1)]
     logs = []
     try:
@@ -166,14 +169,17 @@ def two_nodes(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 
 # Training on the two "nodes" (tests/dist/batch.py runs the scenarios as their own files' launches would): plain
-# DDP, HSDP with the shard group inside a node, tp2 x dp2 and a pp2 x dp2 pipeline, each against one device.
-TRAINING = ["scenarios.py:dp_zero0", "scenarios.py:hsdp", "scenarios.py:tp2_dp2_zero3", "pp_scenarios.py:pp2_dp2_zero3"]
+# DDP, HSDP with the shard group inside a node, tp2 x dp2 and a pp2 x dp2 pipeline, each against one device; last,
+# rank 3 (second node) SIGKILLed after step 5: both agents restart their workers (--max-restarts), the batch skips
+# what every rank finished, and the run resumes from its step-4 checkpoint.
+TRAINING = ["scenarios.py:dp_zero0", "scenarios.py:hsdp", "scenarios.py:tp2_dp2_zero3", "pp_scenarios.py:pp2_dp2_zero3",
+            "callback_scenarios.py:killed_node1"]
 
 
 @pytest.fixture(scope="module")
 def two_node_training(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("two_node_training")
-    logs = two_agents([str(DIST / "batch.py"), str(out), ",".join(TRAINING)], ROOT, timeout=600)
+    logs = two_agents([str(DIST / "batch.py"), str(out), ",".join(TRAINING)], ROOT, timeout=600, restarts=2)
     for item in TRAINING:
         script, name = item.split(":")
         if not (out / Path(script).stem / f"{name}.pt").exists():
@@ -260,3 +266,15 @@ def test_two_node_groups_keep_the_shard_and_tp_groups_inside_a_node(two_node_tra
     assert hsdp["dp_shard"] == [[0, 1], [2, 3]] and hsdp["dp_replicate"] == [[0, 2], [1, 3]]  # HSDP across nodes
     tp = load(two_node_training / "scenarios", "tp2_dp2_zero3")["groups"]
     assert tp["tp"] == [[0, 1], [2, 3]] and tp["dp_shard"] == [[0, 2], [1, 3]]
+
+
+def test_a_killed_node_restarts_and_resumes_exactly(two_node_training):
+    from common import STEPS, reference_run
+    from test_strategy import assert_equivalent, load
+
+    from callback_scenarios import KILL_AT
+
+    result = load(two_node_training / "callback_scenarios", "killed_node1")
+    assert result["restarts"] >= 1 and result["resumed_from"].endswith("step=00000004")
+    assert len(result["losses"]) == STEPS - 4 and KILL_AT > 4
+    assert_equivalent(result, *reference_run(), first_step=4)

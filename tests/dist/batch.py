@@ -4,7 +4,8 @@ Usage: torchrun --nproc-per-node N tests/dist/batch.py OUT_DIR script:name[,scri
 Scenario ``name`` of ``script`` (a tests/dist file whose ``run(out, name)`` the scenarios' ``main`` drives) runs as
 that file's own launch would run it, writing into OUT_DIR/<script stem>/. Before it, rank 0 writes
 OUT_DIR/_progress/<stem>.<name>.started, after it each rank .done_r<rank>, so the launcher can blame a scenario the launch died or
-hung in and relaunch the ones not run. Each scenario starts from the same state: seeds reset, the environment and
+hung in and relaunch the ones not run; a launch torchrun restarts (--max-restarts) skips the scenarios every
+rank finished. Each scenario starts from the same state: seeds reset, the environment and
 working directory as the launch began (a scenario may set a variable for itself).
 """
 
@@ -56,8 +57,12 @@ def run_one(out: Path, script: str, name: str) -> None:
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
+    world = int(os.environ.get("WORLD_SIZE", 1))
     for item in sys.argv[2].split(","):
         script, name = item.split(":", 1)
+        marks = out / "_progress" / f"{Path(script).stem}.{name}"
+        if len(list(marks.parent.glob(f"{marks.name}.done_r*"))) == world:
+            continue  # finished by every rank before torchrun restarted the launch (--max-restarts)
         run_one(out, script, name)
 
 

@@ -133,6 +133,15 @@ def run(out: Path, name: str) -> None:
                resumed_from=str(ckpt.resumed_from), restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE"),
                opt_out=os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"))
+    elif name == "killed_node1":
+        # two-node launch, HSDP (shards inside a node): the last rank (on the second node) is SIGKILLed after
+        # step 5; both agents restart their workers and the job resumes from step 4
+        world = int(os.environ["WORLD_SIZE"])
+        trainer, module, losses, plan, ckpt = checkpointed(out, name, overlap(),
+                                                           KillRank(out / "killed_node1.flag", rank=world - 1),
+                                                           fix=f"dp={world},zero=3,dp_shard=2,grad_accum=2")
+        record(out, name, losses=losses, state=full_state(module), plan=plan,
+               resumed_from=str(ckpt.resumed_from), restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     elif name == "truncated":
         checkpointed(out, name, steps=4)
         dist.barrier()
