@@ -30,7 +30,7 @@ from typing import Any, ContextManager, Iterator, Sequence
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 ELEMENT_BYTES = 4  # unit sizes are counted at 4-byte elements (the planner scales to the plan's precision)
 aten = torch.ops.aten
@@ -681,20 +681,19 @@ class ParameterUses(Recorder, torch.overrides.TorchFunctionMode):
         torch.overrides.TorchFunctionMode.__init__(self)
         self.stacks = stacks
         self.run: Run | None = None
+        self.names: dict[int, list[str]] = {}
         self.used: set[str] = set()
         self.uses: dict[str, list[tuple[str, ...]]] = defaultdict(list)
 
     def contexts(self, run: Run) -> list[ContextManager[Any]]:
-        self.run = run
+        self.run, self.names = run, run.state.names
         return [self]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        from torch.utils._pytree import tree_leaves
-
         kwargs = kwargs or {}
-        names = self.run.state.names
+        names = self.names
         for leaf in tree_leaves((args, kwargs)):
-            found = names.get(id(leaf), ()) if isinstance(leaf, torch.Tensor) else ()
+            found = names.get(id(leaf))  # the meta tensors are alive: no other object has their id
             if not found:
                 continue
             self.used.update(found)
