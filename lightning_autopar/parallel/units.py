@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
-from lightning_autopar.profile.analyze import first_line, implements_forward, meta_buffer, meta_example
+from lightning_autopar.profile.trace import (ParameterUses, first_line, implements_forward, meta_example, meta_forward,
+                                             token_ids)
 
 
 @dataclass(frozen=True)
@@ -114,86 +115,29 @@ def tie_groups(root: nn.Module) -> list[TieGroup]:
 # ------------------------------------------------------------------------------------------- tracing
 
 
-class _UseRecorder(torch.overrides.TorchFunctionMode):
-    """Records, for every (meta) parameter passed to a torch function, the module forwards running then."""
-
-    def __init__(self, stack: list[str], param_names: dict[int, list[str]]) -> None:
-        super().__init__()
-        self.stack = stack
-        self.param_names = param_names
-        self.uses: dict[str, list[tuple[str, ...]]] = defaultdict(list)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for arg in torch.utils._pytree.tree_leaves((args, kwargs)):
-            names = self.param_names.get(id(arg), ()) if isinstance(arg, torch.Tensor) else ()
-            here = tuple(self.stack) if names else ()
-            for name in names:  # under every name of the parameter: ties share the list of uses
-                if here not in self.uses[name]:
-                    self.uses[name].append(here)
-        return func(*args, **kwargs)
-
-
 Example = tuple[tuple, dict]  # a model call: (args, kwargs)
 
 
 def _meta_call(example: Example | None, seq_len: int) -> Example:
     """The call to trace: ``example`` with every tensor as a meta tensor of the same shape and dtype, else one
     row of ``seq_len`` token ids."""
-    if example is None:
-        return (torch.zeros(1, seq_len, dtype=torch.long, device="meta"),), {}
-    return meta_example(example)
+    return token_ids(1, seq_len) if example is None else meta_example(example)
 
 
 def _trace(root: nn.Module, entry: str, seq_len: int, blocks: Iterable[str] = (),
            example: Example | None = None) -> CallTrace:
     """One forward of ``root.get_submodule(entry)`` on token ids (or on ``example``, the user's call of it), every
-    parameter and buffer swapped for a meta tensor (ties kept: one meta tensor per Parameter object); ``blocks``
-    (root-relative) stand in as identity where they cannot run on meta tensors."""
-    from torch.func import functional_call
-
-    from lightning_autopar.profile.analyze import blocks_stand_in_on_failure, meta_friendly
-
+    parameter and buffer swapped for a meta tensor (ties kept: one meta tensor per Parameter object, named by all
+    its names); ``blocks`` (root-relative) stand in as identity where they cannot run on meta tensors. Raises the
+    model's error when the forward does not run."""
     model = root.get_submodule(entry)
-    prefix = entry + "." if entry else ""
-    meta: dict[int, torch.Tensor] = {}
-    param_names: dict[int, list[str]] = defaultdict(list)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) not in meta:
-            meta[id(p)] = torch.empty_like(p, device="meta")
-        param_names[id(meta[id(p)])].append(prefix + name)
-        tensors[name] = meta[id(p)]
-    for name, b in model.named_buffers(remove_duplicate=False):
-        tensors[name] = meta_buffer(b)
-    stack: list[str] = []
-    called: set[str] = set()
-    handles = []
-    for name, mod in model.named_modules(remove_duplicate=False):
-        full = prefix + name if name else entry
-
-        def pre(mod, args, full=full):
-            stack.append(full)
-            called.add(full)
-
-        def post(mod, args, out):
-            stack.pop()
-
-        handles.append(mod.register_forward_pre_hook(pre))
-        handles.append(mod.register_forward_hook(post, always_call=True))
-    recorder = _UseRecorder(stack, param_names)
-    args, kwargs = _meta_call(example, seq_len)
-    failures: list[str] = []
     stand_ins = [root.get_submodule(b) for b in blocks if _inside(b, entry) and b != entry]
-    try:
-        with (torch.no_grad(), meta_friendly(model), blocks_stand_in_on_failure(stand_ins, failures),
-              recorder):
-            functional_call(model, tensors, args, kwargs, strict=False, tie_weights=True)
-    finally:
-        for h in handles:
-            h.remove()
-    return CallTrace(entry, True, frozenset(called), dict(recorder.uses), "; ".join(dict.fromkeys(failures)),
-                     partial=bool(failures))
+    trace = meta_forward(model, _meta_call(example, seq_len), [ParameterUses(stacks=True)], grad=False,
+                         every_name=True, prefix=entry, stand_in=stand_ins)
+    if trace.error is not None:
+        raise trace.error
+    return CallTrace(entry, True, frozenset(trace.called), trace.uses, "; ".join(dict.fromkeys(trace.stood_in)),
+                     partial=bool(trace.stood_in))
 
 
 def trace_calls(root: nn.Module, transformer: nn.Module, seq_len: int, block_fqns: Iterable[str] = (),

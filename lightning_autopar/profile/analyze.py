@@ -25,130 +25,27 @@ Parameters are swapped for meta tensors (``torch.func.functional_call``), so a m
 What could not be classified is listed in ``ModelAnalysis.unclassified`` rather than guessed.
 """
 
+
 from __future__ import annotations
 
 import copy
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from lightning_autopar.profile.records import (AttentionInfo, BlockInfo, MLPInfo, ModelAnalysis, MoEInfo,  # noqa: F401
+                                               _join)
+from lightning_autopar.profile.tp_layout import (MAX_DRY_RUNS, divide_attributes, fused_layout,  # noqa: F401
+                                                 leaf_width_attributes, local_width_attributes, _tp_feasibility)
+from lightning_autopar.profile.trace import (ATTENTION_MARK, BlockCost, Dataflow, Example, ParameterUses,  # noqa: F401
+                                             Probe, Trace, blocks_stand_in_on_failure, first_line,
+                                             implements_forward, meta_buffer, meta_example, meta_forward,
+                                             meta_friendly, token_ids)
 from lightning_autopar.specs import ModelSpec
 
 HEAD_ATTR_HINTS = ("head", "heads")
 SHORT_TRACE_SEQ = 8  # the sequence length of the fallback trace
-
-
-@dataclass
-class AttentionInfo:
-    # relative to the block: the innermost module holding all the projections and the attention call ("" for
-    # the block itself); the projections are relative to it and need not be its children (HF BERT: fqn
-    # "attention", q "self.query", o "output.dense")
-    fqn: str
-    q: str | None = None
-    k: str | None = None
-    v: str | None = None
-    qkv: str | None = None  # fused projection
-    o: str | None = None
-    heads: int = 0
-    kv_heads: int = 0
-    head_dim: int = 0
-    heads_attrs: list[str] = field(default_factory=list)  # int attributes holding the head count
-    kv_heads_attrs: list[str] = field(default_factory=list)
-    transposed: list[str] = field(default_factory=list)  # projections storing their weight as [in, out] (Conv1D)
-    # fused qkv: how the model splits the projection's output. "sequential": [q | k | v] (``qkv_pieces`` the
-    # widths); "grouped": one [q.. k v] group per kv head, viewed as (groups, q_per_kv + 2, head_dim)
-    qkv_layout: str = ""
-    qkv_pieces: list[int] = field(default_factory=list)
-    # what TP must divide so the module's own code sees its local heads: attribute paths ("split_size",
-    # "config.n_head"), found by running the sharded module on meta tensors (``tp_refusal`` when none works)
-    tp_attrs: list[str] = field(default_factory=list)
-    tp_refusal: str | None = None  # "<path relative to the block>: why TP cannot split it", None when it can
-    tp_validated: bool = False  # tp_attrs come from a dry run (else: the head-count attributes, unvalidated)
-
-    @property
-    def fused(self) -> bool:
-        return self.qkv is not None
-
-
-@dataclass
-class MLPInfo:
-    # relative to the block (or to an MoE expert list entry): the innermost module holding up, gate and down, which
-    # are relative to it (HF BERT: fqn "" -- the block --, up "intermediate.dense", down "output.dense")
-    fqn: str
-    up: str
-    down: str
-    gate: str | None = None
-    ffn_hidden: int = 0
-    gate_up: str | None = None  # one projection holding [gate | up] (Phi-3's ``gate_up_proj``); then up == gate_up
-    transposed: list[str] = field(default_factory=list)  # projections storing their weight as [in, out]
-    tp_refusal: str | None = None  # "<path relative to the block>: why TP cannot split this MLP", None when it can
-
-
-@dataclass
-class MoEInfo:
-    fqn: str  # relative to the block
-    router: str  # relative to the MoE module: an nn.Linear(hidden, E), or a router module with a weight [E, hidden]
-    experts: str  # the ModuleList of experts, or (fused layout) the module holding the experts' stacked weights
-    num_experts: int = 0
-    top_k: int = 0
-    expert_mlp: MLPInfo | None = None  # structure of one expert, relative to the expert (ModuleList layout)
-    # fused layout (Hugging Face Mixtral: ``gate_up_proj`` [E, 2*ffn, hidden], ``down_proj`` [E, hidden, ffn]): the
-    # experts module's parameters, each with the experts along dim 0; empty for a ModuleList of experts
-    fused_params: list[str] = field(default_factory=list)
-    ffn_hidden: int = 0  # one expert's FFN width
-    gated: bool = False  # SwiGLU-style experts (gate and up projections)
-
-    @property
-    def fused(self) -> bool:
-        return bool(self.fused_params)
-
-
-@dataclass
-class BlockInfo:
-    index: int
-    fqn: str
-    params: int
-    flops: float = 0.0  # forward + backward, for the analysed batch
-    activation_bytes: float = 0.0  # saved for backward, for the analysed batch
-    attention: AttentionInfo | None = None
-    mlp: MLPInfo | None = None
-    moe: MoEInfo | None = None
-
-
-@dataclass
-class ModelAnalysis:
-    spec: ModelSpec
-    blocks_fqn: str
-    blocks: list[BlockInfo]
-    token_embedding: str | None
-    position_embedding: str | None
-    final_norm: str | None
-    lm_head: str | None
-    tied_embeddings: bool
-    total_params: int
-    batch: int = 0
-    seq_len: int = 0  # the traced sequence length (FLOPs and activation bytes are for (batch, seq_len))
-    flops_total: float = 0.0  # whole model forward + backward for (batch, seq_len)
-    unclassified: list[str] = field(default_factory=list)
-    # trainable parameters the traced forward never touched (LLaVA's vision post_layernorm, an unused head):
-    # DDP must be told to expect no gradient for them; frozen parameters (requires_grad=False) are not listed
-    unused_params: list[str] = field(default_factory=list)
-
-    def describe(self) -> str:
-        b0 = self.blocks[0] if self.blocks else None
-        parts = [f"{len(self.blocks)} blocks at '{self.blocks_fqn}'", f"{self.total_params / 1e6:.2f}M params"]
-        if b0 and b0.attention:
-            a = b0.attention
-            kind = "fused qkv" if a.fused else "q/k/v/o"
-            parts.append(f"attention {kind} heads={a.heads} kv_heads={a.kv_heads}")
-        if b0 and (b0.mlp or b0.moe):
-            parts.append("MoE" if any(b.moe for b in self.blocks) else "MLP")
-        if self.unclassified:
-            parts.append(f"unclassified: {', '.join(self.unclassified)}")
-        return "; ".join(parts)
 
 
 # ------------------------------------------------------------------------------------------- structure
@@ -292,9 +189,9 @@ class _BlockFlow:
     attention: list[tuple[str, frozenset[str], frozenset[str], frozenset[str]]]  # (site, q, k, v sources)
 
 
-def _block_flow(traced: dict[str, Any], block_fqn: str, block: nn.Module, orient: Orientation) -> _BlockFlow | None:
+def _block_flow(traced: Trace | None, block_fqn: str, block: nn.Module, orient: Orientation) -> _BlockFlow | None:
     """Block 0's dataflow from the trace, names relative to the block; None without a trace."""
-    probe: _Probe | None = traced.get("probe")
+    probe = traced.probe if traced is not None else None
     if probe is None or not probe.inputs:
         return None
     prefix = block_fqn + "."
@@ -517,422 +414,20 @@ def plain_moe_layout(module: nn.Module, info: MoEInfo) -> bool:
         module.get_submodule(info.router), nn.Linear)
 
 
+
 # ------------------------------------------------------------------------------------------- tracing
 
 
-_VIEW_OPS = frozenset({"split", "split_with_sizes", "chunk", "tensor_split", "unbind", "__getitem__", "view", "reshape",
-                       "transpose", "permute", "contiguous", "narrow", "unflatten"})
-_RIGHT_OPERAND = {"addmm": 2, "mm": 1, "matmul": 1, "__matmul__": 1}  # x @ W: the weight is stored [in, out]
-_SOFTMAX = (torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax)
-ATTENTION_MARK = "@attention:"  # a dataflow source: the output of an attention call in the module after it
+def _meta_run(model: nn.Module, batch: int, seq_len: int, block_fqns: list[str],
+              example: Example | None = None) -> Trace:
+    """Forward + backward on meta tensors (``profile.trace.meta_forward``): per-block FLOPs, saved bytes, the
+    attention call sites, how each projection uses its weight, and block 0's calls (``Probe``); blocks that cannot
+    run on meta tensors stand in as identity. The forward gets ``example`` (a real call's arguments, e.g. a ViT's
+    pixel values) when given, else token ids of shape (batch, seq_len)."""
+    call = token_ids(batch, seq_len) if example is None else meta_example(example, batch)
+    recorders = [BlockCost(block_fqns), ParameterUses(), Dataflow(block_fqns[0] if block_fqns else None, weights=True)]
+    return meta_forward(model, call, recorders, backward=True, stand_in=[model.get_submodule(f) for f in block_fqns])
 
-
-def _summary(value: Any) -> Any:
-    """Call arguments with tensors replaced by their shapes (kept for the layout rules, without the tensors)."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_summary(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _summary(v) for k, v in value.items()}
-    return value
-
-
-class _TraceRecorder(torch.overrides.TorchFunctionMode):
-    """What the forward does, seen op by op:
-
-    * ``calls``: the innermost module calling attention and the (heads, kv_heads, head_dim) it uses;
-    * ``orientation``: for each traced weight, whether the code multiplies ``x @ W`` (stored [in, out]);
-    * ``consumers``: the ops applied to a projection's output (how a fused qkv is split into q, k and v);
-    * ``source(t)``: the projection a tensor is (a view of) the output of;
-    * while block 0 runs (``flow_on``), the dataflow between its projections: ``flow_of(t)`` is the set of
-      projections (and attention calls, ``ATTENTION_MARK`` + the calling module) whose outputs reach ``t``
-      through any ops but another projection; ``attention_flow`` the sources of each attention call's q, k, v.
-    """
-
-    def __init__(self, stack: list[str], weights: dict[int, str] | None = None) -> None:
-        super().__init__()
-        self.stack = stack
-        self.calls: list[tuple[str, int, int, int]] = []
-        self.attn_seq = 0  # the query length of the first attention call: the model's sequence (a ViT's patches)
-        self.weights = weights or {}
-        self.orientation: dict[str, bool] = {}
-        self.sources: dict[int, tuple[torch.Tensor, str, bool]] = {}  # id -> (tensor, projection, direct output)
-        self.consumers: dict[str, list[tuple[str, tuple[int, ...], Any, Any]]] = {}
-        self.flow_on = False
-        self.flow: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}  # id -> (tensor, its sources)
-        self.attention_flow: list[tuple[str, frozenset[str], frozenset[str], frozenset[str]]] = []
-
-    def tag(self, tensor: Any, name: str, direct: bool = True) -> None:
-        if isinstance(tensor, torch.Tensor):
-            self.sources[id(tensor)] = (tensor, name, direct)
-        elif isinstance(tensor, (list, tuple)):
-            for t in tensor:
-                self.tag(t, name, direct)
-
-    def source(self, tensor: Any) -> tuple[str, bool] | None:
-        entry = self.sources.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
-        return (entry[1], entry[2]) if entry is not None and entry[0] is tensor else None
-
-    def flow_of(self, value: Any) -> frozenset[str]:
-        """The projections and attention calls whose outputs reach the tensors in ``value`` (nested)."""
-        if isinstance(value, torch.Tensor):
-            entry = self.flow.get(id(value))
-            return entry[1] if entry is not None and entry[0] is value else frozenset()
-        if isinstance(value, (list, tuple)):
-            return frozenset().union(*(self.flow_of(v) for v in value))
-        if isinstance(value, dict):
-            return self.flow_of(list(value.values()))
-        return frozenset()
-
-    def mark(self, value: Any, sources: frozenset[str]) -> None:
-        if isinstance(value, torch.Tensor):
-            self.flow[id(value)] = (value, sources)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                self.mark(v, sources)
-
-    def _follow(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
-        """Dataflow of one op inside block 0: an attention call (SDPA, or a 4-D softmax of eager attention)
-        records where its q, k, v come from and marks its output as attention's; any other op passes its
-        inputs' sources on."""
-        sources = self.flow_of((args, kwargs))
-        site = ATTENTION_MARK + (self.stack[-1] if self.stack else "")
-        if func is torch.nn.functional.scaled_dot_product_attention and len(args) >= 3:
-            self.attention_flow.append((site[len(ATTENTION_MARK):], *(self.flow_of(a) for a in args[:3])))
-            sources = frozenset({site})
-        elif func in _SOFTMAX and isinstance(args[0], torch.Tensor) and args[0].dim() == 4:
-            self.attention_flow.append((site[len(ATTENTION_MARK):], frozenset(), frozenset(), frozenset()))
-            sources = sources | {site}  # with q and k: eager attention's o reads probs @ v
-        if sources:
-            self.mark(result, sources)
-
-    def _weight_use(self, name: str, args: tuple) -> None:
-        if name == "linear" and len(args) > 1 and id(args[1]) in self.weights:
-            self.orientation.setdefault(self.weights[id(args[1])], False)
-        pos = _RIGHT_OPERAND.get(name)
-        if pos is not None and len(args) > pos and id(args[pos]) in self.weights:
-            self.orientation.setdefault(self.weights[id(args[pos])], True)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and len(args) >= 3:
-            q, k = args[0], args[1]
-            if q.dim() == 4:
-                self.calls.append((self.stack[-1] if self.stack else "", q.shape[1], k.shape[1], q.shape[-1]))
-                self.attn_seq = self.attn_seq or int(q.shape[-2])
-        elif func in _SOFTMAX and args:
-            x = args[0]
-            if isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[-1] == x.shape[-2]:
-                self.calls.append((self.stack[-1] if self.stack else "", x.shape[1], x.shape[1], 0))
-                self.attn_seq = self.attn_seq or int(x.shape[-2])
-        name = getattr(func, "__name__", "")
-        if self.weights:
-            self._weight_use(name, args)
-        result = func(*args, **kwargs)
-        if self.flow_on and args:
-            self._follow(func, args, kwargs, result)
-        origin = self.source(args[0]) if args and self.sources else None
-        if origin is not None:
-            if origin[1]:
-                self.consumers.setdefault(origin[0], []).append(
-                    (name, tuple(args[0].shape), _summary(args[1:]), _summary(kwargs)))
-            if name in _VIEW_OPS:
-                self.tag(result, origin[0], direct=False)
-        return result
-
-
-class ParameterUses(torch.overrides.TorchFunctionMode):
-    """The parameters (``params``: name -> the tensor the traced forward gets) that any torch function of the
-    forward takes; ``unused()``: the trainable ones it never took."""
-
-    def __init__(self, params: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.names = {id(t): n for n, t in params.items()}
-        self.trainable = [n for n, t in params.items() if t.requires_grad]
-        self.used: set[str] = set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        from torch.utils._pytree import tree_leaves
-
-        kwargs = kwargs or {}
-        for leaf in tree_leaves((args, kwargs)):
-            if (name := self.names.get(id(leaf))) is not None:
-                self.used.add(name)
-        return func(*args, **kwargs)
-
-    def unused(self) -> list[str]:
-        return [n for n in self.trainable if n not in self.used]
-
-
-class _MetaAutocast(torch.amp.autocast_mode.autocast):
-    """``torch.autocast`` that takes ``device_type="meta"`` (code calling ``autocast(x.device.type)``, as
-    torchtitan's MoE router does) as the CPU's: its casts apply to CPU tensors only, so on meta tensors it is a
-    no-op, and the user's arguments (enabled, dtype) are kept."""
-
-    def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
-        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
-
-
-def _batch_norm_two_rows(batch_norm: Any) -> Any:
-    """``F.batch_norm`` that normalises a meta input with one value per channel as two copies of it (the rows of
-    the result: the input's)."""
-
-    def call(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if input.device.type == "meta" and input.dim() >= 2 and input.numel() == input.shape[1]:
-            return batch_norm(torch.cat((input, input)), *args, **kwargs)[:1]
-        return batch_norm(input, *args, **kwargs)
-
-    return call
-
-
-@contextmanager
-def meta_friendly(model: nn.Module) -> Iterator[None]:
-    """What every meta forward runs under, so the trace survives what real code does on meta tensors:
-
-    - Hugging Face fused experts run as ``batched_mm``: the same math and FLOPs (each routed token through its
-      experts), and, unlike ``grouped_mm`` (meta kernel: bf16 only) or ``eager`` (``nonzero``), it runs on meta
-      tensors of any dtype;
-    - ``torch.autocast(device_type="meta")`` is accepted (``_MetaAutocast``);
-    - BatchNorm in train mode does not refuse one value per channel (a trace of one row through a 1x1 feature
-      map, a CIFAR-size ResNet; the meta kernel divides by n - 1): such an input is normalised as two copies
-      of itself, the same shapes and, but for that one op, the same FLOPs (``_batch_norm_two_rows``)."""
-    import torch.nn.functional as F
-
-    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
-               and getattr(c, "_experts_implementation", None) not in (None, "batched_mm")}
-    saved = {key: c._experts_implementation for key, c in configs.items()}
-    autocasts = (torch.autocast, torch.amp.autocast)
-    batch_norm = F.batch_norm
-    try:
-        for c in configs.values():
-            c._experts_implementation = "batched_mm"
-        torch.autocast = torch.amp.autocast = _MetaAutocast
-        F.batch_norm = _batch_norm_two_rows(batch_norm)
-        yield
-    finally:
-        for key, c in configs.items():
-            c._experts_implementation = saved[key]
-        torch.autocast, torch.amp.autocast = autocasts
-        F.batch_norm = batch_norm
-
-
-@dataclass
-class _Probe:
-    """What the trace saw of block 0's modules, for the TP dry run: each module's first call (meta tensors) and
-    its output shape, and the norms applied to (views of) a projection's output."""
-
-    calls: dict[str, tuple[tuple, dict]] = field(default_factory=dict)  # module -> (args, kwargs)
-    out_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    norm_inputs: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # norm -> (projection, width, weight)
-    # dataflow (``_TraceRecorder.flow_of``): projection -> the sources of its input, in call order; and each
-    # attention call's (calling module, sources of q, of k, of v) -- all empty for a softmax
-    inputs: dict[str, frozenset[str]] = field(default_factory=dict)
-    attention: list[tuple[str, frozenset[str], frozenset[str], frozenset[str]]] = field(default_factory=list)
-
-
-def _stateless(value: Any) -> Any:
-    """A recorded call argument without stateful objects (a KV cache the full run already appended to): those
-    become None, which is what a training forward passes."""
-    if value is None or isinstance(value, (torch.Tensor, int, float, bool, str, torch.dtype, torch.device)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_stateless(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _stateless(v) for k, v in value.items()}
-    return None
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (list, tuple)):
-        return next((t for v in value if (t := _first_tensor(v)) is not None), None)
-    return None
-
-
-def _probe_hooks(model: nn.Module, block0: str, recorder: _TraceRecorder, probe: _Probe) -> list[Any]:
-    """Hooks on block 0 and its modules: record each first call, tag projection outputs, note norms of them;
-    follow the dataflow between its projections while it runs."""
-    handles = []
-    for name, mod in model.named_modules():
-        if name == block0:
-            handles += _flow_switch(mod, recorder)
-        if not (name == block0 or name.startswith(block0 + ".")):
-            continue
-        weight = getattr(mod, "weight", None)
-        is_proj = isinstance(weight, torch.Tensor) and weight.dim() == 2 and not list(mod.children())
-        is_norm = isinstance(weight, torch.Tensor) and weight.dim() == 1 and not list(mod.children())
-
-        def pre(mod, args, kwargs, name=name, is_norm=is_norm, is_proj=is_proj):
-            if name not in probe.calls:
-                probe.calls[name] = (_stateless(args), _stateless(kwargs))
-            origin = recorder.source(args[0]) if is_norm and args else None
-            if origin is not None:
-                probe.norm_inputs.setdefault(name, (origin[0], args[0].shape[-1], mod.weight.numel()))
-            if is_proj and args and recorder.flow_on:
-                probe.inputs.setdefault(name, recorder.flow_of(args[0]))
-
-        def post(mod, args, out, name=name, is_proj=is_proj):
-            first = _first_tensor(out)
-            if first is not None:
-                probe.out_shapes.setdefault(name, tuple(first.shape))
-            if is_proj and isinstance(out, torch.Tensor):
-                recorder.tag(out, name)
-                if recorder.flow_on:
-                    recorder.mark(out, frozenset({name}))
-
-        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(mod.register_forward_hook(post))
-    return handles
-
-
-def _flow_switch(block: nn.Module, recorder: _TraceRecorder) -> list[Any]:
-    """Follow the dataflow only while ``block`` (block 0) runs: what happens after it is not needed, and
-    following every op of the whole model would slow the trace down."""
-
-    def on(mod: nn.Module, args: tuple) -> None:
-        recorder.flow_on = True
-
-    def off(mod: nn.Module, args: tuple, out: Any) -> None:
-        recorder.flow_on = False
-        recorder.flow.clear()
-
-    return [block.register_forward_pre_hook(on), block.register_forward_hook(off, always_call=True)]
-
-
-@contextmanager
-def blocks_stand_in_on_failure(blocks: list[nn.Module], failures: list[str]) -> Iterator[None]:
-    """A block whose forward cannot run on meta tensors (data-dependent routing: ``nonzero``, ``torch.where`` with
-    one argument) returns its input (a block maps hidden states to hidden states of the same shape), so a meta
-    trace still sees everything else, including what the block ran before it failed (its attention, for an MoE
-    block); ``failures`` collects why."""
-
-    def guarded(original: Any):
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return original(*args, **kwargs)
-            except Exception as err:  # noqa: BLE001 -- data-dependent ops have no meta kernel
-                failures.append(first_line(err))
-                return args[0] if args else next(iter(kwargs.values()))
-        return forward
-
-    own = [block.__dict__.get("forward") for block in blocks]  # a forward set on the instance, if any
-    try:
-        for block in blocks:
-            block.forward = guarded(block.forward)
-        yield
-    finally:
-        for block, previous in zip(blocks, own):
-            if previous is None:
-                del block.forward
-            else:
-                block.forward = previous
-
-
-def first_line(err: BaseException) -> str:
-    """An exception as one short line: its type and the first line of its message."""
-    text = str(err).splitlines()[0][:120] if str(err) else ""
-    return f"{type(err).__name__}: {text}"
-
-
-Example = tuple[tuple, dict]  # (args, kwargs) of a real call of the model
-
-
-def meta_example(example: Example, rows: int | None = None) -> Example:
-    """A model call's (args, kwargs) for a meta trace: every tensor moved to the meta device, cut to ``rows`` rows
-    along dim 0 when given (the batch dimension: sizes per sample with ``rows=1``); containers (tuples, named
-    tuples, lists, dicts) are walked, anything else passes as is. The one converter every meta trace uses."""
-    from torch.utils._pytree import tree_map
-
-    def convert(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        cut = value[:rows] if rows is not None and value.dim() else value
-        return torch.empty_like(cut.detach(), device="meta")
-
-    args, kwargs = example
-    return tuple(tree_map(convert, tuple(args))), dict(tree_map(convert, dict(kwargs)))
-
-
-def meta_buffer(buffer: torch.Tensor) -> torch.Tensor:
-    """A buffer's stand-in for a meta trace: a meta tensor, except a real scalar counter (BatchNorm with
-    momentum=None reads num_batches_tracked's value, which a meta tensor cannot give)."""
-    counter = buffer.dim() == 0 and not buffer.is_floating_point() and buffer.device.type != "meta"
-    return buffer.clone() if counter else torch.empty_like(buffer, device="meta")
-
-
-def _meta_run(model: nn.Module, batch: int, seq_len: int, vocab: int, block_fqns: list[str],
-              example: Example | None = None) -> dict[str, Any]:
-    """Forward + backward on meta tensors: per-block FLOPs, saved bytes, the attention call sites, how each
-    projection uses its weight, and block 0's calls (``_Probe``). The forward gets ``example`` (a real call's
-    arguments, e.g. a ViT's pixel values) when given, else token ids of shape (batch, seq_len)."""
-    from torch.func import functional_call
-    from torch.utils.flop_counter import FlopCounterMode
-
-    params = {n: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
-              for n, p in model.named_parameters()}
-    buffers = {n: meta_buffer(b) for n, b in model.named_buffers()}
-    weights = {id(t): n[: -len(".weight")] for n, t in params.items() if n.endswith(".weight") and t.dim() == 2}
-    stack: list[str] = []
-    saved: dict[str, float] = {f: 0.0 for f in block_fqns}
-    current_block: list[str] = []
-
-    def pre(name):
-        def hook(mod, args):
-            stack.append(name)
-            if name in saved:
-                current_block.append(name)
-        return hook
-
-    def post(name):
-        def hook(mod, args, out):
-            stack.pop()
-            if name in saved:
-                current_block.pop()
-        return hook
-
-    def pack(t):
-        if current_block and isinstance(t, torch.Tensor):
-            saved[current_block[-1]] += t.numel() * t.element_size()
-        return t
-
-    handles = []
-    for name, mod in model.named_modules():
-        handles.append(mod.register_forward_pre_hook(pre(name)))
-        handles.append(mod.register_forward_hook(post(name), always_call=True))  # pops after a failure too
-    recorder = _TraceRecorder(stack, weights)
-    probe = _Probe()
-    if block_fqns:
-        handles += _probe_hooks(model, block_fqns[0], recorder, probe)
-    args, kwargs = ((torch.zeros(batch, seq_len, dtype=torch.long, device="meta"),), {}) if example is None \
-        else meta_example(example, batch)
-    stood_in: list[str] = []
-    uses = ParameterUses(params)
-    try:
-        with ExitStack() as es:
-            counter = es.enter_context(FlopCounterMode(display=False))
-            es.enter_context(uses)
-            es.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
-            es.enter_context(recorder)
-            es.enter_context(meta_friendly(model))
-            es.enter_context(blocks_stand_in_on_failure([model.get_submodule(f) for f in block_fqns], stood_in))
-            out = functional_call(model, {**params, **buffers}, args, kwargs, strict=False, tie_weights=True)
-            logits = out if isinstance(out, torch.Tensor) else (out.logits if hasattr(out, "logits") else out[0])
-            logits.float().sum().backward()
-    finally:
-        for h in handles:
-            h.remove()
-    probe.attention = list(recorder.attention_flow)
-    counts = counter.get_flop_counts()
-    root = type(model).__name__
-    block_flops = {f: float(sum(counts.get(f"{root}.{f}", {}).values())) for f in block_fqns}
-    return {"flops": block_flops, "total": float(counter.get_total_flops()), "saved": saved, "attn": recorder.calls,
-            "attn_seq": recorder.attn_seq,
-            "orientation": recorder.orientation, "consumers": recorder.consumers, "probe": probe,
-            "stood_in": list(dict.fromkeys(stood_in)),
-            # a block that stood in did not run to its end: what it did not reach is not known to be unused
-            "unused": [] if stood_in else uses.unused()}
 
 
 def _int_attrs(mod: nn.Module) -> dict[str, int]:
@@ -967,359 +462,8 @@ def _attention_from_attributes(block: nn.Module, hidden: int) -> tuple[str | Non
     return None, 0, 0, 0
 
 
-# ------------------------------------------------------------------------------------------- TP feasibility
-#
-# Tensor parallelism runs the model's own attention / MLP code on each rank's shards: column projections
-# produce out/tp features, row projections read in/tp. Whether that code still works, and which of its
-# attributes must shrink (a head count, GPT-2's ``split_size``, litgpt's ``config.n_head``), is found by running
-# block 0's modules once on meta tensors with those local shapes (a dry run), not by guessing from names.
-
-
-def _last_dim(dim: Any, ndim: int) -> bool:
-    return isinstance(dim, int) and dim in (-1, ndim - 1)
-
-
-def _pieces_of(name: str, shape: tuple[int, ...], args: Any, kwargs: Any, width: int) -> list[int] | None:
-    """The widths one op cuts the last dim of a projection output into (split / chunk / view into pieces)."""
-    ndim = len(shape)
-    if name in ("split", "split_with_sizes"):
-        size = args[0] if args else kwargs.get("split_size_or_sections", kwargs.get("split_size"))
-        if not _last_dim(args[1] if len(args) > 1 else kwargs.get("dim", 0), ndim):
-            return None
-        if isinstance(size, int):
-            return [size] * (width // size) if size and width % size == 0 else None
-        return list(size) if isinstance(size, (list, tuple)) and sum(size) == width else None
-    if name == "chunk":
-        n = args[0] if args else kwargs.get("chunks")
-        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-        return [width // n] * n if isinstance(n, int) and _last_dim(dim, ndim) and width % n == 0 else None
-    return None
-
-
-def _view_tail(name: str, shape: tuple[int, ...], args: Any, width: int) -> list[int] | None:
-    """For a view/reshape/unflatten of the last dim: the sizes it becomes (-1 resolved)."""
-    ndim = len(shape)
-    if name == "unflatten":
-        if len(args) < 2 or not _last_dim(args[0], ndim):
-            return None
-        tail = list(args[1])
-    elif name in ("view", "reshape"):
-        sizes = list(args[0]) if len(args) == 1 and isinstance(args[0], (list, tuple)) else list(args)
-        if not all(isinstance(v, int) for v in sizes) or len(sizes) <= ndim:
-            return None
-        tail = sizes[ndim - 1 :]
-    else:
-        return None
-    known = 1
-    for v in tail:
-        known *= v if v != -1 else 1
-    tail = [width // known if v == -1 else v for v in tail]
-    product = 1
-    for v in tail:
-        product *= v
-    return tail if product == width else None
-
-
-def _slice_pieces(consumers: list, width: int) -> list[int] | None:
-    """Slices of the last dim (Phi-3: ``qkv[..., :q]``, ``qkv[..., q:q+kv]``, ``qkv[..., q+kv:]``) tiling it."""
-    bounds = []
-    for name, shape, args, _ in consumers:
-        if name != "__getitem__" or not args:
-            continue
-        index = args[0] if isinstance(args[0], tuple) else (args[0],)
-        if not index or not isinstance(index[-1], slice) or not (index[0] is Ellipsis or len(index) == len(shape)):
-            continue
-        piece = index[-1]
-        if piece.step not in (None, 1):
-            return None
-        start, stop = piece.start or 0, width if piece.stop is None else piece.stop
-        start, stop = (start + width if start < 0 else start), (stop + width if stop < 0 else stop)
-        bounds.append((start, min(stop, width)))
-    bounds.sort()
-    if not bounds or bounds[0][0] != 0 or bounds[-1][1] != width:
-        return None
-    if any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
-        return None
-    return [b - a for a, b in bounds]
-
-
-def fused_layout(consumers: list, width: int, pieces: int, groups: int = 0, per_group: int = 0
-                 ) -> tuple[str, list[int]] | None:
-    """How the model's code splits a fused projection's output of ``width`` features, from the ops the trace saw:
-    ("sequential", piece widths) for [a | b | c] (split, chunk, slices, or a view into (pieces, ...)); ("grouped",
-    [groups, per_group, ...]) for a view into one group per kv head (q heads of the group, then its k and v).
-    None when not recognised (or ambiguous: ``groups == pieces``)."""
-    for name, shape, args, kwargs in consumers:
-        found = _pieces_of(name, shape, args, kwargs, width)
-        if found:
-            return "sequential", found
-        tail = _view_tail(name, shape, args, width)
-        if tail and len(tail) >= 2:
-            if tail[0] == pieces and groups != pieces:
-                return "sequential", [width // pieces] * pieces
-            if len(tail) >= 3 and groups and tail[0] == groups and tail[1] == per_group and groups != pieces:
-                return "grouped", tail
-    sliced = _slice_pieces(consumers, width)
-    return ("sequential", sliced) if sliced else None
-
-
-Shards = dict[str, tuple[str, bool]]  # projection (relative to the unit) -> ("col" | "row", weight stored [in, out])
-
-
-def _local_params(unit: nn.Module, shards: Shards, tp: int) -> dict[str, torch.Tensor]:
-    """Meta tensors with one TP rank's shapes: a column projection holds out/tp outputs (bias too), a row
-    projection in/tp inputs (its bias whole: added once, after the sum)."""
-    local: dict[str, torch.Tensor] = {}
-    for name, p in unit.named_parameters():
-        proj, _, leaf = name.rpartition(".")
-        shape = list(p.shape)
-        if proj in shards:
-            kind, transposed = shards[proj]
-            if leaf == "weight":
-                dim = (1 if transposed else 0) if kind == "col" else (0 if transposed else 1)
-                shape[dim] //= tp
-            elif leaf == "bias" and kind == "col":
-                shape[0] //= tp
-        local[name] = torch.empty(shape, dtype=p.dtype, device="meta")
-    for name, b in unit.named_buffers():
-        local[name] = torch.empty_like(b, device="meta")
-    return local
-
-
-def leaf_width_attributes(mod: nn.Module, out_features: int) -> list[str]:
-    """Integer attributes of a column projection that is not an nn.Linear and equal its full output width: GPT-2's
-    Conv1D keeps it in ``nf`` and reshapes its output with it, so on a TP rank they must hold the local width."""
-    if isinstance(mod, nn.Linear):
-        return []
-    return [a for a, v in vars(mod).items() if isinstance(v, int) and not isinstance(v, bool) and v == out_features]
-
-
-def local_width_attributes(unit: nn.Module, shards: Shards, tp: int) -> list[tuple[nn.Module, str, int]]:
-    """(module, attribute, local value) for every column projection of ``unit`` (``leaf_width_attributes``)."""
-    found = []
-    for name, (kind, transposed) in shards.items():
-        mod = unit.get_submodule(name)
-        if kind != "col":
-            continue
-        out = mod.weight.shape[1] if transposed else mod.weight.shape[0]
-        found += [(mod, attr, out // tp) for attr in leaf_width_attributes(mod, out)]
-    return found
-
-
-def divide_attributes(module: nn.Module, paths: list[str], tp: int) -> Any:
-    """Divide the integer attributes at ``paths`` by ``tp``: "n_heads", "config.n_head", or below a submodule
-    ("self.num_attention_heads", "self.config.num_attention_heads": HF BERT's heads sit in ``attention.self``
-    while TP treats ``attention`` as the attention module). A ``config`` step goes to the owning module's own
-    shallow copy of its config (never the config other modules share). Returns a callable that undoes it."""
-    undo: list[tuple[Any, str, Any]] = []
-    copied: set[int] = set()
-    for path in paths:
-        *steps, attr = path.split(".")
-        owner: Any = module
-        for step in steps:
-            if step == "config" and isinstance(owner, nn.Module):
-                if id(owner) not in copied:
-                    undo.append((owner, "config", owner.config))
-                    owner.config = copy.copy(owner.config)
-                    copied.add(id(owner))
-                owner = owner.config
-            else:
-                owner = getattr(owner, step)
-        undo.append((owner, attr, getattr(owner, attr)))
-        setattr(owner, attr, getattr(owner, attr) // tp)
-
-    def restore() -> None:
-        for owner, attr, value in reversed(undo):
-            setattr(owner, attr, value)
-
-    return restore
-
-
-def _dry_run(unit: nn.Module, call: tuple[tuple, dict], out_shape: tuple[int, ...], shards: Shards,
-             attrs: list[str], tp: int, expected: list[tuple[int, int, int]] | None) -> str | None:
-    """Run ``unit`` once on meta tensors with one rank's shards and ``attrs`` divided: None when its own code
-    runs, produces the full run's output shape and (attention) attends over its local heads; else why not."""
-    from torch.func import functional_call
-
-    restore = divide_attributes(unit, attrs, tp)
-    widths = local_width_attributes(unit, shards, tp)
-    previous = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in widths]
-    recorder = _TraceRecorder([])
-    try:
-        for mod, attr, value in widths:
-            setattr(mod, attr, value)
-        args, kwargs = call
-        with torch.no_grad(), meta_friendly(unit), recorder:
-            out = functional_call(unit, _local_params(unit, shards, tp), args, kwargs, strict=False)
-    except Exception as err:  # the model's own code refusing local shapes is the answer, not a failure
-        message = str(err).splitlines()[0][:160] if str(err) else ""
-        return f"{type(err).__name__}: {message}"
-    finally:
-        for mod, attr, value in previous:
-            setattr(mod, attr, value)
-        restore()
-    first = _first_tensor(out)
-    if first is None or tuple(first.shape) != out_shape:
-        return f"output shape {None if first is None else tuple(first.shape)} instead of {out_shape}"
-    seen = [(h, kvh, hd) for _, h, kvh, hd in recorder.calls]
-    if expected is not None and seen != expected:
-        return f"attention over (heads, kv_heads, head_dim) {seen} instead of {expected}"
-    return None
-
-
-MAX_DRY_RUNS = 64
-
-
-def _width_attributes(unit: nn.Module, values: set[int], exclude: set[int]) -> list[str]:
-    """Integer attributes of ``unit``, of its submodules but the projections and other leaves with weights (an
-    nn.Linear's ``out_features`` is TP's business, not the code's) and of their ``config`` objects, whose value
-    is a head count or projection width; ``unit``'s own first."""
-
-    def wanted(owner: Any) -> list[str]:
-        return [a for a, v in vars(owner).items() if isinstance(v, int) and not isinstance(v, bool)
-                and v in values and v not in exclude]
-
-    paths: list[str] = []
-    for name, mod in unit.named_modules():
-        if name and isinstance(getattr(mod, "weight", None), torch.Tensor) and not list(mod.children()):
-            continue
-        paths += [_join(name, a) for a in wanted(mod)]
-        config = getattr(mod, "config", None)
-        if config is not None and hasattr(config, "__dict__"):
-            paths += [_join(name, "config", a) for a in wanted(config)]
-    return paths
-
-
-def _search_attributes(unit: nn.Module, call: tuple[tuple, dict], out_shape: tuple[int, ...], shards: Shards,
-                       candidates: list[str], tp: int, expected: list[tuple[int, int, int]] | None
-                       ) -> tuple[list[str] | None, str]:
-    """The smallest set of ``candidates`` whose division lets the dry run pass, or (None, the first error)."""
-    from itertools import combinations
-
-    first_error, runs = "", 0
-    for size in range(len(candidates) + 1):
-        for subset in combinations(candidates, size):
-            runs += 1
-            if runs > MAX_DRY_RUNS:
-                return None, first_error
-            error = _dry_run(unit, call, out_shape, shards, list(subset), tp, expected)
-            if error is None:
-                return list(subset), ""
-            first_error = first_error or error
-    return None, first_error
-
-
-def _attention_tp(block0: str, attn_mod: nn.Module, info: AttentionInfo, traced: dict[str, Any], tp: int) -> None:
-    """Fill ``info``'s TP fields: the fused layout, a structural refusal (q/k norm over the full width), and the
-    attributes the dry run needs divided."""
-    site = _join(block0, info.fqn)
-    q_width, kv_width = info.heads * info.head_dim, info.kv_heads * info.head_dim
-    probe: _Probe = traced["probe"]
-    projections = [p for p in (info.q, info.k, info.v, info.qkv) if p]
-    for norm, (source, width, numel) in probe.norm_inputs.items():
-        if norm.startswith(site + ".") and source in {f"{site}.{p}" for p in projections} \
-                and numel == width and width > info.head_dim:
-            info.tp_refusal = (f"{_join(info.fqn, norm[len(site) + 1:])} is a q/k norm over the full projection width "
-                               f"({width}): on a TP rank's local heads its statistics would differ")
-            return
-    if info.qkv:
-        found = fused_layout(traced["consumers"].get(f"{site}.{info.qkv}", []), q_width + 2 * kv_width, 3,
-                             info.kv_heads, info.heads // max(info.kv_heads, 1) + 2)
-        if found is None:
-            info.tp_refusal = f"{_join(info.fqn, info.qkv)}: how the model splits this fused qkv output was not " \
-                              "recognised"
-            return
-        info.qkv_layout, info.qkv_pieces = found
-        if info.qkv_layout == "sequential" and info.qkv_pieces != [q_width, kv_width, kv_width]:
-            info.tp_refusal = f"{_join(info.fqn, info.qkv)}: fused pieces {info.qkv_pieces} are not q, k, v"
-            return
-        # GQA's unequal [q | k | v]: parallel.tensor stores the weight row-permuted (RowOrder), so no refusal
-    if site not in probe.calls or site not in probe.out_shapes:
-        return
-    transposed = set(info.transposed)
-    shards: Shards = {p: ("col", p in transposed) for p in projections}
-    shards[info.o] = ("row", info.o in transposed)
-    expected = [(h // tp, kvh // tp, hd) for s, h, kvh, hd in traced["attn"] if s == site or s.startswith(site + ".")]
-    values = {info.heads, info.kv_heads, q_width, kv_width}
-    candidates = _width_attributes(attn_mod, values, {info.head_dim})
-    attrs, error = _search_attributes(attn_mod, probe.calls[site], probe.out_shapes[site], shards, candidates, tp,
-                                      expected)
-    info.tp_validated = True
-    if attrs is None:
-        info.tp_refusal = f"{info.fqn}: its code does not run on a TP rank's local heads ({error})"
-    else:
-        info.tp_attrs = attrs
-
-
-def _mlp_tp(block0: str, mlp_mod: nn.Module, info: MLPInfo, traced: dict[str, Any], tp: int) -> None:
-    """Fill the MLP's TP refusal: a fused gate_up must be cut in [gate | up]; its code must run on local widths."""
-    site = _join(block0, info.fqn)
-    probe: _Probe = traced["probe"]
-    if info.gate_up:
-        found = fused_layout(traced["consumers"].get(f"{site}.{info.gate_up}", []), 2 * info.ffn_hidden, 2)
-        if found is None or found[0] != "sequential" or found[1] != [info.ffn_hidden] * 2:
-            info.tp_refusal = (f"{_join(info.fqn, info.gate_up)}: how the model splits this fused gate/up output "
-                               "was not recognised")
-            return
-    if site not in probe.calls or site not in probe.out_shapes:
-        return
-    transposed = set(info.transposed)
-    shards: Shards = {p: ("col", p in transposed) for p in (info.up, info.gate) if p}
-    shards[info.down] = ("row", info.down in transposed)
-    error = _dry_run(mlp_mod, probe.calls[site], probe.out_shapes[site], shards, [], tp, None)
-    if error is not None:
-        info.tp_refusal = f"{info.fqn}: its code does not run on a TP rank's local width ({error})"
-
-
-def _join(*names: str) -> str:
-    return ".".join(n for n in names if n)
-
-
-def _smallest_split(*sizes: int) -> int:
-    """The smallest tp > 1 dividing all ``sizes`` (what the dry run checks), or 0 when none does."""
-    return next((t for t in range(2, min(sizes) + 1) if all(s % t == 0 for s in sizes)), 0) if sizes else 0
-
-
-def _tp_feasibility(blocks: Sequence[nn.Module], infos: list[BlockInfo], traced: dict[str, Any]) -> None:
-    """Block 0's TP layout checks (fused layouts, q/k norms, the dry run) apply to every block (same class).
-    Without a trace, fused projections are refused (their layout is unknown) and the head-count attributes found
-    by name are used unvalidated, as before."""
-    if not infos:
-        return
-    first, block0 = infos[0], blocks[0]
-    attn, mlp = first.attention, first.mlp
-    if not traced:
-        if attn is not None and attn.qkv:
-            attn.tp_refusal = f"{_join(attn.fqn, attn.qkv)}: the layout of a fused qkv needs the meta trace, which " \
-                              "failed"
-        if mlp is not None and mlp.gate_up:
-            mlp.tp_refusal = f"{_join(mlp.fqn, mlp.gate_up)}: the layout of a fused gate/up needs the meta trace, " \
-                             "which failed"
-    else:
-        if attn is not None and attn.o and (attn.q or attn.qkv):
-            tp = _smallest_split(attn.heads, attn.kv_heads)
-            if tp:
-                _attention_tp(first.fqn, block0.get_submodule(attn.fqn), attn, traced, tp)
-        if mlp is not None:
-            tp = _smallest_split(mlp.ffn_hidden)
-            if tp:
-                _mlp_tp(first.fqn, block0.get_submodule(mlp.fqn) if mlp.fqn else block0, mlp, traced, tp)
-    for info in infos:
-        if attn is not None and info.attention is not None and info is not first:
-            for name in ("qkv_layout", "qkv_pieces", "tp_attrs", "tp_refusal", "tp_validated"):
-                setattr(info.attention, name, getattr(attn, name))
-        if attn is not None and info.attention is not None and not attn.tp_validated:
-            info.attention.tp_attrs = info.attention.heads_attrs + info.attention.kv_heads_attrs
-        if mlp is not None and info.mlp is not None and info is not first:
-            info.mlp.tp_refusal = mlp.tp_refusal
-
 
 # ------------------------------------------------------------------------------------------- entry points
-
-
-def implements_forward(module: nn.Module) -> bool:
-    """A container (ModuleDict, ModuleList, ParameterList) inherits ``nn.Module.forward``, which raises."""
-    return type(module).forward is not nn.Module.forward
 
 
 def _traced_module(model: nn.Module, runner: nn.Module | None) -> tuple[str, nn.Module]:
@@ -1336,35 +480,6 @@ def _traced_module(model: nn.Module, runner: nn.Module | None) -> tuple[str, nn.
         if implements_forward(ancestor):
             return ".".join(parts[cut:]), ancestor
     return "", model
-
-
-def _relative(traced: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """The trace of an ancestor with module names made relative to the analysed model (``prefix`` dropped)."""
-    if not prefix:
-        return traced
-    cut = len(prefix) + 1
-
-    def rel(name: str) -> str:
-        if name.startswith(ATTENTION_MARK):
-            return ATTENTION_MARK + rel(name[len(ATTENTION_MARK):])
-        return name[cut:] if name.startswith(prefix + ".") else name
-
-    def rels(names: frozenset[str]) -> frozenset[str]:
-        return frozenset(rel(n) for n in names)
-
-    probe: _Probe = traced["probe"]
-    return {**traced,
-            "unused": [rel(n) for n in traced["unused"] if n.startswith(prefix + ".")],
-            "flops": {rel(k): v for k, v in traced["flops"].items()},
-            "saved": {rel(k): v for k, v in traced["saved"].items()},
-            "attn": [(rel(site), *rest) for site, *rest in traced["attn"]],
-            "orientation": {rel(k): v for k, v in traced["orientation"].items() if k.startswith(prefix + ".")},
-            "consumers": {rel(k): v for k, v in traced["consumers"].items() if k.startswith(prefix + ".")},
-            "probe": _Probe(calls={rel(k): v for k, v in probe.calls.items()},
-                            out_shapes={rel(k): v for k, v in probe.out_shapes.items()},
-                            norm_inputs={rel(k): (rel(src), w, n) for k, (src, w, n) in probe.norm_inputs.items()},
-                            inputs={rel(k): rels(v) for k, v in probe.inputs.items()},
-                            attention=[(rel(site), *(rels(v) for v in qkv)) for site, *qkv in probe.attention])}
 
 
 def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace: bool = True,
@@ -1401,40 +516,44 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
     seq_len = seq_len or (pos[1].num_embeddings if pos else 128)
     unclassified: list[str] = []
 
-    traced: dict[str, Any] = {}
+    traced: Trace | None = None  # the meta trace, None without one (not asked for, or failed: ``failure``)
+    failure: str | None = None
     block_fqns = [f"{blocks_fqn}.{key}" for key in keys]
     traced_seq = seq_len
     if trace:
         # a model bounded below the default length (litgpt's block_size, no position embedding to read it from)
         # is traced again on a short sequence: the structure is the same, only the FLOPs are for that length
-        failure: Exception | None = None
         lengths = (seq_len,) if example is not None else (seq_len, min(seq_len, SHORT_TRACE_SEQ))
         for traced_seq in dict.fromkeys(lengths):
             try:
                 prefix, module = _traced_module(model, runner)
                 names = [f"{prefix}.{f}" if prefix else f for f in block_fqns]
-                traced = _relative(_meta_run(module, batch, traced_seq, vocab, names, example), prefix)
+                run = _meta_run(module, batch, traced_seq, names, example)
+            except Exception as err:  # noqa: BLE001 -- the call could not be prepared: as a failed trace
+                prefix, run = "", Trace(error=err, failure=first_line(err))
+            if run.failure is None:
+                traced = run.relative(prefix)
                 break
-            except Exception as err:  # structure alone still serves the planner and TP
-                failure = failure or err
-        if not traced and failure is not None:
-            unclassified.append(f"meta forward failed ({first_line(failure)})")
+            failure = failure or run.failure  # structure alone still serves the planner and TP
+        if traced is None and failure is not None:
+            unclassified.append(f"meta forward failed ({failure})")
             traced_seq = seq_len
-        if example is not None and traced.get("attn_seq"):  # the user's call sets the length (a ViT: its patches)
-            seq_len = traced_seq = traced["attn_seq"]
-        for why in traced.get("stood_in", []):  # their FLOPs and saved bytes are missing from the trace
+        if example is not None and traced is not None and traced.attn_seq:
+            seq_len = traced_seq = traced.attn_seq  # the user's call sets the length (a ViT: its patches)
+        for why in dict.fromkeys(traced.stood_in if traced else []):  # their FLOPs and saved bytes are missing
             unclassified.append(f"a block ran only up to a data-dependent op on meta tensors ({why})")
+    seen = traced or Trace()  # what the trace saw (nothing without one)
 
     # projections that are not nn.Linear (GPT-2's Conv1D): orientation from the op the trace saw on the weight
     orient: Orientation = {}
-    for name, flipped in traced.get("orientation", {}).items():
+    for name, flipped in seen.orientation.items():
         mod = model.get_submodule(name)
         if not isinstance(mod, nn.Linear):
             orient[id(mod)] = flipped
 
     # attention geometry: from the traced SDPA call, else from attributes
     attn_site, heads, kv_heads, head_dim = None, 0, 0, 0
-    for site, h, kvh, hd in traced.get("attn", []):
+    for site, h, kvh, hd in seen.attention:
         if site.startswith(block_fqns[0] + "."):
             attn_site, heads, kv_heads, head_dim = site[len(block_fqns[0]) + 1 :], h, kvh, hd
             break
@@ -1467,8 +586,8 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
     ffn_hidden, ffn_kind, experts, top_k, moe_every_hits, replayed = 0, "gelu", 0, 0, [], False
     for i, block in enumerate(blocks):
         info = BlockInfo(index=i, fqn=block_fqns[i], params=_param_count(block),
-                         flops=traced.get("flops", {}).get(block_fqns[i], 0.0),
-                         activation_bytes=traced.get("saved", {}).get(block_fqns[i], 0.0))
+                         flops=seen.flops.get(block_fqns[i], 0.0),
+                         activation_bytes=seen.saved.get(block_fqns[i], 0.0))
         if flow_attn is not None and _fits(block, flow_attn.fqn, attn_parts, blocks[0]):
             info.attention = copy.deepcopy(flow_attn)
         elif attn_site is not None and heads:
@@ -1531,9 +650,10 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
         total_params=sum(p.numel() for p in model.parameters()),
         batch=batch,
         seq_len=traced_seq,
-        flops_total=traced.get("total", 0.0),
+        flops_total=seen.total_flops,
         unclassified=unclassified,
-        unused_params=list(traced.get("unused", [])),
+        unused_params=list(seen.unused),
+        trace_failure=failure if trace and traced is None else None,
     )
 
 

@@ -27,29 +27,24 @@ attention's saved bytes are those of unfused attention.
 from __future__ import annotations
 
 from collections import defaultdict
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from lightning_autopar.errors import ConfigError
-from lightning_autopar.profile.analyze import (BlockInfo, ModelAnalysis, ParameterUses, analyze, find_block_list, first_line,
-                                               implements_forward, meta_buffer, meta_example,
-                                               meta_friendly)
+from lightning_autopar.profile.analyze import BlockInfo, ModelAnalysis, analyze, find_block_list
+from lightning_autopar.profile.trace import (ELEMENT_BYTES, OpCost, OpCosts, ParameterUses, StopAtCall,  # noqa: F401
+                                             Trace, first_line, flop_formulas, implements_forward, meta_example,
+                                             meta_forward)
 from lightning_autopar.specs import UNIT_KINDS, ModelSpec, UnitSpec
 
 REST = "(rest)"  # the spec unit holding what no module unit covers
 DOMINANT_SHARE = 0.9  # a child doing this share of its parent's FLOPs makes the parent one unit
 UNIT_SHARE = 1 / 16  # a module holding more than this share of FLOPs or parameters is split further
-ELEMENT_BYTES = 4  # unit sizes are counted at 4-byte elements (the planner scales to the plan's precision)
 META_FIX = ("make its forward run on meta tensors (no data-dependent ops such as nonzero() or .item()), "
             "or describe the model by units in a model spec YAML (units: ...)")
-
-aten = torch.ops.aten
 
 # ------------------------------------------------------------------------------------------- the model call
 
@@ -64,15 +59,6 @@ class ModelCall:
     kwargs: dict
 
 
-class _ModelCalled(BaseException):
-    """Stops the step at the model's first forward. A BaseException, so a step's ``except Exception`` lets it
-    through."""
-
-    def __init__(self, fqn: str, args: tuple, kwargs: dict) -> None:
-        super().__init__(fqn)
-        self.fqn, self.args, self.kwargs = fqn, args, kwargs
-
-
 def find_model_call(root: nn.Module, step: Callable[[], Any]) -> ModelCall:
     """Run ``step`` (e.g. ``partial(lit.training_step, batch, 0)``) without gradients until the first forward of
     a parameter-holding module under ``root`` starts (``root`` itself when the step calls ``self(x)``, else the
@@ -83,13 +69,13 @@ def find_model_call(root: nn.Module, step: Callable[[], Any]) -> ModelCall:
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         if next(mod.parameters(), None) is not None:
-            raise _ModelCalled(names[id(mod)], args, kwargs)
+            raise StopAtCall(names[id(mod)], args, kwargs)
 
     handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in root.modules()]
     try:
         with torch.no_grad():
             step()
-    except _ModelCalled as found:
+    except StopAtCall as found:  # a BaseException: the step's own handlers let it through
         return ModelCall(found.fqn, root.get_submodule(found.fqn), tuple(found.args), dict(found.kwargs))
     except Exception as err:  # noqa: BLE001 -- the user's step failed before calling its model
         raise ConfigError("training_step", f"raised before calling a module ({first_line(err)})",
@@ -99,201 +85,6 @@ def find_model_call(root: nn.Module, step: Callable[[], Any]) -> ModelCall:
             h.remove()
     raise ConfigError("training_step", f"never called a module of {type(root).__name__} holding parameters",
                       "call the model in training_step (e.g. self(x) or self.model(x))")
-
-
-# ------------------------------------------------------------------------------------------- the meta trace
-
-
-def _cpu_sdpa_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    """SDPA's CPU kernel, missing from torch's registry: the same count as the other SDPA kernels."""
-    from torch.utils.flop_counter import sdpa_flop_count
-
-    return sdpa_flop_count(query, key, value)
-
-
-def flop_formulas() -> dict[Any, Any]:
-    """FLOP formulas beyond torch's registry, as ``FlopCounterMode(custom_mapping=...)`` takes them."""
-    return {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop}
-
-
-def _registry() -> dict[Any, Any]:
-    from torch.utils.flop_counter import flop_registry, shape_wrapper
-
-    return {**flop_registry, **{k: shape_wrapper(v) for k, v in flop_formulas().items()}}
-
-
-CONV_OPS = {aten.convolution, aten._convolution, aten.cudnn_convolution, aten.convolution_overrideable,
-            aten._slow_conv2d_forward}
-# what FlopCounterMode leaves to the tensor subclass (nested tensors); never counted
-SKIPPED_OPS = {aten.sym_is_contiguous.default, aten.is_contiguous.default, aten.is_contiguous.memory_format,
-               aten.is_strides_like_format.default, aten.is_non_overlapping_and_dense.default, aten.size.default,
-               aten.sym_size.default, aten.stride.default, aten.sym_stride.default, aten.storage_offset.default,
-               aten.sym_storage_offset.default, aten.numel.default, aten.sym_numel.default, aten.dim.default,
-               torch.ops.prim.layout.default}
-FREE_OPS = {aten._unsafe_view.default, aten.lift_fresh.default}  # metadata only, though not marked as views
-OP_KINDS = {"native_batch_norm": "batchnorm", "_native_batch_norm_legit": "batchnorm",
-            "_native_batch_norm_legit_no_training": "batchnorm", "cudnn_batch_norm": "batchnorm",
-            "native_group_norm": "groupnorm", "native_layer_norm": "layernorm", "_fused_rms_norm": "norm",
-            "embedding": "embedding", "convolution": "conv"}
-
-
-def _op_kind(name: str) -> str | None:
-    if "pool" in name:
-        return "pool"
-    if name.startswith("_scaled_dot_product") or name in ("_flash_attention_forward", "_efficient_attention_forward"):
-        return "attention"
-    return OP_KINDS.get(name)
-
-
-def _nbytes(t: torch.Tensor, numel: int | None = None) -> int:
-    """Bytes at 4-byte elements for floating tensors (the planner scales to the plan's precision), as they are
-    for masks and indices."""
-    n = t.numel() if numel is None else numel
-    return n * (ELEMENT_BYTES if t.is_floating_point() else t.element_size())
-
-
-@dataclass
-class _Cost:
-    """What the ops run under one stack of module forwards cost (forward, per sample)."""
-
-    flops: float = 0.0
-    conv_flops: float = 0.0
-    memory_bytes: float = 0.0
-    ops: int = 0
-    saved_bytes: float = 0.0
-    kinds: set[str] = field(default_factory=set)
-
-    def add(self, other: _Cost) -> None:
-        self.flops += other.flops
-        self.conv_flops += other.conv_flops
-        self.memory_bytes += other.memory_bytes
-        self.ops += other.ops
-        self.saved_bytes += other.saved_bytes
-        self.kinds |= other.kinds
-
-
-@dataclass
-class _Trace:
-    """One meta forward: the modules called (first-call order), costs per stack of running module forwards
-    (outermost first, "" = the model), each module's output bytes (summed over its calls)."""
-
-    order: dict[str, int] = field(default_factory=dict)
-    costs: dict[tuple[str, ...], _Cost] = field(default_factory=lambda: defaultdict(_Cost))
-    outputs: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    stack: list[str] = field(default_factory=list)
-    key: tuple[str, ...] = ()
-    failure: str = ""
-    unused: list[str] = field(default_factory=list)  # trainable parameters the forward never took
-
-    def push(self, name: str) -> None:
-        self.order.setdefault(name, len(self.order))
-        self.stack.append(name)
-        self.key = tuple(self.stack)
-
-    def pop(self) -> None:
-        self.stack.pop()
-        self.key = tuple(self.stack)
-
-    def here(self) -> _Cost:
-        return self.costs[self.key]
-
-
-class _CostMode(TorchDispatchMode):
-    """Charges each aten op to the stack of module forwards running it: FLOPs as FlopCounterMode counts them
-    (same formulas, same decomposition), memory-bound bytes, op count and kinds."""
-
-    def __init__(self, trace: _Trace) -> None:
-        super().__init__()
-        self.trace = trace
-        self.registry = _registry()
-        self.kinds: dict[Any, str | None] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in SKIPPED_OPS:
-            return NotImplemented
-        if func is not torch.ops.prim.device.default:
-            with self:
-                r = func.decompose(*args, **kwargs)
-                if r is not NotImplemented:
-                    return r
-        out = func(*args, **kwargs)
-        if func.is_view or func in FREE_OPS:
-            return out
-        cost = self.trace.here()
-        cost.ops += 1
-        packet = func._overloadpacket
-        formula = self.registry.get(packet)
-        if formula is not None:
-            flops = formula(*args, **kwargs, out_val=out)
-            cost.flops += flops
-            if packet in CONV_OPS:
-                cost.conv_flops += flops
-        else:
-            leaves = tree_flatten((args, kwargs, out))[0]
-            cost.memory_bytes += sum(_nbytes(t) for t in leaves if isinstance(t, torch.Tensor))
-        if func not in self.kinds:
-            self.kinds[func] = _op_kind(packet.__name__)
-        kind = self.kinds[func]
-        if kind is None and packet in (aten._softmax, aten._safe_softmax) and args[0].dim() == 4:
-            kind = "attention"
-        if kind:
-            cost.kinds.add(kind)
-        return out
-
-
-def _run_meta(model: nn.Module, example: tuple[tuple, dict], trace: _Trace) -> None:
-    """One forward on meta tensors with module hooks, the cost mode and saved-tensor hooks."""
-    from torch.func import functional_call
-
-    params = {n: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
-              for n, p in model.named_parameters()}
-    buffers = {n: meta_buffer(b) for n, b in model.named_buffers()}
-    state_storages = {t.untyped_storage()._cdata for t in (*params.values(), *buffers.values())}
-    seen: set[int] = set()
-
-    def pack(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            storage = t.untyped_storage()
-            key = storage._cdata
-            if key not in seen and key not in state_storages:
-                seen.add(key)
-                trace.here().saved_bytes += _nbytes(t, storage.nbytes() // max(t.element_size(), 1))
-        return t
-
-    def pre(name: str):
-        def hook(mod, args):
-            trace.push(name)
-        return hook
-
-    def post(name: str):
-        def hook(mod, args, out):
-            trace.pop()
-            leaves = tree_flatten(out)[0]
-            trace.outputs[name] += sum(_nbytes(t) for t in leaves if isinstance(t, torch.Tensor))
-        return hook
-
-    handles = []
-    for name, mod in model.named_modules():
-        handles.append(mod.register_forward_pre_hook(pre(name)))
-        handles.append(mod.register_forward_hook(post(name), always_call=True))  # pops after a failure too
-    args, kwargs = meta_example(example, rows=1)  # sizes per sample
-    uses = ParameterUses(params)
-    try:
-        with ExitStack() as es:
-            es.enter_context(uses)
-            es.enter_context(torch.enable_grad())
-            es.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
-            es.enter_context(_CostMode(trace))
-            es.enter_context(meta_friendly(model))
-            out = functional_call(model, {**params, **buffers}, args, kwargs, strict=False, tie_weights=True)
-        del out  # held until here: saved storages stay alive, so no storage id is reused while counting
-        trace.unused = uses.unused()
-    except Exception as err:  # noqa: BLE001 -- data-dependent ops have no meta kernel
-        trace.failure = first_line(err)
-    finally:
-        for h in handles:
-            h.remove()
 
 
 # ------------------------------------------------------------------------------------------- structure
@@ -383,7 +174,7 @@ class _Totals:
     own_ops: dict[str, int]
 
 
-def _totals(trace: _Trace) -> _Totals:
+def _totals(trace: Trace) -> _Totals:
     flops: dict[str, float] = defaultdict(float)
     own_ops: dict[str, int] = defaultdict(int)
     for key, cost in trace.costs.items():
@@ -531,10 +322,10 @@ def _has_mlp(linears: list[nn.Linear]) -> bool:
     return any(f > h and (f, h) in shapes for h, f in shapes)
 
 
-def _specs(s: _Structure, trace: _Trace, modules: list[str]) -> list[UnitSpec]:
+def _specs(s: _Structure, trace: Trace, modules: list[str]) -> list[UnitSpec]:
     """The UnitSpecs of the module units (innermost unit of each stack takes its cost) and of ``(rest)``."""
     unit_set = set(modules)
-    costs: dict[str, _Cost] = defaultdict(_Cost)
+    costs: dict[str, OpCost] = defaultdict(OpCost)
     for key, cost in trace.costs.items():
         owner = next((n for n in reversed(key) if n in unit_set), REST)
         costs[owner].add(cost)
@@ -565,7 +356,7 @@ def _specs(s: _Structure, trace: _Trace, modules: list[str]) -> list[UnitSpec]:
     return specs
 
 
-def _unit_spec(name: str, params: int, cost: _Cost, output: float, kinds: set[str], mlp: bool,
+def _unit_spec(name: str, params: int, cost: OpCost, output: float, kinds: set[str], mlp: bool,
                batchnorm_layers: int) -> UnitSpec:
     found = kinds | cost.kinds | ({"mlp"} if mlp else set())
     return UnitSpec(name=name, params=params, flops=float(cost.flops), conv_flops=float(cost.conv_flops),
@@ -580,16 +371,15 @@ def analyze_units(model: nn.Module, example: tuple[tuple, dict]) -> UnitAnalysis
     real. When the forward cannot run on meta tensors, the units come from structure (modules whose class
     implements ``forward``), with parameters only, and ``failure`` says why."""
     s = _Structure.of(model)
-    trace = _Trace()
-    _run_meta(model, example, trace)
-    if trace.failure:
-        called = {n: i for i, n in enumerate(n for n, m in s.modules.items() if implements_forward(m))}
-        trace = _Trace(order=called, failure=trace.failure)
+    # one forward (sizes per sample), the ops' costs charged to the module forwards running them
+    trace = meta_forward(model, meta_example(example, rows=1), [ParameterUses(), OpCosts()], grad=True)
+    if trace.failure is not None:
+        trace = Trace(called=[n for n, m in s.modules.items() if implements_forward(m)], failure=trace.failure)
     modules = _choose(s, trace.order, _totals(trace))
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) \
         or any("batchnorm" in c.kinds for c in trace.costs.values())
     return UnitAnalysis(units=_specs(s, trace, modules), modules=modules, has_batchnorm=has_bn,
-                        ties=list(s.ties), failure=trace.failure, unused_params=trace.unused)
+                        ties=list(s.ties), failure=trace.failure or "", unused_params=trace.unused)
 
 
 # ------------------------------------------------------------------------------------------- front door
@@ -658,7 +448,8 @@ def analyze_model(model: nn.Module, example: tuple[tuple, dict] | None,
         spec=spec, blocks_fqn="", blocks=blocks, token_embedding=None, position_embedding=None, final_norm=None,
         lm_head=None, tied_embeddings=bool(detail.ties), total_params=spec.total_params(), batch=1, seq_len=1,
         unclassified=[f"meta forward failed ({detail.failure}): data parallelism only"] if detail.failure else [],
-        flops_total=3 * sum(u.flops for u in detail.units), unused_params=detail.unused_params, detail=detail)
+        flops_total=3 * sum(u.flops for u in detail.units), unused_params=detail.unused_params,
+        trace_failure=detail.failure or None, detail=detail)
 
 
 def describe_units(what: ModelSpec | UnitAnalysis | ModelAnalysis) -> str:

@@ -43,8 +43,7 @@ def analyse(module: nn.Module, model_call: Callable[[], Any]) -> tuple[nn.Module
         analysis = analyze(transformer, trace=True, runner=module)  # what the code does (views, fused layouts)
     except ValueError:  # no repeated blocks, or none a transformer spec describes (a ResNet's: no width)
         analysis = None
-    traced = analysis is not None and not any(u.startswith("meta forward failed") for u in analysis.unclassified)
-    if analysis is not None and is_transformer(analysis) and traced:
+    if analysis is not None and is_transformer(analysis) and analysis.trace_failure is None:
         return transformer, analysis, None
     call = model_call()
     example = (tuple(call.args), dict(call.kwargs))

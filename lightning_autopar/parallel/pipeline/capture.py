@@ -12,12 +12,7 @@ import torch
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
-
-
-class _Captured(Exception):
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        super().__init__("model call captured")
-        self.args, self.kwargs = args, kwargs
+from lightning_autopar.profile.trace import StopAtCall
 
 
 @contextmanager
@@ -34,12 +29,12 @@ def capture_model_call(transformer: nn.Module, step: Callable[[], Any], hook: st
     """Run the user's ``step`` up to its call of the model and return that call's (args, kwargs)."""
 
     def grab(*args: Any, **kwargs: Any) -> Any:
-        raise _Captured(args, kwargs)
+        raise StopAtCall("", args, kwargs)  # a BaseException: the step's ``except Exception`` lets it through
 
     with model_call_replaced(transformer, grab), torch.no_grad():
         try:
             step()
-        except _Captured as call:
+        except StopAtCall as call:
             return call.args, call.kwargs
     raise ConfigError(hook, f"with pipeline parallelism the {hook} must call the model "
                       f"({type(transformer).__name__}) exactly once, and it never did", "use pp=1")
