@@ -229,7 +229,7 @@ class PlanningMixin(ABC):
         """The runtime's limits for a transformer: its capabilities (``parallel.capabilities``: what each
         parallelism's check refuses for this model's structure, each with its reason in the report), kept as
         ``self.capabilities`` for check_plan, the apply and the per-batch checks."""
-        from lightning_autopar.parallel.capabilities import model_capabilities
+        from lightning_autopar.parallel.apply import model_capabilities
 
         caps = self.capabilities = model_capabilities(self.lightning_module, transformer, analysis,
                                                       self._automatic_optimization())
