@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
+from lightning_autopar.errors import ConfigError
 from lightning_autopar.parallel.capabilities import Capabilities
 
 if TYPE_CHECKING:
