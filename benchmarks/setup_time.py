@@ -6,6 +6,7 @@ the apply left out; the planning itself never needs the process group).
     python benchmarks/setup_time.py [--repeats 3] [--case gpt2 --case llama-1b ...]
     python benchmarks/setup_time.py --tree /tmp/base --tree . --repeats 3     # before/after, as ratios
     python benchmarks/setup_time.py --case readme --profile out.prof        # cProfile of one case
+    python benchmarks/setup_time.py --pieces                                # the traced pieces alone
 
 Cases: HF GPT-2 124M (seq 1024), a 1B HF Llama (LlamaConfig 2048 wide, 16 layers, GQA 32/8, seq 2048, built on
 meta tensors), HF ResNet-152 (224x224, unit form) and README's main job (examples/train_gpt.py's gpt_small,
@@ -167,6 +168,31 @@ def child(case: str, profile: str | None) -> dict[str, Any]:
             "excluded": sorted(strategy.excluded)}
 
 
+def pieces(case: str) -> dict[str, float]:
+    """CPU seconds (best of 3) of the traced pieces of a transformer's set-up, each alone: the analysis, the
+    attention-call meta run (``context.attention_calls``) and the SP dry run of one block at tp=2."""
+    from lightning_autopar.parallel import sequence
+    from lightning_autopar.parallel.context import attention_calls
+    from lightning_autopar.profile.analyze import analyze, find_transformer
+
+    module = _module(case)[0]
+    _, transformer = find_transformer(module)
+    analysis = analyze(transformer, trace=True, runner=module)
+    fqns = [b.fqn for b in analysis.blocks]
+    runs = {"analyse": lambda: analyze(transformer, trace=True, runner=module),
+            "attention run": lambda: attention_calls(transformer, fqns, 8),
+            "sp dry run tp=2": lambda: sequence._dry_run(transformer, analysis, analysis.blocks[0], 2, module)}
+    out = {}
+    for name, run in runs.items():
+        best = float("inf")
+        for _ in range(3):
+            start = time.process_time()
+            run()
+            best = min(best, time.process_time() - start)
+        out[name] = round(best, 3)
+    return out
+
+
 # ============================================================================================ the parent
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,8 +214,14 @@ def main() -> None:
                         "default: this one); the first is the baseline of the ratios")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", metavar="FILE", help="cProfile one run of the (single) case to FILE")
+    parser.add_argument("--pieces", action="store_true", help="CPU seconds of the traced pieces alone (analysis, "
+                        "attention meta run, SP dry run) of the transformer cases, in this process")
     parser.add_argument("--child", metavar="CASE", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pieces:
+        for case in args.case or [c for c in CASES if c != "resnet152"]:
+            print(case, pieces(case), flush=True)
+        return
     if args.child:
         print(json.dumps(child(args.child, args.profile)))
         return
