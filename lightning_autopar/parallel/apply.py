@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
+from lightning_autopar.errors import ConfigError
+from lightning_autopar.parallel.capabilities import Capabilities
 
 if TYPE_CHECKING:
     from lightning_autopar.parallel.compile import CompiledBlocks
@@ -137,55 +139,134 @@ def applied_schedule(plan: Plan) -> str:
     return plan.schedule
 
 
-def check_batch_length(plan: Plan, transformer: nn.Module, name: str, seq: int | None) -> None:
+def check_batch_length(plan: Plan, capabilities: Capabilities, seq: int | None) -> None:
     """A batch's sequence length that SP (tp) or CP (2*cp) cannot split and cannot pad exactly: one ConfigError,
     raised before the step's first collective and the same on every rank (all hold the same global batch), so a
-    later batch of another length stops every rank with one line (sequence.check_length, context.check_length)."""
+    later batch of another length stops every rank with one line (sequence.check_length, context.check_length).
+    ``capabilities``: the record ``check_plan`` checked the plan against."""
     from lightning_autopar.parallel import context, sequence
 
     if not seq:
         return
     if plan.sp:
-        sequence.check_length(name, seq, plan.tp, sequence.UNPADDABLE.get(transformer, "the model was not checked"))
+        sequence.check_length(capabilities.name, seq, plan.tp, capabilities.unpaddable_at(plan.tp))
     if plan.cp > 1:
-        context.check_length(name, seq, plan.cp, context.CAUSAL.get(transformer, False))
+        context.check_length(capabilities.name, seq, plan.cp, bool(capabilities.causal))
+
+
+def model_capabilities(root: nn.Module, transformer: nn.Module | None, analysis: ModelAnalysis,
+                       automatic_optimization: bool = True) -> Capabilities:
+    """The capabilities of a transformer (``root`` the LightningModule holding it): what each parallelism's check
+    refuses for this model's structure, each with its reason. tp=2 and cp=2 are the smallest splits: what refuses
+    them refuses every degree > 1; pp is checked at 2 on the pipeline split. ``automatic_optimization`` False: the
+    user's loop runs backward (one micro-batch per step, no pipeline)."""
+    from lightning_autopar.parallel.context import check_cp
+    from lightning_autopar.parallel.sequence import check_sp
+    from lightning_autopar.parallel.tensor import check_tp
+
+    caps = Capabilities.of(analysis)
+    try:
+        check_tp(analysis, 2, structure_only=True)
+    except ConfigError as err:
+        caps.exclude("tp", [1], str(err))
+    if caps.allowed.get("tp") != [1]:
+        try:
+            check_sp(analysis, transformer, 2, runner=root, capabilities=caps)
+        except ConfigError as err:
+            caps.exclude("sp", [False], str(err))
+    try:
+        check_cp(analysis, transformer, 2, capabilities=caps)
+    except ConfigError as err:
+        caps.exclude("cp", [1], str(err))
+    if not automatic_optimization:
+        caps.exclude("grad_accum", [1], "the user's loop runs backward (manual optimization)")
+    for name, (values, reason) in _pipeline_expert_limits(root, analysis, automatic_optimization, caps).items():
+        caps.exclude(name, values, reason)
+    return caps
+
+
+def _pipeline_expert_limits(root: nn.Module, analysis: ModelAnalysis, automatic_optimization: bool,
+                            caps: Capabilities) -> dict[str, tuple[list[Any], str]]:
+    """pp and ep values the runtime can apply to this model: pp needs a splittable stack of blocks and automatic
+    optimization; ep needs MoE layers with a route() method, the fused layout of HF Mixtral or the plain layout
+    (parallel.experts). Field -> (allowed values, why the others are not). Sets ``caps.moe``."""
+    from lightning_autopar.parallel.experts import moe_modules, supports_ep
+    from lightning_autopar.profile.analyze import find_transformer
+
+    _, transformer = find_transformer(root)
+    out: dict[str, tuple[list[Any], str]] = {}
+    pipeline_refusal = ""
+    try:
+        check_pipeline_once(root, transformer, analysis, 2, 1, caps)
+        splittable = True
+    except ConfigError as err:
+        splittable, pipeline_refusal = False, str(err)
+    if not splittable:
+        out["pp"] = ([1], pipeline_refusal)
+    elif not automatic_optimization:
+        out["pp"] = ([1], "pipeline parallelism runs backward itself; manual optimization cannot")
+    if not has_moe(analysis):
+        out["ep"] = ([1], "no MoE layers found")
+    elif not all(supports_ep(m, info) for _, m, info in moe_modules(transformer, analysis)):
+        caps.moe = "unsupported"
+        out["ep"] = ([1], "MoE layout not supported by expert parallelism (parallel/experts.py)")
+    else:
+        caps.moe = "ep"
+    return out
+
+
+def check_pipeline_once(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis, pp: int, vpp: int,
+                        caps: Capabilities) -> None:
+    """``pipeline.check_pipeline`` of the pipeline split at (``pp``, ``vpp``), once per degree; the split and its
+    analysis once per model."""
+    from lightning_autopar.parallel.pipeline import check_pipeline
+
+    def run() -> None:
+        split, split_analysis = caps.memo("pipeline split", lambda: pipeline_split(root, transformer, analysis))
+        check_pipeline(split_analysis, split, root, pp, vpp)
+
+    caps.checked("pp", (pp, vpp), run)
 
 
 def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer: nn.Module,
-               example: tuple[tuple, dict] | None = None) -> None:
-    """Raise one ConfigError for what the runtime cannot apply to this model."""
+               example: tuple[tuple, dict] | None = None, capabilities: Capabilities | None = None) -> Capabilities:
+    """Raise one ConfigError for what the runtime cannot apply to this model. ``capabilities``: the model's record
+    (``capabilities.model_capabilities``; a new one when None), whose checks already run at the plan's degrees
+    are not run again; the facts the apply reads are recorded in it. Returns it."""
     from lightning_autopar.parallel.context import check_cp
     from lightning_autopar.parallel.experts import check_ep
-    from lightning_autopar.parallel.pipeline import check_pipeline
     from lightning_autopar.parallel.tensor import check_tp
     from lightning_autopar.planner.space import check_unit_fix
 
+    caps = capabilities if capabilities is not None else Capabilities.of(analysis)
     if analysis.spec.unit_form:
         check_unit_fix(analysis.spec, {"tp": plan.tp, "cp": plan.cp, "ep": plan.ep})
         if plan.pp > 1:
-            check_unit_pipeline(root, transformer, analysis, example, plan.pp, plan.vpp)
-        return
+            caps.checked("unit pp", (plan.pp, plan.vpp), lambda: check_unit_pipeline(
+                root, transformer, analysis, example, plan.pp, plan.vpp))
+        return caps
     check_tp(analysis, plan.tp)
     if plan.sp:
         from lightning_autopar.parallel.sequence import check_sp
 
-        check_sp(analysis, transformer, plan.tp, runner=root)
+        check_sp(analysis, transformer, plan.tp, runner=root, capabilities=caps)
     if plan.pp > 1:
         from lightning_autopar.parallel.pipeline import check_schedule
 
         check_schedule(applied_schedule(plan), plan.pp, plan.grad_accum, plan.recompute, plan.compile)
-        split, split_analysis = pipeline_split(root, transformer, analysis)
-        check_pipeline(split_analysis, split, root, plan.pp, plan.vpp)
+        check_pipeline_once(root, transformer, analysis, plan.pp, plan.vpp, caps)
     check_ep(analysis, transformer, plan.ep)
-    check_cp(analysis, transformer, plan.cp, plan.compile)
+    check_cp(analysis, transformer, plan.cp, plan.compile, capabilities=caps)
+    return caps
 
 
 def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis, plan: Plan, layout: MeshLayout,
                dp_mesh: Any, device: torch.device, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
                layers_per_stage: Sequence[int] | None = None, capacity_factor: float | None = None,
-               example: tuple[tuple, dict] | None = None) -> Applied:
+               example: tuple[tuple, dict] | None = None, capabilities: Capabilities | None = None) -> Applied:
     """Apply ``plan`` to ``transformer`` (inside ``root``, the LightningModule; for a model in unit form, the
-    model the training step calls, ``example`` being that call) in place; see the module doc."""
+    model the training step calls, ``example`` being that call) in place; see the module doc. ``capabilities``:
+    the model's record from the set-up (``check_plan`` then runs no check twice), else one made here."""
     from lightning_autopar.parallel.batchnorm import batchnorm_modules, sync_batchnorm
     from lightning_autopar.parallel.context import apply_context_parallel, data_mesh, self_check
     from lightning_autopar.parallel.compile import check_compile, compile_blocks, enable_async_tp
@@ -196,13 +277,13 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     from lightning_autopar.parallel.pipeline import Pipeline, TracedPipeline
     from lightning_autopar.parallel.recompute import apply_recompute
     from lightning_autopar.parallel.tensor import apply_tensor_parallel
-    from lightning_autopar.parallel.units import check_applied, choose_units, tie_groups
+    from lightning_autopar.parallel.units import check_applied, choose_units
     from lightning_autopar.topology.mesh import expert_meshes
 
-    check_plan(plan, analysis, root, transformer, example)
+    caps = check_plan(plan, analysis, root, transformer, example, capabilities)
     check_compile(plan.compile, plan.pp, device.type, schedule=applied_schedule(plan))
     check_offload(plan.offload, plan.precision, device.type)
-    ties = tie_groups(root)
+    ties = caps.ties(root)
     units = None
     if plan.pp == 1:  # chosen on the untouched model: TP and EP below change its parameters
         units = choose_units(root, transformer, [b.fqn for b in analysis.blocks], analysis.spec.seq_len,
@@ -211,7 +292,8 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     context = None
     if plan.cp > 1 and plan.pp > 1:  # 2b. CP, before the split: hooks on every piece, the whole model checked
         context = apply_context_parallel(transformer, [transformer.get_submodule(b.fqn) for b in analysis.blocks],
-                                         layout["cp"].get_group(), analysis.spec.name, root)
+                                         layout["cp"].get_group(), analysis.spec.name, root,
+                                         causal=bool(caps.causal))
         self_check(transformer, context, analysis.spec.vocab, analysis.spec.seq_len)
     if plan.pp > 1:  # 1. PP split
         if loss_fn is None:
@@ -232,10 +314,11 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
         from lightning_autopar.parallel.sequence import apply_sequence_parallel
 
         chunks = [list(c.blocks) for c in pipeline.chunks] if isinstance(pipeline, Pipeline) else None
-        apply_sequence_parallel(transformer, local, layout["tp"], chunks)
+        apply_sequence_parallel(transformer, local, layout["tp"], chunks, unpaddable=caps.unpaddable_at(plan.tp))
     if plan.cp > 1 and plan.pp == 1:  # 2b. CP
         context = apply_context_parallel(transformer, [transformer.get_submodule(b.fqn) for b in local.blocks],
-                                         layout["cp"].get_group(), analysis.spec.name, root)
+                                         layout["cp"].get_group(), analysis.spec.name, root,
+                                         causal=bool(caps.causal))
         self_check(transformer, context, analysis.spec.vocab, analysis.spec.seq_len)
     if plan.cp > 1:
         dp_mesh = data_mesh(layout, plan)
@@ -270,7 +353,7 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
         if traced:
             pipeline.rebind_parameters()  # the sharded parameters back under the user's names
     elif plain_ddp(plan, local):
-        roots = apply_replicate(root, units, layout["dp_flat"].get_group(), find_unused=bool(local.unused_params))
+        roots = apply_replicate(root, units, layout["dp_flat"].get_group(), find_unused=bool(caps.unused))
     else:
         roots = apply_data_parallel(root, units, dp_mesh, plan.zero, plan.precision, divide, offload)
     check_applied(root, ties, every_param=pipeline is None)

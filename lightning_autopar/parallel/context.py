@@ -26,7 +26,7 @@ data-parallel x cp ranks (``data_mesh``), summed over cp and averaged over dp (d
 
 Real data (issue 18): a length ``2 * cp`` does not divide is zero-padded at its end before the split and the
 padding dropped from the gathered outputs, where the attention is causal by itself in every block (a meta run,
-``attention_calls``): no real token sees a later one, so none sees the padding. A padding mask given as the
+``traced_attention``, recorded in the model's ``Capabilities.causal``): no real token sees a later one, so none sees the padding. A padding mask given as the
 transformer's ``attention_mask`` is kept whole: each attention combines the position mask with the gathered
 padding columns (``MaskAgreement``), after checking that the mask the model built from its local part equals it
 on this rank's own keys.
@@ -53,6 +53,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.parallel.capabilities import Capabilities
 from lightning_autopar.parallel.collectives import all_gather_along, reduce_scatter_along
 
 if TYPE_CHECKING:
@@ -549,13 +550,14 @@ def check_length(model: str, seq: int, cp: int, causal: bool) -> None:
                           f"use a sequence length that is a multiple of {2 * cp}, or cp=1")
 
 
-def priced_length(transformer: nn.Module, name: str, seq: int, cp: int) -> int:
-    """The length a plan with a fixed ``cp`` runs ``transformer`` at (what the planner prices): ``seq`` padded to a
-    multiple of ``2 * cp`` where ``check_cp`` found its attention causal; one ConfigError (``check_length``) where
-    the length cannot be padded, before the planner's own divisibility check."""
-    if cp <= 1 or transformer not in CAUSAL:
+def priced_length(causal: bool | None, name: str, seq: int, cp: int) -> int:
+    """The length a plan with a fixed ``cp`` runs the model at (what the planner prices): ``seq`` padded to a
+    multiple of ``2 * cp`` where ``check_cp`` found its attention causal (``causal``: the model's
+    ``Capabilities.causal``, None where it was not traced); one ConfigError (``check_length``) where the length
+    cannot be padded, before the planner's own divisibility check."""
+    if cp <= 1 or causal is None:
         return seq
-    check_length(name, seq, cp, CAUSAL[transformer])
+    check_length(name, seq, cp, causal)
     return padded_length(seq, cp)
 
 
@@ -588,13 +590,14 @@ def _unset(forward: Callable[..., Any], name: str, args: tuple, kwargs: dict) ->
 
 
 def apply_context_parallel(transformer: nn.Module, blocks: list[nn.Module], cp_group: Any, model: str,
-                           root: nn.Module | None = None) -> ContextParallel:
+                           root: nn.Module | None = None, causal: bool = False) -> ContextParallel:
     """Install the cp hooks on ``transformer`` (sequence in/out, positions), on ``blocks`` (attention) and on the
-    modules of ``root`` outside the transformer that own parameters (``replicated_modules``)."""
+    modules of ``root`` outside the transformer that own parameters (``replicated_modules``). ``causal``: the
+    attention is causal by itself in every block (``Capabilities.causal``, from ``check_cp``)."""
     import torch.distributed as dist
 
     cp = CPGroup(cp_group, dist.get_world_size(cp_group), dist.get_rank(cp_group))
-    masks = MaskAgreement(cp, causal=CAUSAL.get(transformer, False))
+    masks = MaskAgreement(cp, causal=causal)
     patch = _Patch(cp_attention(F.scaled_dot_product_attention, cp, model, masks))
     state = ContextParallel(cp, model, patch, masks, transformer.forward)
     _INSTALLED.add(state)
@@ -667,12 +670,14 @@ def replicated_modules(root: nn.Module, transformer: nn.Module, model: str) -> l
 
 # ------------------------------------------------------------------------------------------------ the checks
 
-def check_cp(analysis: ModelAnalysis, transformer: nn.Module, cp: int, compile: bool = False) -> None:
+def check_cp(analysis: ModelAnalysis, transformer: nn.Module, cp: int, compile: bool = False,
+             capabilities: Capabilities | None = None) -> None:
     """Raise one ConfigError ("plan.cp") when cp > 1 cannot be applied to this model: unit form, MoE layers,
     compile with it (compiled blocks would trace the attention replaced at run time), a block whose attention does
-    not call ``scaled_dot_product_attention`` (a meta run on token ids, which also records in ``CAUSAL`` whether
-    every call is causal by itself), or a sequence length ``2 * cp`` does not divide where that is not causal
-    (``check_length``). Sequence parallelism composes: it splits this rank's part further over tp."""
+    not call ``scaled_dot_product_attention`` (``traced_attention``: one meta run on token ids per model, which also
+    records in ``capabilities.causal`` whether every call is causal by itself), or a sequence length ``2 * cp``
+    does not divide where that is not causal (``check_length``). Sequence parallelism composes: it splits this
+    rank's part further over tp. ``capabilities``: the model's record (a throwaway one when None)."""
     from lightning_autopar.planner.space import context_compile_rule
     from lightning_autopar.profile.analyze import implements_forward
 
@@ -691,18 +696,27 @@ def check_cp(analysis: ModelAnalysis, transformer: nn.Module, cp: int, compile: 
         raise ConfigError("plan.cp", f"{name}: its embeddings and blocks are not one module whose forward runs "
                           f"({type(transformer).__name__}), so the sequence and its positions cannot be split there",
                           "use cp=1")
-    calls = attention_calls(transformer, [b.fqn for b in analysis.blocks], 2 * cp)
-    missing = [] if calls is None else [b.fqn for b in analysis.blocks if b.fqn not in calls]
+    caps = capabilities if capabilities is not None else Capabilities.of(analysis)
+    fqns = [b.fqn for b in analysis.blocks]
+    calls = traced_attention(transformer, fqns, caps)
+    missing = [] if calls is None else [f for f in fqns if f not in calls]
     if missing:
         raise ConfigError("plan.cp", f"{name}: block '{missing[0]}' does not call scaled_dot_product_attention, "
                           "the attention cp splits", "use cp=1 (or the model's SDPA attention)")
-    CAUSAL[transformer] = causal_blocks(calls, [b.fqn for b in analysis.blocks])
-    check_length(name, analysis.spec.seq_len, cp, CAUSAL[transformer])
+    caps.causal = causal_blocks(calls, fqns)
+    check_length(name, analysis.spec.seq_len, cp, caps.causal)
 
 
-# transformer -> its attention is causal by itself in every block (``check_cp``'s meta run; read where cp and sp
-# pad a sequence the split does not divide)
-CAUSAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# the length of the meta run that finds each block's attention calls (``traced_attention``): a few tokens (> 1:
+# Hugging Face's attention sets is_causal only for more than one query), whatever the degree checked
+ATTENTION_SEQ = 8
+
+
+def traced_attention(transformer: nn.Module, block_fqns: list[str],
+                     capabilities: Capabilities) -> dict[str, list[bool]] | None:
+    """``attention_calls`` of ``transformer`` on ``ATTENTION_SEQ`` tokens, run once per model (its
+    ``capabilities``): the cp check and SP's padding rule both read it."""
+    return capabilities.memo("attention calls", lambda: attention_calls(transformer, block_fqns, ATTENTION_SEQ))
 
 
 def causal_blocks(calls: dict[str, list[bool]] | None, block_fqns: list[str]) -> bool:

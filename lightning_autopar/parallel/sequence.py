@@ -31,7 +31,6 @@ post-norm module adding the residual inside (its output module takes the attenti
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -40,6 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.parallel.capabilities import NOT_CHECKED, Capabilities
 from lightning_autopar.parallel.tensor import _CopyToTP, GatherSeq, SeqComm, SplitSeq, _join, row_output_sp
 from lightning_autopar.profile.analyze import BlockInfo, ModelAnalysis
 
@@ -57,7 +57,7 @@ class _SeqState:
 
     comm: SeqComm
     hidden: int
-    unpaddable: str = "the model was not checked"
+    unpaddable: str = NOT_CHECKED
     local: int = 0
     length: int = 0
 
@@ -229,7 +229,7 @@ def block_runs(transformer: nn.Module, analysis: ModelAnalysis,
 
 
 def install(transformer: nn.Module, analysis: ModelAnalysis, comm: SeqComm, runs: list[list[str]],
-            gather_runs: bool = True, unpaddable: str = "the model was not checked") -> list[RemovableHandle]:
+            gather_runs: bool = True, unpaddable: str = NOT_CHECKED) -> list[RemovableHandle]:
     """Add the SP hooks (module doc) to the blocks of ``analysis`` in ``transformer``; ``runs``: the block paths of
     each contiguous run (``block_runs``); ``gather_runs`` False leaves the runs' outputs split (the dry run);
     ``unpaddable``: why a length tp does not divide cannot be padded ('' where it can: ``check_sp``). Returns the
@@ -277,13 +277,13 @@ def _grad_sum_hooks(block: nn.Module, info: BlockInfo, group: Any) -> list[Remov
 
 
 def apply_sequence_parallel(transformer: nn.Module, analysis: ModelAnalysis, tp_mesh: DeviceMesh,
-                            chunks: list[list[nn.Module]] | None = None) -> None:
+                            chunks: list[list[nn.Module]] | None = None, unpaddable: str = NOT_CHECKED) -> None:
     """SP on the blocks of ``analysis`` present in ``transformer`` (``chunks``: the pipeline chunks' block
-    modules), after ``tensor.apply_tensor_parallel`` with ``sp=True`` laid out their projections."""
+    modules), after ``tensor.apply_tensor_parallel`` with ``sp=True`` laid out their projections; ``unpaddable``:
+    the model's ``Capabilities.unpaddable_at(tp)`` (``check_sp``)."""
     if tp_mesh.size() > 1:
         comm = SeqComm(tp_mesh.get_group(), tp_mesh.size(), tp_mesh.get_local_rank())
-        install(transformer, analysis, comm, block_runs(transformer, analysis, chunks),
-                unpaddable=UNPADDABLE.get(transformer, "the model was not checked"))
+        install(transformer, analysis, comm, block_runs(transformer, analysis, chunks), unpaddable=unpaddable)
 
 
 # ------------------------------------------------------------------------------------------- check
@@ -375,42 +375,46 @@ def _dry_run(transformer: nn.Module, analysis: ModelAnalysis, info: BlockInfo, t
     return call
 
 
-def check_sp(analysis: ModelAnalysis, transformer: nn.Module, tp: int = 2, runner: nn.Module | None = None) -> None:
+def check_sp(analysis: ModelAnalysis, transformer: nn.Module, tp: int = 2, runner: nn.Module | None = None,
+             capabilities: Capabilities | None = None) -> None:
     """Raise one ConfigError ("plan.sp") when sequence parallelism cannot apply to this model: every block's
     attention and MLP/MoE must be distinct proper submodules, and the first dense block (the dry run needs no
     data-dependent routing; the MoE module itself sees the whole sequence) must run with the sequence split
-    (``_dry_run``). tp=2 is the smallest split: what refuses it refuses every tp > 1. Also records whether a
-    length tp does not divide can be padded (``UNPADDABLE``) and checks the model's length (the first batch's,
-    ``spec.seq_len``) against it."""
+    (``_dry_run``). tp=2 is the smallest split: what refuses it refuses every tp > 1. Also records in
+    ``capabilities`` (the model's record; a throwaway one when None) whether a length tp does not divide can be
+    padded (``Capabilities.unpaddable``), and checks the model's length (the first batch's, ``spec.seq_len``)
+    against it. The dry run runs once per model and tp."""
     if tp == 1:
         return
-    if analysis.spec.unit_form:
-        raise ConfigError("plan.sp", f"{analysis.spec.name}: no block stack to split the sequence of", "use sp=false")
-    for info in analysis.blocks:
-        _check_structure(info)
-    dense = next((b for b in analysis.blocks if b.moe is None), None)
-    call = _dry_run(transformer, analysis, dense, tp, runner) if dense is not None else None
-    unpaddable = _unpaddable(analysis, transformer, call, 4 * tp)
-    if transformer is not None:  # the planner's restriction check may run before the stack is found
-        UNPADDABLE[transformer] = unpaddable
-    check_length(analysis.spec.name, analysis.spec.seq_len, tp, unpaddable)
+    caps = capabilities if capabilities is not None else Capabilities.of(analysis)
+
+    def run() -> None:
+        if analysis.spec.unit_form:
+            raise ConfigError("plan.sp", f"{analysis.spec.name}: no block stack to split the sequence of",
+                              "use sp=false")
+        for info in analysis.blocks:
+            _check_structure(info)
+        dense = next((b for b in analysis.blocks if b.moe is None), None)
+        call = _dry_run(transformer, analysis, dense, tp, runner) if dense is not None else None
+        caps.unpaddable[tp] = _unpaddable(analysis, transformer, call, 4 * tp, caps)
+
+    caps.checked("sp", tp, run)
+    check_length(analysis.spec.name, analysis.spec.seq_len, tp, caps.unpaddable[tp])
 
 
-# transformer -> why a sequence length tp does not divide cannot be padded under SP ('' where it can: ``check_sp``)
-UNPADDABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _unpaddable(analysis: ModelAnalysis, transformer: nn.Module, call: tuple[tuple, dict] | None, seq: int) -> str:
+def _unpaddable(analysis: ModelAnalysis, transformer: nn.Module, call: tuple[tuple, dict] | None, seq: int,
+                caps: Capabilities) -> str:
     """Why zero-padding the hidden states at the end of the sequence would change a real token's result ('' when
     it would not): MoE layers (the router would see the padding: its balance loss changes), attention not causal
-    by itself in every block (``context.attention_calls``, a meta run on token ids: is_causal set, no mask), or
+    by itself in every block (``context.traced_attention``, one meta run on token ids per model: is_causal set, no
+    mask), or
     block inputs besides the hidden states that span the sequence (``call``: a block's inputs on ``seq`` tokens)."""
-    from lightning_autopar.parallel.context import attention_calls, causal_blocks
+    from lightning_autopar.parallel.context import causal_blocks, traced_attention
 
     if call is None or any(b.moe is not None for b in analysis.blocks):
         return "MoE layers would route the padded tokens"
     fqns = [b.fqn for b in analysis.blocks]
-    if not causal_blocks(attention_calls(transformer, fqns, seq), fqns):
+    if not causal_blocks(traced_attention(transformer, fqns, caps), fqns):
         return "the attention is not causal, or not known to be: a meta run did not see SDPA with is_causal=True " \
                "and no mask in every block"
     state = _SeqState(SeqComm(None, 1), analysis.spec.hidden)

@@ -36,7 +36,8 @@ from lightning_autopar.specs import ClusterSpec, Plan, RuntimeProfile, TrialResu
 
 # What the runtime cannot apply on any model (the backend lacks it); the planner searches only inside it unless
 # the user fixes a field. Empty: every plan kind the planner searches runs (tests/test_plan_parity.py). What a
-# given model's structure refuses is excluded per model in _restrictions (tp, sp, cp, pp, ep), with the reason.
+# given model's structure refuses is excluded per model (tp, sp, cp, pp, ep), with the reason: its capabilities
+# (parallel/capabilities.py), built once in _restrictions.
 RUNTIME_SUPPORT: dict[str, list[Any]] = {}
 
 
@@ -87,6 +88,7 @@ class PlanningMixin(ABC):
         self.mesh_layout: Any = None
         self.analysis: Any = None
         self.excluded: dict[str, str] = {}  # plan field -> why the runtime cannot apply its other values here
+        self.capabilities: Any = None  # what the runtime can apply to the model (parallel.capabilities)
         self._fsdp_roots: list[nn.Module] = []
         self._global_batch = 0
         self._capacity_factor = moe_capacity_factor  # None: no token dropped (parallel.experts)
@@ -95,8 +97,7 @@ class PlanningMixin(ABC):
         self._step_env: StepEnv | None = None  # what the step runtime runs with, once the plan is applied
         self._pipeline_steps: PipelineSteps | None = None  # its pipeline steps (pipe None when pp == 1)
         self._first_of: tuple[Any, Any] | None = None  # (plan DataLoader, its first batch)
-        self._transformer: nn.Module | None = None  # the block stack the plan was applied to, and its model's name
-        self._model_name = ""
+        self._transformer: nn.Module | None = None  # the block stack the plan was applied to
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -224,39 +225,21 @@ class PlanningMixin(ABC):
         """(the model the plan applies to, its analysis, the user's call of it or None): ``runtime.analysis``."""
         return analyse(self.lightning_module, self._model_call)
 
-    def _exclude(self, restrict: dict[str, list[Any]], name: str, values: list[Any], reason: str) -> None:
-        """Narrow plan field ``name`` to ``values`` because the runtime cannot apply the others to this model;
-        ``reason`` is shown in the plan report (``PlanReport.excluded``), so nothing is dropped silently."""
-        restrict[name] = list(values)
-        self.excluded[name] = reason
-
     def _restrictions(self, transformer: nn.Module, analysis: Any, precision: str) -> dict[str, list[Any]]:
-        """The runtime's limits for a transformer: what each parallelism's check refuses for this model's
-        structure, each with its reason in the report."""
-        from lightning_autopar.parallel.context import check_cp
-        from lightning_autopar.parallel.sequence import check_sp
-        from lightning_autopar.parallel.tensor import check_tp
+        """The runtime's limits for a transformer: its capabilities (``parallel.capabilities``: what each
+        parallelism's check refuses for this model's structure, each with its reason in the report), kept as
+        ``self.capabilities`` for check_plan, the apply and the per-batch checks."""
+        from lightning_autopar.parallel.apply import model_capabilities
 
+        caps = self.capabilities = model_capabilities(self.lightning_module, transformer, analysis,
+                                                      self._automatic_optimization())
+        return self._restricted(caps)
+
+    def _restricted(self, caps: Any) -> dict[str, list[Any]]:
+        """The planner's ``restrict``: the runtime's support, the model's capabilities, then the user's own."""
+        self.excluded = caps.excluded
         restrict: dict[str, list[Any]] = {k: list(v) for k, v in RUNTIME_SUPPORT.items()}
-        self.excluded = {}
-        try:  # tp=2 is the smallest split: what refuses it refuses every tp > 1 for this model's structure
-            check_tp(analysis, 2, structure_only=True)
-        except ConfigError as err:
-            self._exclude(restrict, "tp", [1], str(err))
-        if restrict.get("tp") != [1]:
-            try:
-                check_sp(analysis, transformer, 2, runner=self.lightning_module)
-            except ConfigError as err:
-                self._exclude(restrict, "sp", [False], str(err))
-        try:  # cp=2 is the smallest split (2 * cp load-balanced chunks): what refuses it refuses every cp > 1
-            check_cp(analysis, transformer, 2)
-        except ConfigError as err:
-            self._exclude(restrict, "cp", [1], str(err))
-        if not self._automatic_optimization():
-            # the user's own loop does backward: one micro-batch per step
-            self._exclude(restrict, "grad_accum", [1], "the user's loop runs backward (manual optimization)")
-        for name, (values, reason) in self._pipeline_expert_restrictions(analysis).items():
-            self._exclude(restrict, name, values, reason)
+        restrict.update({k: list(v) for k, v in caps.allowed.items()})
         restrict.update(self._restrict)
         return restrict
 
@@ -266,28 +249,28 @@ class PlanningMixin(ABC):
         reason in the report otherwise). A grad_accum the user fixes on a BatchNorm model gets one warning."""
         from lightning_autopar.parallel.apply import check_unit_pipeline
         from lightning_autopar.parallel.batchnorm import batchnorm_modules
+        from lightning_autopar.parallel.capabilities import Capabilities
 
-        restrict: dict[str, list[Any]] = {k: list(v) for k, v in RUNTIME_SUPPORT.items()}
-        self.excluded = {}
+        caps = self.capabilities = Capabilities.of(analysis)
         if not self._automatic_optimization():
-            self._exclude(restrict, "grad_accum", [1], "the user's loop runs backward (manual optimization)")
-            self._exclude(restrict, "pp", [1], "pipeline parallelism runs backward itself; manual optimization cannot")
+            caps.exclude("grad_accum", [1], "the user's loop runs backward (manual optimization)")
+            caps.exclude("pp", [1], "pipeline parallelism runs backward itself; manual optimization cannot")
         else:
             # the smallest pipeline this world allows: the check traces the model (torch.export), so a world with
-            # no pp > 1 (one process) pays nothing
+            # no pp > 1 (one process) pays nothing; check_plan reads its outcome for a plan at that degree
             pp = next((d for d in range(2, self.world_size + 1) if self.world_size % d == 0), None)
             try:
                 if pp is not None:
-                    check_unit_pipeline(self.lightning_module, model, analysis, example, pp)
+                    caps.checked("unit pp", (pp, 1), lambda: check_unit_pipeline(
+                        self.lightning_module, model, analysis, example, pp))
             except ConfigError as err:
-                self._exclude(restrict, "pp", [1], str(err))
+                caps.exclude("pp", [1], str(err))
         fixed = self._fix.get("grad_accum")
         if batchnorm_modules(model) and fixed is not None and fixed > 1 and self.global_rank == 0:
             warnings.warn(f"autopar: grad_accum={fixed} is fixed and {analysis.spec.name} has BatchNorm: its "
                           "statistics (and running buffers) are per micro-batch, as on one device running "
                           f"{fixed} micro-batches per step, not the whole batch at once", stacklevel=2)
-        restrict.update(self._restrict)
-        return restrict
+        return self._restricted(caps)
 
     def _plan_and_apply(self, precision_name: str) -> None:
         """Plan for the model and the plan DataLoader and apply the plan; ``precision_name`` is the framework's
@@ -301,7 +284,9 @@ class PlanningMixin(ABC):
         unit_form = analysis.spec.unit_form
         global_batch, seq_len = self._batch_geometry(analysis.spec.seq_len, traced=example is not None)
         self._global_batch = global_batch
-        analysis.spec.seq_len = seq_len
+        # what the plan is for: the analysis at the batch's length (a copy: the analysis itself is not changed)
+        analysis = self.analysis = dataclasses.replace(analysis, spec=dataclasses.replace(analysis.spec,
+                                                                                          seq_len=seq_len))
         precision = plan_precision(precision_name)
         if "tp" in self._fix and not unit_form:  # unit form: the planner refuses tp > 1 (check_unit_fix)
             check_tp(analysis, self._fix["tp"])
@@ -312,7 +297,7 @@ class PlanningMixin(ABC):
         from lightning_autopar.parallel.context import priced_length
         from lightning_autopar.parallel.sequence import padding_note
 
-        priced_seq = seq_len if unit_form else priced_length(transformer, analysis.spec.name, seq_len,
+        priced_seq = seq_len if unit_form else priced_length(self.capabilities.causal, analysis.spec.name, seq_len,
                                                              self._fix.get("cp") or 1)  # a fixed cp pads
 
         def plan_on(cluster: Any) -> Any:  # enough candidates for the trials to have distinct plans
@@ -585,10 +570,10 @@ class PlanningMixin(ABC):
         applied = self._applied = apply_plan(
             module, transformer, analysis, plan, layout, dp_mesh(layout, plan), self.root_device, loss_fn=steps.loss,
             layers_per_stage=self.report.best.layers_per_stage, capacity_factor=self._capacity_factor,
-            example=example)
+            example=example, capabilities=self.capabilities)
         self._fsdp_roots = env.fsdp_roots = applied.fsdp_roots
         steps.pipe, steps.model = applied.pipeline, applied.pipeline_root or transformer  # what the user's steps call
-        self._transformer, self._model_name = transformer, analysis.spec.name
+        self._transformer = transformer
         self._first_of = None  # the batch is not held for the whole run
 
     def _check_batch(self, batch: Any) -> None:
@@ -598,37 +583,7 @@ class PlanningMixin(ABC):
 
         plan = self.plan
         if plan is not None and (plan.sp or plan.cp > 1) and self._transformer is not None:
-            check_batch_length(plan, self._transformer, self._model_name, sequence_length(batch))
-
-    def _pipeline_expert_restrictions(self, analysis: Any) -> dict[str, tuple[list[Any], str]]:
-        """pp and ep values the runtime can apply to this model: pp needs a splittable stack of blocks and
-        automatic optimization; ep needs MoE layers with a route() method, the fused layout of HF Mixtral or the
-        plain layout (parallel.experts). Field -> (allowed values, why the others are not)."""
-        from lightning_autopar.parallel.apply import has_moe, pipeline_split
-        from lightning_autopar.parallel.experts import moe_modules, supports_ep
-        from lightning_autopar.parallel.pipeline import check_pipeline
-        from lightning_autopar.profile.analyze import find_transformer
-
-        module = self.lightning_module
-        _, transformer = find_transformer(module)
-        out: dict[str, tuple[list[Any], str]] = {}
-        pipeline_refusal = ""
-        try:
-            split, split_analysis = pipeline_split(module, transformer, analysis)
-            check_pipeline(split_analysis, split, module, 2)
-            splittable = True
-        except ConfigError as err:
-            splittable, pipeline_refusal = False, str(err)
-        moe = has_moe(analysis)
-        if not splittable:
-            out["pp"] = ([1], pipeline_refusal)
-        elif not self._automatic_optimization():
-            out["pp"] = ([1], "pipeline parallelism runs backward itself; manual optimization cannot")
-        if not moe:
-            out["ep"] = ([1], "no MoE layers found")
-        elif not all(supports_ep(m, info) for _, m, info in moe_modules(transformer, analysis)):
-            out["ep"] = ([1], "MoE layout not supported by expert parallelism (parallel/experts.py)")
-        return out
+            check_batch_length(plan, self.capabilities, sequence_length(batch))
 
     def _norm_parts(self) -> list[Any] | None:
         """Parameter parts for gradient clipping when ranks hold different parameters (stages, experts)."""

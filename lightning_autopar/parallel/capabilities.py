@@ -1,0 +1,81 @@
+"""What the runtime can apply to one model, decided once (issue 25 item 2): ``Capabilities``.
+
+One record per model set-up, built by ``apply.model_capabilities`` before planning and read afterwards by the planner's
+restrictions (``allowed``, each narrowed field with its ``excluded`` reason), ``apply.check_plan`` at the plan's
+real degrees, ``apply.apply_plan`` and the per-batch length check (``apply.check_batch_length``). It carries the
+facts those need -- attention causal by itself, why a length tp does not divide cannot be padded under SP, the
+tie groups, the unused trainable parameters, the MoE layout -- and the outcome of every check it ran, keyed by
+the check and its degree, so no check (and no meta forward) runs twice for the same model and degree: tp=2 checked
+for the restrictions is not checked again when the plan has tp=2. Nothing lives in module-global registries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Hashable
+
+from lightning_autopar.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from lightning_autopar.profile.analyze import ModelAnalysis
+
+NOT_CHECKED = "the model was not checked"
+
+
+@dataclass(eq=False)
+class Capabilities:
+    """What the runtime can apply to one model (module doc). ``allowed``: plan field -> the values the runtime can
+    apply (absent: any the planner searches); ``excluded``: field -> why the others are not (the plan report)."""
+
+    name: str
+    allowed: dict[str, list[Any]] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
+    causal: bool | None = None  # every block's attention is causal by itself (None: not known; ``check_cp``)
+    unpaddable: dict[int, str] = field(default_factory=dict)  # tp -> why SP cannot pad ('' where it can)
+    unused: list[str] = field(default_factory=list)  # trainable parameters no forward uses (the trace's)
+    moe: str = ""  # "": no MoE layers; "ep": a layout expert parallelism supports; "unsupported"
+    _checks: dict[tuple[str, Hashable], ConfigError | None] = field(default_factory=dict, repr=False)
+    _memo: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, analysis: ModelAnalysis) -> Capabilities:
+        """A new record for the model of ``analysis`` (its name and the unused parameters its trace found)."""
+        return cls(analysis.spec.name, unused=list(analysis.unused_params))
+
+    def ties(self, root: nn.Module) -> list[Any]:
+        """The tie groups of ``root`` (``parallel.units.TieGroup``), found once per model."""
+        from lightning_autopar.parallel.units import tie_groups
+
+        return self.memo("ties", lambda: tie_groups(root))
+
+    def exclude(self, name: str, values: list[Any], reason: str) -> None:
+        """Narrow plan field ``name`` to ``values``, shown with ``reason`` in the plan report."""
+        self.allowed[name] = list(values)
+        self.excluded[name] = reason
+
+    def checked(self, kind: str, degree: Hashable, run: Callable[[], None]) -> None:
+        """``run()`` (a check raising one ConfigError) once per (``kind``, ``degree``); later calls give its
+        outcome again: nothing, or the same ConfigError."""
+        key = (kind, degree)
+        if key not in self._checks:
+            try:
+                run()
+            except ConfigError as err:
+                self._checks[key] = err
+            else:
+                self._checks[key] = None
+        err = self._checks[key]
+        if err is not None:
+            raise err
+
+    def memo(self, key: str, make: Callable[[], Any]) -> Any:
+        """``make()`` once per ``key`` (a trace of the model, the pipeline split's analysis)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def unpaddable_at(self, tp: int) -> str:
+        """Why a length ``tp`` does not divide cannot be padded under SP ('' where it can; not checked: why not)."""
+        return self.unpaddable.get(tp, NOT_CHECKED)
