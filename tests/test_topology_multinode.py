@@ -278,3 +278,75 @@ def test_a_killed_node_restarts_and_resumes_exactly(two_node_training):
     assert result["restarts"] >= 1 and result["resumed_from"].endswith("step=00000004")
     assert len(result["losses"]) == STEPS - 4 and KILL_AT > 4
     assert_equivalent(result, *reference_run(), first_step=4)
+
+
+SLURM_WORKER = textwrap.dedent('''
+    import os, sys
+    import torch
+    sys.path.insert(0, sys.argv[2])
+    from scenarios import fit, full_state
+
+    trainer, module, losses, plan = fit("dp=4,zero=3,dp_shard=2")
+    state = full_state(module)
+    if trainer.global_rank == 0:
+        torch.save({"losses": losses, "state": state, "plan": plan, "nodes": trainer.num_nodes,
+                    "environment": type(trainer.strategy.cluster_environment).__name__,
+                    "groups": trainer.strategy.mesh_layout.groups()}, os.path.join(sys.argv[1], "slurm.pt"))
+''')
+
+
+def _free_port_in(low: int, high: int) -> int:
+    import random
+    import socket
+
+    for port in random.sample(range(low, high), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{low}, {high})")
+
+
+@pytest.fixture(scope="module")
+def slurm_step(tmp_path_factory) -> Path:
+    """Four tasks started as ``srun --nodes 2 --ntasks-per-node 2 python train.py`` starts them: plain processes,
+    each with the SLURM_* variables of its task (no torchrun); Lightning's SLURMEnvironment takes rank and node
+    from them and its port from the job id."""
+    out = tmp_path_factory.mktemp("slurm_step")
+    script = out / "train.py"
+    script.write_text(SLURM_WORKER)
+    port = _free_port_in(15000, 25000)  # Lightning's SLURM port is 15000 + the job id's last 4 digits
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", SLURM_JOB_ID=f"7{port - 15000:04d}", SLURM_JOB_NAME="train",
+               SLURM_NTASKS="4", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="2", SLURM_JOB_NUM_NODES="2",
+               SLURM_NODELIST="127.0.0.1", SLURM_STEP_ID="0")
+    tasks = [subprocess.Popen([sys.executable, str(script), str(out), str(DIST)], cwd=out, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r % 2),
+                                   "SLURM_NODEID": str(r // 2)}) for r in range(4)]
+    logs = []
+    try:
+        for task in tasks:
+            logs.append(task.communicate(timeout=300)[0])
+    finally:
+        for task in tasks:
+            if task.poll() is None:
+                os.killpg(task.pid, signal.SIGKILL)
+                task.wait()
+    if not (out / "slurm.pt").exists():
+        pytest.fail("the srun-style job wrote no result; logs:\n" + "\n".join(log[-3000:] for log in logs))
+    return out
+
+
+def test_srun_style_tasks_train_hsdp_across_two_nodes_equal_to_one_device(slurm_step):
+    import torch
+    from common import reference_run
+    from test_strategy import assert_equivalent
+
+    result = torch.load(slurm_step / "slurm.pt", weights_only=False)
+    assert result["environment"] == "SLURMEnvironment" and result["nodes"] == 2
+    assert result["groups"]["dp_shard"] == [[0, 1], [2, 3]] and result["groups"]["dp_replicate"] == [[0, 2], [1, 3]]
+    assert_equivalent(result, *reference_run())
