@@ -64,6 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", "--launches", type=int, default=100)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--keep-logs", type=Path, help="write each failed launch's output to DIR/launch_N.log")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -79,8 +80,11 @@ def main() -> None:
         text = proc.stdout + proc.stderr
         aborts += "terminate called" in text
         if proc.returncode != 0:
-            last = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or ["(no stderr)"]
-            print(f"launch {i + 1}: exit {proc.returncode}: {last[0][:200]}", flush=True)
+            errors = [line for line in text.splitlines() if "Error" in line or "error" in line or "terminate" in line]
+            print(f"launch {i + 1}: exit {proc.returncode}: {(errors or ['(no error line)'])[-1][:300]}", flush=True)
+            if args.keep_logs:
+                args.keep_logs.mkdir(parents=True, exist_ok=True)
+                (args.keep_logs / f"launch_{i + 1}.log").write_text(text)
     took = time.monotonic() - start
     summary = ", ".join(f"exit {code}: {count}" for code, count in sorted(codes.items()))
     print(f"{args.launches} launches of {args.nproc} processes: {summary}; 'terminate called' in {aborts}; "

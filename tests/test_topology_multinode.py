@@ -5,7 +5,9 @@ writes tables that validate and match the live ranks; RANK_TABLE_FILE is checked
 every rank); a faked version mismatch names the odd rank; build_mesh(tp=2) keeps TP groups inside a node and
 matches the priced groups; the probe measures both levels and writes a spec YAML that loads. A second spawn
 trains on the two nodes (Trainer(devices=2, num_nodes=2)): DDP, HSDP (shard group inside a node), tp2 x dp2 and
-pp2 x dp2, each equal to one device.
+pp2 x dp2, each equal to one device, then a rank of the second node is SIGKILLed under --max-restarts and the run
+resumes exactly. The same two nodes as an srun step starts them (plain processes with SLURM_* variables) and
+through `fabric run --num-nodes 2 --node-rank 0/1` train equal to one device too.
 """
 
 from __future__ import annotations
@@ -126,10 +128,12 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-def two_agents(args: list[str], cwd: Path, timeout: int, restarts: int = 0) -> list[str]:
+def two_agents(args: list[str], cwd: Path, timeout: int, restarts: int = 0, fabric: bool = False) -> list[str]:
     """Run ``args`` (a script and its arguments) under two torchrun agents, ``--nnodes 2 --node-rank 0/1`` x 2
     processes with one rendezvous endpoint on localhost, as a user starts a job on two nodes; their logs. With
-    ``restarts``, the elastic form a job that survives a lost node uses: the c10d rendezvous, ``--max-restarts``."""
+    ``restarts``, the elastic form a job that survives a lost node uses: the c10d rendezvous, ``--max-restarts``.
+    ``fabric``: Lightning's own launcher, ``fabric run --num-nodes 2 --node-rank 0/1`` (no ``--strategy``: the
+    script asks for autopar)."""
     port = free_port()
     rendezvous = (["--master-addr", "127.0.0.1", "--master-port", str(port)] if not restarts else
                   ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two_nodes",
@@ -137,8 +141,15 @@ def two_agents(args: list[str], cwd: Path, timeout: int, restarts: int = 0) -> l
     env = {**os.environ, "AUTOPAR_PG_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK_TABLE_FILE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                                "--nproc-per-node", "2", *rendezvous, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+    def command(node: int) -> list[str]:
+        if fabric:
+            return [str(Path(sys.executable).parent / "fabric"), "run", "--accelerator", "cpu", "--devices", "2",
+                    "--num-nodes", "2", "--node-rank", str(node), "--main-address", "127.0.0.1", "--main-port",
+                    str(port), *args]
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                "--nproc-per-node", "2", *rendezvous, *args]
+
+    agents = [subprocess.Popen(command(node), cwd=cwd, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True) for node in (0, 1)]
     logs = []
     try:
@@ -278,3 +289,95 @@ def test_a_killed_node_restarts_and_resumes_exactly(two_node_training):
     assert result["restarts"] >= 1 and result["resumed_from"].endswith("step=00000004")
     assert len(result["losses"]) == STEPS - 4 and KILL_AT > 4
     assert_equivalent(result, *reference_run(), first_step=4)
+
+
+SLURM_WORKER = textwrap.dedent('''
+    import os, sys
+    import torch
+    sys.path.insert(0, sys.argv[2])
+    from scenarios import fit, full_state
+
+    trainer, module, losses, plan = fit("dp=4,zero=3,dp_shard=2")
+    state = full_state(module)
+    if trainer.global_rank == 0:
+        torch.save({"losses": losses, "state": state, "plan": plan, "nodes": trainer.num_nodes,
+                    "environment": type(trainer.strategy.cluster_environment).__name__,
+                    "groups": trainer.strategy.mesh_layout.groups()}, os.path.join(sys.argv[1], "slurm.pt"))
+''')
+
+
+def _free_port_in(low: int, high: int) -> int:
+    import random
+    import socket
+
+    for port in random.sample(range(low, high), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{low}, {high})")
+
+
+@pytest.fixture(scope="module")
+def slurm_step(tmp_path_factory) -> Path:
+    """Four tasks started as ``srun --nodes 2 --ntasks-per-node 2 python train.py`` starts them: plain processes,
+    each with the SLURM_* variables of its task (no torchrun); Lightning's SLURMEnvironment takes rank and node
+    from them and its port from the job id."""
+    out = tmp_path_factory.mktemp("slurm_step")
+    script = out / "train.py"
+    script.write_text(SLURM_WORKER)
+    port = _free_port_in(15000, 25000)  # Lightning's SLURM port is 15000 + the job id's last 4 digits
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", SLURM_JOB_ID=f"7{port - 15000:04d}", SLURM_JOB_NAME="train",
+               SLURM_NTASKS="4", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="2", SLURM_JOB_NUM_NODES="2",
+               SLURM_NODELIST="127.0.0.1", SLURM_STEP_ID="0")
+    tasks = [subprocess.Popen([sys.executable, str(script), str(out), str(DIST)], cwd=out, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r % 2),
+                                   "SLURM_NODEID": str(r // 2)}) for r in range(4)]
+    logs = []
+    try:
+        for task in tasks:
+            logs.append(task.communicate(timeout=300)[0])
+    finally:
+        for task in tasks:
+            if task.poll() is None:
+                os.killpg(task.pid, signal.SIGKILL)
+                task.wait()
+    if not (out / "slurm.pt").exists():
+        pytest.fail("the srun-style job wrote no result; logs:\n" + "\n".join(log[-3000:] for log in logs))
+    return out
+
+
+def test_srun_style_tasks_train_hsdp_across_two_nodes_equal_to_one_device(slurm_step):
+    import torch
+    from common import reference_run
+    from test_strategy import assert_equivalent
+
+    result = torch.load(slurm_step / "slurm.pt", weights_only=False)
+    assert result["environment"] == "SLURMEnvironment" and result["nodes"] == 2
+    assert result["groups"]["dp_shard"] == [[0, 1], [2, 3]] and result["groups"]["dp_replicate"] == [[0, 2], [1, 3]]
+    assert_equivalent(result, *reference_run())
+
+
+@pytest.fixture(scope="module")
+def fabric_two_nodes(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fabric_two_nodes")
+    logs = two_agents([str(DIST / "batch.py"), str(out), "ecosystem_scenarios.py:fabric_dp"], ROOT, timeout=300,
+                      fabric=True)
+    if not (out / "ecosystem_scenarios" / "fabric_dp.pt").exists():
+        pytest.fail("fabric run wrote no result; logs:\n" + "\n".join(log[-4000:] for log in logs))
+    return out
+
+
+def test_fabric_run_on_two_nodes_trains_equal_to_one_device(fabric_two_nodes):
+    """`fabric run --num-nodes 2 --node-rank 0/1`, the user's Fabric loop with strategy autopar at dp=4 zero=3."""
+    from common import reference_run
+    from test_strategy import assert_equivalent, load
+
+    result = load(fabric_two_nodes / "ecosystem_scenarios", "fabric_dp")
+    assert (result["plan"]["dp"], result["plan"]["zero"]) == (4, 3)
+    assert_equivalent(result, *reference_run())

@@ -36,9 +36,11 @@ def fabric_run(fix: str | None, steps: int = STEPS, accumulate: int = 1, model_f
     from lightning_autopar.models import lm_loss
 
     world = int(os.environ["WORLD_SIZE"])
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE") or world)  # per node; `fabric run --num-nodes 2` gives 2 x 2
     strategy = AutoParallelFabricStrategy(fix=fix, cluster="cpu", print_plan=False)
-    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world)
-    fabric.launch()
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=devices, num_nodes=world // devices)
+    if not os.environ.get("LT_CLI_USED"):  # `fabric run` made the processes: Fabric refuses a second launch()
+        fabric.launch()
     L.seed_everything(0, verbose=False)
     module = make_module()
     optimizer = module.configure_optimizers()

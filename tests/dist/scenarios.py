@@ -41,7 +41,7 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def fit(fix, steps=STEPS, ckpt_path=None, seed=0, model_kwargs=None, strategy_kwargs=None, batch_size=GLOBAL_BATCH,
         make=make_module, **trainer_kwargs):
-    world = int(os.environ["WORLD_SIZE"])
+    world = int(os.environ.get("WORLD_SIZE") or os.environ["SLURM_NTASKS"])  # torchrun's, else an srun step's
     L.seed_everything(seed, verbose=False)
     module = make(**(model_kwargs or {}))
     collector = LossCollector()
@@ -49,7 +49,8 @@ def fit(fix, steps=STEPS, ckpt_path=None, seed=0, model_kwargs=None, strategy_kw
     cbs = trainer_kwargs.pop("extra_callbacks", [])
     trainer_kwargs.setdefault("enable_checkpointing", False)
     trainer_kwargs.setdefault("logger", False)
-    devices = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # as a multi-node user writes it: per node x nodes
+    # as a multi-node user writes it: processes per node x nodes
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or world)
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, num_nodes=world // devices, max_steps=steps,
         enable_progress_bar=False, enable_model_summary=False,
