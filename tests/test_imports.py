@@ -148,12 +148,6 @@ def test_layer_check_finds_an_upward_import():
     assert upward_imports(graph) == ["lightning_autopar.specs -> lightning_autopar.runtime.step"]
 
 
-# Modules that still run a meta forward of their own, left to the change of issue 25 that owns them (the sequence
-# split's block call and dry run, context parallelism's attention calls): each is to move onto
-# ``profile.trace.meta_forward``, and then leaves this set.
-OWN_META_FORWARD_PENDING = {"lightning_autopar.parallel.sequence", "lightning_autopar.parallel.context"}
-
-
 def meta_forward_sites(source: str) -> list[str]:
     """What in ``source`` runs a model of its own on swapped-in tensors, or stops a call on its own: every call of
     ``functional_call`` (the swap of parameters for meta tensors each meta forward makes), a definition of
@@ -185,7 +179,7 @@ def test_exactly_one_module_defines_the_meta_forward():
     for module, path in module_names().items():
         found = [s for s in meta_forward_sites(path.read_text())
                  if not any(s.startswith(f"class {c}(") for c in allowed_classes.get(module, []))]
-        if found and module not in OWN_META_FORWARD_PENDING:
+        if found:
             sites[module] = found
     trace = sites.pop("lightning_autopar.profile.trace", [])
     assert sites == {}, f"modules running a meta forward of their own: {sites}"

@@ -724,64 +724,15 @@ def causal_blocks(calls: dict[str, list[bool]] | None, block_fqns: list[str]) ->
     return calls is not None and all(calls.get(f) and all(calls[f]) for f in block_fqns)
 
 
-def causal_call(args: tuple, kwargs: dict) -> bool:
-    """An SDPA call (``query, key, value, attn_mask, dropout_p, is_causal``) that is causal by itself: is_causal set
-    and no mask."""
-    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-    return bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False)) and mask is None
-
-
-@contextmanager
-def recording_attention(current: list[str], calls: dict[str, list[bool]]) -> Iterator[None]:
-    """``F.scaled_dot_product_attention`` records, under the innermost path in ``current`` (a stack the caller's
-    hooks keep), whether each call is causal by itself (``causal_call``); restored after."""
-    original = F.scaled_dot_product_attention
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        if current:
-            calls.setdefault(current[-1], []).append(causal_call(args, kwargs))
-        return original(*args, **kwargs)
-
-    F.scaled_dot_product_attention = recording
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
-
-
 def attention_calls(transformer: nn.Module, block_fqns: list[str], seq: int) -> dict[str, list[bool]] | None:
     """Per block, whether each ``F.scaled_dot_product_attention`` call of its forward is causal by itself, in a
     meta run on ``seq`` token ids (blocks that call none are absent; None: the model does not run on meta
-    tensors, so the live check decides)."""
-    from torch.func import functional_call
+    tensors, so the live check decides): ``profile.trace.meta_forward`` with its ``AttentionCalls`` recorder."""
+    from lightning_autopar.profile.trace import AttentionCalls, meta_forward, token_ids
 
-    from lightning_autopar.profile.analyze import meta_buffer, meta_friendly
-
-    calls: dict[str, list[bool]] = {}
-    current: list[str] = []
-
-    def enter(fqn: str) -> Callable[..., None]:
-        return lambda module, args: current.append(fqn)
-
-    def leave(module: nn.Module, args: tuple, output: Any) -> None:
-        current.pop()
-
-    handles = []
-    for fqn in block_fqns:
-        block = transformer.get_submodule(fqn)
-        handles.append(block.register_forward_pre_hook(enter(fqn)))
-        handles.append(block.register_forward_hook(leave, always_call=True))
-    state = {n: torch.empty_like(p, device="meta") for n, p in transformer.named_parameters()}
-    state.update({n: meta_buffer(b) for n, b in transformer.named_buffers()})
-    try:
-        with torch.no_grad(), meta_friendly(transformer), recording_attention(current, calls):
-            functional_call(transformer, state, (torch.zeros((1, seq), dtype=torch.long, device="meta"),))
-    except Exception:  # noqa: BLE001 -- a model that cannot run on meta tensors: the live check decides
-        return None
-    finally:
-        for h in handles:
-            h.remove()
-    return calls
+    blocks = {fqn: transformer.get_submodule(fqn) for fqn in block_fqns}
+    trace = meta_forward(transformer, token_ids(1, seq), [AttentionCalls(blocks)], grad=False)
+    return None if trace.failure is not None else trace.sdpa
 
 
 def self_check(transformer: nn.Module, state: ContextParallel, vocab: int, seq_len: int) -> None:

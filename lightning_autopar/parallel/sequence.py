@@ -289,47 +289,19 @@ def apply_sequence_parallel(transformer: nn.Module, analysis: ModelAnalysis, tp_
 # ------------------------------------------------------------------------------------------- check
 
 
-class _Captured(Exception):
-    def __init__(self, call: tuple[tuple, dict]) -> None:
-        super().__init__("captured")
-        self.call = call
-
-
-def _meta_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module``'s parameters and buffers as meta tensors (for ``functional_call``)."""
-    from lightning_autopar.profile.analyze import meta_buffer
-
-    state = {n: torch.empty_like(p, device="meta") for n, p in module.named_parameters()}
-    state.update({n: meta_buffer(b) for n, b in module.named_buffers()})
-    return state
-
-
 def _block_call(transformer: nn.Module, analysis: ModelAnalysis, block: nn.Module, seq: int,
                 runner: nn.Module | None = None) -> tuple[tuple, dict]:
-    """``block``'s (args, kwargs) in a meta forward of ``transformer`` on [1, seq] token ids, stopped there; a
-    transformer without a forward of its own (litgpt's and nanoGPT's ``transformer`` ModuleDict) runs through its
-    innermost ancestor in ``runner`` that has one, as the analysis traces it."""
-    from torch.func import functional_call
-
-    from lightning_autopar.profile.analyze import _traced_module, meta_friendly
-
-    def stop(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        raise _Captured((args, kwargs))
+    """``block``'s (args, kwargs) in a meta forward of ``transformer`` on [1, seq] token ids, stopped there
+    (``StopAtModule``); a transformer without a forward of its own (litgpt's and nanoGPT's ``transformer``
+    ModuleDict) runs through its innermost ancestor in ``runner`` that has one, as the analysis traces it."""
+    from lightning_autopar.profile.analyze import _traced_module
+    from lightning_autopar.profile.trace import StopAtModule, meta_forward, token_ids
 
     _, model = _traced_module(transformer, runner)
-    handle = block.register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
-    try:
-        with torch.no_grad(), meta_friendly(model):
-            functional_call(model, _meta_state(model),
-                            (torch.zeros(1, seq, dtype=torch.long, device="meta"),), strict=False)
-    except _Captured as got:
-        return got.call
-    except Exception as err:  # noqa: BLE001 -- a model not run on token ids alone: no dry run, no SP offered
-        why = f" ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"
-    else:
-        why = ""
-    finally:
-        handle.remove()
+    trace = meta_forward(model, token_ids(1, seq), [StopAtModule(block)], grad=False)
+    if trace.stopped is not None:
+        return trace.stopped.args, trace.stopped.kwargs
+    why = f" ({trace.failure})" if trace.failure is not None else ""  # a model not run on token ids alone
     raise ConfigError("plan.sp", f"{analysis.spec.name}: block {analysis.blocks[0].fqn} did not run in a meta forward "
                       f"on token ids{why}, so the sequence split cannot be checked", "use sp=false")
 
@@ -339,9 +311,7 @@ def _dry_run(transformer: nn.Module, analysis: ModelAnalysis, info: BlockInfo, t
     """Run block ``info`` alone on meta tensors with the SP hooks simulated (gather = concatenation, split = chunk,
     row projections' reduce-scatter = chunk): it must run and give hidden states [1, S/tp, H]. Returns the block's
     (args, kwargs) in the model's forward on S = 4 tp tokens."""
-    from torch.func import functional_call
-
-    from lightning_autopar.profile.analyze import meta_friendly
+    from lightning_autopar.profile.trace import Output, meta_forward
 
     seq = 4 * tp  # S/tp > 1: a residual added across the split cannot broadcast
     block = transformer.get_submodule(info.fqn)
@@ -355,18 +325,19 @@ def _dry_run(transformer: nn.Module, analysis: ModelAnalysis, info: BlockInfo, t
         handles.append(block.get_submodule(path).register_forward_hook(
             lambda m, a, out, p=path: row_output_sp(out, comm, f"{info.fqn}.{p}")))
     try:
-        with torch.no_grad(), meta_friendly(block):
-            out = functional_call(block, _meta_state(block), *call, strict=False)
-    except ConfigError:
-        raise
-    except Exception as err:  # noqa: BLE001 -- the block's own code refusing the split is the answer
+        trace = meta_forward(block, call, [Output()], grad=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    err = trace.error
+    if isinstance(err, ConfigError):
+        raise err
+    if err is not None:  # the block's own code refusing the split is the answer
         why = str(err).splitlines()[0][:160] if str(err) else ""
         raise ConfigError("plan.sp", f"{info.fqn}: the block does not run on a sequence split over TP "
                           f"({type(err).__name__}: {why}); a module adding the residual inside (post-norm) "
                           "cannot", "use sp=false") from err
-    finally:
-        for handle in handles:
-            handle.remove()
+    out = trace.output
     first = out[0] if isinstance(out, (tuple, list)) else out
     want = (1, seq // tp, analysis.spec.hidden)
     if not isinstance(first, torch.Tensor) or tuple(first.shape) != want:

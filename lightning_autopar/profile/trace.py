@@ -10,10 +10,13 @@ and each recorder adds what it sees to one typed ``Trace``:
   stack of module forwards at each use (what the data-parallel units need);
 * ``BlockCost``: forward + backward FLOPs per module (``FlopCounterMode``) and the bytes saved for backward per
   block; ``OpCosts``: per stack of module forwards what its aten ops cost (FLOPs, memory-bound bytes, op count,
-  kinds), the storages saved for backward, each module's output bytes;
+  kinds; the op tables and the dispatch mode in profile/op_costs.py), the storages saved for backward, each
+  module's output bytes;
 * ``Dataflow``: the attention calls (SDPA, eager attention's 4-D softmax) with their head geometry, how each
   projection uses its weight, the ops applied to a projection's output and, inside block 0, the dataflow between
   its projections and each module's first call (``Probe``);
+* ``AttentionCalls``: per block, whether each SDPA call is causal by itself (context parallelism, SP's padding);
+* ``Output``: what the forward returned (the SP dry run checks its shape);
 * ``StopAtModule``: the forward stops when a module is called (``StopAtCall``, the one stop-at-call exception,
   a BaseException so that a model's or a step's ``except Exception`` lets it through).
 
@@ -29,11 +32,10 @@ from typing import Any, ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves
 
-ELEMENT_BYTES = 4  # unit sizes are counted at 4-byte elements (the planner scales to the plan's precision)
-aten = torch.ops.aten
+from lightning_autopar.profile.op_costs import (ELEMENT_BYTES, OpCost, _CostMode, _nbytes,  # noqa: F401
+                                                flop_formulas)
 
 
 def implements_forward(module: nn.Module) -> bool:
@@ -169,8 +171,6 @@ class _TraceRecorder(torch.overrides.TorchFunctionMode):
         return result
 
 
-
-
 class _MetaAutocast(torch.amp.autocast_mode.autocast):
     """``torch.autocast`` that takes ``device_type="meta"`` (code calling ``autocast(x.device.type)``, as
     torchtitan's MoE router does) as the CPU's: its casts apply to CPU tensors only, so on meta tensors it is a
@@ -221,8 +221,6 @@ def meta_friendly(model: nn.Module) -> Iterator[None]:
             c._experts_implementation = saved[key]
         torch.autocast, torch.amp.autocast = autocasts
         F.batch_norm = batch_norm
-
-
 
 
 # ------------------------------------------------------------------------------------------- block 0's probe, stand-ins, the call
@@ -373,124 +371,6 @@ def meta_buffer(buffer: torch.Tensor) -> torch.Tensor:
     return buffer.clone() if counter else torch.empty_like(buffer, device="meta")
 
 
-
-# ------------------------------------------------------------------------------------------- op costs
-
-
-
-def _cpu_sdpa_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    """SDPA's CPU kernel, missing from torch's registry: the same count as the other SDPA kernels."""
-    from torch.utils.flop_counter import sdpa_flop_count
-
-    return sdpa_flop_count(query, key, value)
-
-
-def flop_formulas() -> dict[Any, Any]:
-    """FLOP formulas beyond torch's registry, as ``FlopCounterMode(custom_mapping=...)`` takes them."""
-    return {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop}
-
-
-def _registry() -> dict[Any, Any]:
-    from torch.utils.flop_counter import flop_registry, shape_wrapper
-
-    return {**flop_registry, **{k: shape_wrapper(v) for k, v in flop_formulas().items()}}
-
-
-CONV_OPS = {aten.convolution, aten._convolution, aten.cudnn_convolution, aten.convolution_overrideable,
-            aten._slow_conv2d_forward}
-# what FlopCounterMode leaves to the tensor subclass (nested tensors); never counted
-SKIPPED_OPS = {aten.sym_is_contiguous.default, aten.is_contiguous.default, aten.is_contiguous.memory_format,
-               aten.is_strides_like_format.default, aten.is_non_overlapping_and_dense.default, aten.size.default,
-               aten.sym_size.default, aten.stride.default, aten.sym_stride.default, aten.storage_offset.default,
-               aten.sym_storage_offset.default, aten.numel.default, aten.sym_numel.default, aten.dim.default,
-               torch.ops.prim.layout.default}
-FREE_OPS = {aten._unsafe_view.default, aten.lift_fresh.default}  # metadata only, though not marked as views
-OP_KINDS = {"native_batch_norm": "batchnorm", "_native_batch_norm_legit": "batchnorm",
-            "_native_batch_norm_legit_no_training": "batchnorm", "cudnn_batch_norm": "batchnorm",
-            "native_group_norm": "groupnorm", "native_layer_norm": "layernorm", "_fused_rms_norm": "norm",
-            "embedding": "embedding", "convolution": "conv"}
-
-
-def _op_kind(name: str) -> str | None:
-    if "pool" in name:
-        return "pool"
-    if name.startswith("_scaled_dot_product") or name in ("_flash_attention_forward", "_efficient_attention_forward"):
-        return "attention"
-    return OP_KINDS.get(name)
-
-
-def _nbytes(t: torch.Tensor, numel: int | None = None) -> int:
-    """Bytes at 4-byte elements for floating tensors (the planner scales to the plan's precision), as they are
-    for masks and indices."""
-    n = t.numel() if numel is None else numel
-    return n * (ELEMENT_BYTES if t.is_floating_point() else t.element_size())
-
-
-@dataclass
-class OpCost:
-    """What the ops run under one stack of module forwards cost (forward, per sample)."""
-
-    flops: float = 0.0
-    conv_flops: float = 0.0
-    memory_bytes: float = 0.0
-    ops: int = 0
-    saved_bytes: float = 0.0
-    kinds: set[str] = field(default_factory=set)
-
-    def add(self, other: OpCost) -> None:
-        self.flops += other.flops
-        self.conv_flops += other.conv_flops
-        self.memory_bytes += other.memory_bytes
-        self.ops += other.ops
-        self.saved_bytes += other.saved_bytes
-        self.kinds |= other.kinds
-
-
-class _CostMode(TorchDispatchMode):
-    """Charges each aten op to the stack of module forwards running it: FLOPs as FlopCounterMode counts them
-    (same formulas, same decomposition), memory-bound bytes, op count and kinds."""
-
-    def __init__(self, costs: OpCosts) -> None:
-        super().__init__()
-        self.trace = costs
-        self.registry = _registry()
-        self.kinds: dict[Any, str | None] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in SKIPPED_OPS:
-            return NotImplemented
-        if func is not torch.ops.prim.device.default:
-            with self:
-                r = func.decompose(*args, **kwargs)
-                if r is not NotImplemented:
-                    return r
-        out = func(*args, **kwargs)
-        if func.is_view or func in FREE_OPS:
-            return out
-        cost = self.trace.here()
-        cost.ops += 1
-        packet = func._overloadpacket
-        formula = self.registry.get(packet)
-        if formula is not None:
-            flops = formula(*args, **kwargs, out_val=out)
-            cost.flops += flops
-            if packet in CONV_OPS:
-                cost.conv_flops += flops
-        else:
-            leaves = tree_flatten((args, kwargs, out))[0]
-            cost.memory_bytes += sum(_nbytes(t) for t in leaves if isinstance(t, torch.Tensor))
-        if func not in self.kinds:
-            self.kinds[func] = _op_kind(packet.__name__)
-        kind = self.kinds[func]
-        if kind is None and packet in (aten._softmax, aten._safe_softmax) and args[0].dim() == 4:
-            kind = "attention"
-        if kind:
-            cost.kinds.add(kind)
-        return out
-
-
-
 def token_ids(batch: int, seq_len: int) -> Example:
     """A call on token ids of shape (batch, seq_len), on the meta device."""
     return (torch.zeros(batch, seq_len, dtype=torch.long, device="meta"),), {}
@@ -573,6 +453,9 @@ class Trace:
     output_shape: tuple[int, ...] | None = None  # the forward's first output tensor
     stood_in: list[str] = field(default_factory=list)  # why blocks stood in as identity (``stand_in``)
     stopped: StopAtCall | None = field(default=None, repr=False)
+    # AttentionCalls: per block, whether each SDPA call it made was causal by itself; Output: what forward returned
+    sdpa: dict[str, list[bool]] = field(default_factory=dict)
+    output: Any = field(default=None, repr=False, compare=False)
 
     @property
     def order(self) -> dict[str, int]:
@@ -610,7 +493,8 @@ class Trace:
                         attention=[(rel(site), *(rels(v) for v in qkv)) for site, *qkv in probe.attention]),
             flops={rel(k): v for k, v in self.flops.items()}, saved={rel(k): v for k, v in self.saved.items()},
             total_flops=self.total_flops, costs=self.costs, outputs=self.outputs, output_shape=self.output_shape,
-            stood_in=self.stood_in, stopped=self.stopped)
+            stood_in=self.stood_in, stopped=self.stopped, sdpa={rel(k): v for k, v in self.sdpa.items()},
+            output=self.output)
 
 
 # ------------------------------------------------------------------------------------------- recorders
@@ -806,6 +690,62 @@ class Dataflow(Recorder):
         trace.attention, trace.attn_seq, trace.orientation, trace.consumers = r.calls, r.attn_seq, r.orientation, \
             r.consumers
         trace.probe = self.probe
+
+
+def causal_call(args: tuple, kwargs: dict) -> bool:
+    """An SDPA call (``query, key, value, attn_mask, dropout_p, is_causal``) causal by itself: is_causal, no mask."""
+    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+    return bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False)) and mask is None
+
+
+class AttentionCalls(Recorder):
+    """Per block of ``blocks`` (path -> module), whether each ``F.scaled_dot_product_attention`` call made while it
+    is the innermost of them running is causal by itself (``causal_call``): ``Trace.sdpa``, blocks calling none
+    absent. Records through ``F.scaled_dot_product_attention`` itself, swapped while the forward runs."""
+
+    def __init__(self, blocks: dict[str, nn.Module]) -> None:
+        self.blocks, self.current, self.calls = blocks, [], {}
+
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.current.pop()
+
+    def hooks(self, run: Run) -> list[Any]:
+        return [h for fqn, block in self.blocks.items() for h in (
+            block.register_forward_pre_hook(lambda m, a, fqn=fqn: self.current.append(fqn)),
+            block.register_forward_hook(self.leave, always_call=True))]
+
+    @contextmanager
+    def _recording(self) -> Iterator[None]:
+        import torch.nn.functional as F
+
+        original = F.scaled_dot_product_attention
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            if self.current:
+                self.calls.setdefault(self.current[-1], []).append(causal_call(args, kwargs))
+            return original(*args, **kwargs)
+
+        F.scaled_dot_product_attention = recording
+        try:
+            yield
+        finally:
+            F.scaled_dot_product_attention = original
+
+    def contexts(self, run: Run) -> list[ContextManager[Any]]:
+        return [self._recording()]
+
+    def finish(self, run: Run, trace: Trace) -> None:
+        trace.sdpa = self.calls
+
+
+class Output(Recorder):
+    """What the model's forward returned, as it returned it (``Trace.output``)."""
+
+    def hooks(self, run: Run) -> list[Any]:
+        return [run.model.register_forward_hook(lambda m, a, out: setattr(self, "out", out))]
+
+    def finish(self, run: Run, trace: Trace) -> None:
+        trace.output = self.out
 
 
 class StopAtModule(Recorder):
