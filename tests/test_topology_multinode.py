@@ -151,15 +151,21 @@ def two_agents(args: list[str], cwd: Path, timeout: int, restarts: int = 0, fabr
 
     agents = [subprocess.Popen(command(node), cwd=cwd, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True) for node in (0, 1)]
+    return outputs(agents, timeout)
+
+
+def outputs(procs: list[subprocess.Popen], timeout: int) -> list[str]:
+    """Each process's output once all have ended; any still running after ``timeout`` s is killed with its
+    session (its children too)."""
     logs = []
     try:
-        for agent in agents:
-            logs.append(agent.communicate(timeout=timeout)[0])
+        for proc in procs:
+            logs.append(proc.communicate(timeout=timeout)[0])
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     return logs
 
 
@@ -338,15 +344,7 @@ def slurm_step(tmp_path_factory) -> Path:
                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
                               env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r % 2),
                                    "SLURM_NODEID": str(r // 2)}) for r in range(4)]
-    logs = []
-    try:
-        for task in tasks:
-            logs.append(task.communicate(timeout=300)[0])
-    finally:
-        for task in tasks:
-            if task.poll() is None:
-                os.killpg(task.pid, signal.SIGKILL)
-                task.wait()
+    logs = outputs(tasks, timeout=300)
     if not (out / "slurm.pt").exists():
         pytest.fail("the srun-style job wrote no result; logs:\n" + "\n".join(log[-3000:] for log in logs))
     return out

@@ -157,7 +157,8 @@ def run_trial(module: nn.Module, plan: Plan, batches: Sequence[Any], steps: int,
     """Run ``plan`` for ``steps`` optimizer steps on a copy of ``module`` (a LightningModule: its
     ``training_step`` and ``configure_optimizers``) from its current weights, on the global batches ``batches``
     (cycled), on the live process group; return each step's wall time in seconds (device synchronised).
-    The module, its parameters, the RNG states and the process groups are as before afterwards."""
+    The module, its parameters and the RNG states are as before afterwards; the mesh's process groups stay for
+    the next mesh of the same shape (topology.mesh.build_mesh)."""
     import torch.distributed as dist
 
     from lightning_autopar.topology.mesh import build_mesh
@@ -166,11 +167,10 @@ def run_trial(module: nn.Module, plan: Plan, batches: Sequence[Any], steps: int,
         raise ValueError("a trial needs at least one batch and one step")
     device = device or next(module.parameters()).device
     rng = RngState.capture()
-    layout = applied = None
     try:
         trial_module = detached_copy(module)
         layout = build_mesh(plan, device.type)
-        trial, applied = _build(trial_module, plan, layout, batches[0], device, layers_per_stage)
+        trial, _ = _build(trial_module, plan, layout, batches[0], device, layers_per_stage)
         times = []
         for i in range(steps):
             dist.barrier()
@@ -181,7 +181,7 @@ def run_trial(module: nn.Module, plan: Plan, batches: Sequence[Any], steps: int,
             times.append(time.perf_counter() - started)
         return times
     finally:
-        rng.restore()  # the mesh's groups stay: topology.mesh keeps them for the next build of the same shape
+        rng.restore()
 
 
 # ------------------------------------------------------------------ set-up measurement: settings, trials, outcome

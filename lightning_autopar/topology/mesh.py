@@ -193,10 +193,10 @@ def build_mesh(plan: Plan, device_type: str) -> MeshLayout:
         subs["dp"] = mesh["dp_replicate", "dp_shard"]
         subs["dp_flat"] = subs["dp"]._flatten("dp_flat") if plan.dp > 1 else mesh["dp_shard"]
         layout = MeshLayout(plan=plan, mesh=mesh, submeshes=subs)
-        live = {key: entry for key, entry in _MESHES.items() if entry[0] is c10d._get_default_group()}
-        _MESHES.clear()  # layouts of an earlier process group are dropped with it
-        _MESHES.update(live)
-        _MESHES[(device_type, shape)] = (c10d._get_default_group(), layout)
+        default = c10d._get_default_group()
+        for key in [k for k, (group, _) in _MESHES.items() if group is not default]:
+            del _MESHES[key]  # layouts of an earlier process group go with it
+        _MESHES[(device_type, shape)] = (default, layout)
     return MeshLayout(plan=plan, mesh=layout.mesh, submeshes=dict(layout.submeshes), derived=layout.derived)
 
 

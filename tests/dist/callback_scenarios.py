@@ -126,22 +126,18 @@ def run(out: Path, name: str) -> None:
                overlap=knobs.applied,
                records=[vars(r) for r in monitor.records], warnings=monitor.warnings,
                png=str(monitor.png_path), csv=str(monitor.csv_path), log_dir=trainer.log_dir)
-    elif name == "killed":
-        # rank 1 is SIGKILLed after step 5; torchrun restarts the job, which resumes from step 4
-        trainer, module, losses, plan, ckpt = checkpointed(out, name, overlap(), KillRank(out / "killed.flag"))
+    elif name in ("killed", "killed_node1"):
+        # killed: rank 1 is SIGKILLed after step 5; torchrun restarts the job, which resumes from step 4.
+        # killed_node1 (a two-node launch, HSDP with the shards inside a node): the same for the last rank, on the
+        # second node; both agents restart their workers.
+        world = int(os.environ["WORLD_SIZE"])
+        rank, fix = (1, PLAN) if name == "killed" else (world - 1, f"dp={world},zero=3,dp_shard=2,grad_accum=2")
+        trainer, module, losses, plan, ckpt = checkpointed(out, name, overlap(),
+                                                           KillRank(out / f"{name}.flag", rank=rank), fix=fix)
         record(out, name, losses=losses, state=full_state(module), plan=plan,
                resumed_from=str(ckpt.resumed_from), restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE"),
                opt_out=os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"))
-    elif name == "killed_node1":
-        # two-node launch, HSDP (shards inside a node): the last rank (on the second node) is SIGKILLed after
-        # step 5; both agents restart their workers and the job resumes from step 4
-        world = int(os.environ["WORLD_SIZE"])
-        trainer, module, losses, plan, ckpt = checkpointed(out, name, overlap(),
-                                                           KillRank(out / "killed_node1.flag", rank=world - 1),
-                                                           fix=f"dp={world},zero=3,dp_shard=2,grad_accum=2")
-        record(out, name, losses=losses, state=full_state(module), plan=plan,
-               resumed_from=str(ckpt.resumed_from), restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     elif name == "truncated":
         checkpointed(out, name, steps=4)
         dist.barrier()
