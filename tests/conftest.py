@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,6 @@ def check_launch(proc: subprocess.CompletedProcess, what: str) -> None:
         return
     before_abort = proc.stderr.split(TEARDOWN_ABORT)[0]  # a worker's own traceback would come before it
     if TEARDOWN_ABORT in proc.stderr and "exitcode  : -6" in proc.stderr and "Traceback" not in before_abort:
-        import warnings
-
         warnings.warn(f"{what}: a rank aborted in interpreter teardown ({TEARDOWN_ABORT}, issue 28)")
         return
     pytest.fail(f"{what} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
@@ -232,8 +231,6 @@ def run_batch(out: Path, nproc: int, scenarios: list[tuple[str, str]]) -> None:
         crashed = [s for s in todo if list(progress.glob(f"{Path(s[0]).stem}.{s[1]}.crash_r*.txt"))]
         if len(finished) == len(todo) and not crashed:
             if proc.returncode != 0:  # the results stand (each test checks its own); the exit is reported
-                import warnings
-
                 warnings.warn(f"batch of world {nproc}: exit {proc.returncode} after every scenario was done: "
                               f"{last_error_line(text)} (log: {log_path})")
             continue
