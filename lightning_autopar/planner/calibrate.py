@@ -25,11 +25,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from lightning_autopar.planner.cost import dense_block_time, embedding_time, head_time, moe_block_time, optimizer_time
+from lightning_autopar.planner.cost import optimizer_time
 from lightning_autopar.planner.cost_comm import (
     allgather_time, allreduce_time, alltoall_time, p2p_time, reduce_scatter_time)
-from lightning_autopar.planner.cost_units import UnitArrays, unit_time
-from lightning_autopar.planner.hardware import ACT_BYTES, Hardware
+from lightning_autopar.planner.forms import SHARED_KINDS, form_of
+from lightning_autopar.planner.hardware import Hardware
 from lightning_autopar.planner.report import describe_cluster as describe  # the figures, for reports
 from lightning_autopar.specs import (
     PRECISIONS,
@@ -69,44 +69,16 @@ def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _block_times(hw: Hardware, model: ModelSpec, sample: BlockSample) -> tuple[float, float]:
-    """The cost model's (fwd, bwd) seconds of one measured kind at the sample's shape, tp = cp = 1: a block, the
-    embedding, the head + loss, the whole model ("model": embedding + blocks + head), or one optimizer step over
-    all parameters ("optimizer": its time as fwd, 0 as bwd)."""
-    prec = PRECISIONS.index(sample.precision)
-    peak, elem = hw.peak[prec], ACT_BYTES[prec]
-    b, s = float(sample.mbs), float(sample.seq_len)
+    """The cost model's (fwd, bwd) seconds of one measured kind at the sample's shape, tp = cp = 1: one optimizer
+    step over all parameters ("optimizer": its time as fwd, 0 as bwd), else what the model's form prices for it
+    (forms.ModelForm.sample_times: a block, the embedding, the head + loss, a unit, the whole model)."""
     if sample.kind == "optimizer":
-        return float(optimizer_time(hw, float(model.total_params()), prec)), 0.0
-    if sample.kind == "model" and not model.unit_form:
-        parts = [_block_times(hw, model, dataclasses.replace(sample, kind=kind)) for kind in ("embedding", "head")]
-        dense = _block_times(hw, model, dataclasses.replace(sample, kind="dense"))
-        moe = _block_times(hw, model, dataclasses.replace(sample, kind="moe")) if model.moe_layers else dense
-        n_dense = model.layers - model.moe_layers
-        return (sum(p[0] for p in parts) + n_dense * dense[0] + model.moe_layers * moe[0],
-                sum(p[1] for p in parts) + n_dense * dense[1] + model.moe_layers * moe[1])
-    if model.unit_form:
-        units = UnitArrays.of(model)
-        fwd, bwd = unit_time(hw, units, b, peak, elem)
-        names = [u.name for u in model.units]
-        pick = slice(None) if sample.kind in ("units", "model") else [names.index(sample.kind)]
-        return float(np.sum(fwd[..., pick])), float(np.sum(bwd[..., pick]))
-    if sample.kind == "embedding":
-        f, bk = embedding_time(hw, model, b, s, 1, elem)
-        return float(f), float(bk)
-    if sample.kind == "head":
-        f, bk = head_time(hw, model, b, s, 1, 1, peak, elem)
-        return float(f), float(bk)
-    block = (moe_block_time(hw, model, b, s, 1, 1, 1, False, peak, elem) if sample.kind == "moe"
-             else dense_block_time(hw, model, b, s, 1, 1, False, peak, elem))
-    return float(block.fwd), float(block.bwd)
+        return float(optimizer_time(hw, float(model.total_params()), PRECISIONS.index(sample.precision))), 0.0
+    return form_of(model).sample_times(hw, model, sample)
 
 
 def _known_kind(model: ModelSpec, sample: BlockSample) -> bool:
-    if sample.kind in ("model", "optimizer"):
-        return True
-    if model.unit_form:
-        return sample.kind == "units" or any(u.name == sample.kind for u in model.units)
-    return sample.kind in ("dense", "embedding", "head") or (sample.kind == "moe" and model.moe_layers > 0)
+    return sample.kind in SHARED_KINDS or form_of(model).knows_kind(model, sample.kind)
 
 
 def _rows(samples: Sequence[BlockSample]) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ import sys
 from typing import TextIO
 
 from lightning_autopar.errors import ConfigError, InfeasibleError
+from lightning_autopar.planner.forms import form_of
 from lightning_autopar.specs import ModelSpec
 
 
@@ -36,17 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def print_model(model: ModelSpec, out: TextIO) -> None:
-    """--explain-model: the units table of a unit-form model (profile.units.describe_units, imported only here:
-    it needs torch), or the transformer's fields. With --json it goes to stderr so stdout stays one object."""
-    if model.unit_form:
-        from lightning_autopar.profile.units import describe_units
+    """--explain-model: the units table of a unit-form model (profile.units.describe_units, imported only when
+    called: it needs torch), or the transformer's fields (forms.ModelForm.describe). With --json it goes to stderr
+    so stdout stays one object."""
+    out.write(form_of(model).describe(model, _units_table))
 
-        out.write(f"model {model.name}: {len(model.units)} units\n{describe_units(model)}\n")
-    else:
-        out.write(f"model {model.name}: transformer, layers={model.layers} hidden={model.hidden} heads={model.heads} "
-                  f"kv_heads={model.kv_heads} ffn_hidden={model.ffn_hidden} ({model.ffn_kind}) vocab={model.vocab} "
-                  f"seq_len={model.seq_len} experts={model.experts} tied_embeddings={model.tied_embeddings}, "
-                  f"{model.total_params() / 1e6:,.1f}M params\n")
+
+def _units_table(model: ModelSpec) -> str:
+    from lightning_autopar.profile.units import describe_units
+
+    return describe_units(model)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,9 +58,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')}", f"must be a positive integer, got {value}")
     model = load_model_spec(args.model)
-    if model.unit_form and args.seq_len is not None:
-        raise ConfigError("--seq-len", f"{args.model} is described by units (a sample is one batch row), so a "
-                          "sequence length has no meaning for it", "omit --seq-len; --global-batch counts samples")
+    form_of(model).check_seq_len(args.model, args.seq_len)
     if args.explain_model:
         print_model(model, sys.stderr if args.json else sys.stdout)
     cluster = load_cluster_spec(args.cluster, nodes=args.nodes, devices_per_node=args.devices_per_node)

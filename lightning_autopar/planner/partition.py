@@ -13,13 +13,10 @@ from lightning_autopar.planner.hardware import ACT_BYTES, BASE_PREC, FP8, Hardwa
 from lightning_autopar.specs import ModelSpec
 
 
-def layer_weights(model: ModelSpec, hw: Hardware, seq: int, prec: int, fused: bool) -> tuple[np.ndarray, float, float]:
-    """Per-block fwd+bwd time at tp=cp=mbs=1 (the DP's costs), plus embedding and head costs in the same units.
-    In unit form: each unit's fwd+bwd time at mbs=1, no separate embedding or head (they are units)."""
+def block_weights(model: ModelSpec, hw: Hardware, seq: int, prec: int, fused: bool) -> tuple[np.ndarray, float, float]:
+    """Transformer form: per-block fwd+bwd time at tp=cp=mbs=1 (the DP's costs), plus embedding and head costs in
+    the same units."""
     peak, elem, fp8 = hw.peak[BASE_PREC[prec]], ACT_BYTES[prec], prec == FP8
-    if model.unit_form:
-        fwd, bwd = unit_time(hw, UnitArrays.of(model), 1.0, peak, elem)
-        return (fwd + bwd).reshape(-1), 0.0, 0.0
     dense = dense_block_time(hw, model, 1, seq, 1, 1, False, peak, elem, fused, fp8)
     w_dense = float(dense.fwd + dense.bwd)
     is_moe = moe_mask(model)
@@ -30,6 +27,13 @@ def layer_weights(model: ModelSpec, hw: Hardware, seq: int, prec: int, fused: bo
     ef, eb = embedding_time(hw, model, 1, seq, 1, elem)
     hf, hb = head_time(hw, model, 1, seq, 1, 1, peak, elem)
     return w, float(ef + eb), float(hf + hb)
+
+
+def unit_weights(model: ModelSpec, hw: Hardware, prec: int) -> tuple[np.ndarray, float, float]:
+    """Unit form: each unit's fwd+bwd time at mbs=1, no separate embedding or head (they are units)."""
+    peak, elem = hw.peak[BASE_PREC[prec]], ACT_BYTES[prec]
+    fwd, bwd = unit_time(hw, UnitArrays.of(model), 1.0, peak, elem)
+    return (fwd + bwd).reshape(-1), 0.0, 0.0
 
 
 def moe_mask(model: ModelSpec) -> np.ndarray:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from lightning_autopar.planner.forms import form_of
 from lightning_autopar.specs import ClusterSpec, ModelSpec, Plan, PricedPlan, RuntimeProfile, TrialResult
 
 TERMS = (("compute_s", "compute"), ("recompute_s", "recompute"), ("comm_exposed_s", "exposed comm"),
@@ -95,11 +96,10 @@ class PlanReport:
             if not console.is_terminal:  # logs and pipes: wide enough that the plan column does not wrap
                 console = Console(width=max(console.width, 160))
         c = self.cluster
-        units = self.model.unit_form  # a sample is one batch row: samples/s, no sequence length
-        shape = f"{len(self.model.units)} units" if units else f"seq {self.seq_len}"
+        form = form_of(self.model)  # unit form: a sample is one batch row, samples/s, no sequence length
         table = Table(title=f"autopar plan: {self.model.name} on {c.name} ({c.nodes} x {c.devices_per_node} "
-                            f"{c.device.name}), global batch {self.global_batch}, {shape}")
-        rate = "samples/s" if units else "tokens/s"
+                            f"{c.device.name}), global batch {self.global_batch}, {form.shape(self.model, self.seq_len)}")
+        rate = form.rate
         runtime = any(p.breakdown.runtime_s for p in self.candidates)
         cols = ["#", "plan", "step s", rate, "MFU", "GiB/dev", "compute", "recompute", "comm", "bubble"]
         for col in cols + (["runtime"] if runtime else []):

@@ -14,16 +14,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from lightning_autopar.errors import ConfigError, InfeasibleError
-from lightning_autopar.planner.cost import model_flops_per_token
 from lightning_autopar.planner.cost_comm import overlapped_exposed
 from lightning_autopar.planner.cost_pipeline import bubble_fraction
-from lightning_autopar.planner.cost_units import unit_model_flops_per_sample
+from lightning_autopar.planner.forms import form_of
 from lightning_autopar.planner.hardware import GIB, Hardware
-from lightning_autopar.planner.partition import layer_weights, stage_chunks
+from lightning_autopar.planner.partition import stage_chunks
 from lightning_autopar.planner.report import PlanReport, explain
-from lightning_autopar.planner.space import Space, enumerate_space, space_from_plans, unit_form_restrict
-from lightning_autopar.planner.terms import (
-    DPC_TERMS, N_REP, Dpc, Rc, Window, recompute_table, runtime_terms, transformer_terms, unit_terms)
+from lightning_autopar.planner.space import Space, enumerate_space, space_from_plans
+from lightning_autopar.planner.terms import DPC_TERMS, N_REP, Dpc, Rc, Window, recompute_table, runtime_terms
 from lightning_autopar.specs import (
     PRECISIONS,
     Breakdown,
@@ -77,8 +75,9 @@ def price(model: ModelSpec, hw: Hardware, space: Space, global_batch: int, seq: 
 
     Terms are computed on the smallest factor table they depend on (space.Space) and combined per candidate
     for each representative pipeline rank (first, last, heaviest middle); the slowest rank sets the pace and
-    the fullest sets the memory. A transformer is priced by its blocks, a unit-form model by the sums over
-    each rank's units (unit_terms); both feed the same data-parallel terms and assembly.
+    the fullest sets the memory. The model's form builds the tables (forms.ModelForm.terms: a transformer by its
+    blocks, a unit-form model by the sums over each rank's units); both feed the same data-parallel terms and
+    assembly.
     """
     tables = Tables.of(model, hw, space, seq, measured, fused)
     out = _assemble(tables, detail)
@@ -126,10 +125,10 @@ class Tables:
     @staticmethod
     def of(model: ModelSpec, hw: Hardware, space: Space, seq: int, measured: Measured | None = None,
            fused: bool = True) -> "Tables":
-        terms = unit_terms if model.unit_form else transformer_terms
+        form = form_of(model)
         opts, opt_of = recompute_table(space)
-        mid, dpc = terms(model, hw, space, seq, measured, fused, opts)
-        return Tables(hw, space, mid, dpc, opt_of, len(opts), runtime_terms(model, hw, space))
+        mid, dpc = form.terms(model, hw, space, seq, measured, fused, opts)
+        return Tables(hw, space, mid, dpc, opt_of, len(opts), runtime_terms(model, hw, space, form.stage_units))
 
     def step_memory(self, sl: Any, memory: bool = True) -> tuple[np.ndarray, ...]:
         """(step without the runtime's fixed terms[, memory, host]) of candidates ``sl`` (a slice or indices)."""
@@ -289,10 +288,7 @@ def priced_plan(model: ModelSpec, cluster: ClusterSpec, hw: Hardware, space: Spa
     plan = space.plan(i)
     step = float(costs["step"][i])
     prec = PRECISIONS.index(plan.precision)
-    if model.unit_form:  # a sample is one batch row (seq 1): samples/s in tokens_per_s
-        model_flops = global_batch * unit_model_flops_per_sample(model)
-    else:
-        model_flops = global_batch * seq * model_flops_per_token(model, seq)
+    model_flops = form_of(model).model_flops(model, global_batch, seq)  # unit form: samples/s in tokens_per_s
     per_device = model_flops / step / cluster.world_size
     memory = float(costs["memory"][i])
     host = float(costs["host"][i])
@@ -305,7 +301,7 @@ def priced_plan(model: ModelSpec, cluster: ClusterSpec, hw: Hardware, space: Spa
                                        f"per device on the host > host_memory_gib {host_limit / GIB:.2f} GiB") if r)
     chunks: list[int] = []
     if plan.pp > 1:
-        weights, emb_w, head_w = layer_weights(model, hw, seq, prec, True)
+        weights, emb_w, head_w = form_of(model).layer_weights(model, hw, seq, prec, True)
         chunks = stage_chunks(weights, emb_w, head_w, plan.pp, plan.vpp, space.uneven)
     return PricedPlan(
         plan=plan,
@@ -341,7 +337,7 @@ def fits(costs: dict[str, np.ndarray], limit: float, host_limit: float) -> np.nd
 def _inputs(model: Any, cluster: Any, global_batch: int | None, seq_len: int | None):
     spec = resolve_model(model, seq_len)
     clus = load_cluster_spec(cluster)
-    seq = 1 if spec.unit_form else int(seq_len or spec.seq_len)  # unit form: a sample is one row, seq_len unused
+    seq = form_of(spec).seq(spec, seq_len)
     if seq <= 0:
         raise ConfigError("seq_len", f"must be a positive integer, got {seq_len!r}")
     if global_batch is not None and (not isinstance(global_batch, (int, np.integer)) or global_batch <= 0):
@@ -403,8 +399,7 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
                         search_seconds=0.0, model=spec, cluster=clus, global_batch=global_batch, seq_len=seq,
                         memory_fraction=memory_fraction)
     report.priced = tables.priced
-    if spec.unit_form:
-        report.excluded = unit_form_restrict(spec, fixed, restrict or {})[1]
+    report.excluded = form_of(spec).restrict(spec, fixed, restrict or {})[1]
     small = smallest_plan(costs, host_limit)
     report.smallest = cands[0] if small == int(order[0]) else _priced(spec, clus, hw, space, [small], global_batch,
                                                                       seq, limit, meas)[0]
@@ -485,13 +480,13 @@ def relax_hints(model: ModelSpec, cluster: ClusterSpec, smallest: Plan, fraction
     pinned = [k for k in ("recompute", "recompute_every", "offload", "zero", "dp_shard", "mbs", "tp", "pp", "cp")
               if k in (fixed or {})]
     relax = [f"unpin {', '.join(pinned)} (--fix)"] if pinned else []
-    if model.unit_form and "grad_accum" in unit_form_restrict(model, {}, {})[1] and smallest.grad_accum == 1:
-        relax.append("--fix grad_accum=K (a BatchNorm model keeps 1 unless fixed)")
+    form = form_of(model)
+    relax += form.relax_hints(model, smallest)
     if host_short:
         relax.append("more host memory per device (host_memory_gib: offload plans fit the device, not the host)")
     if cluster.device.host_link_gbs <= 0:
         relax.append("a cluster whose devices have host memory (host_link_gbs, host_memory_gib: offload is searched)")
-    relax += ["more devices (--nodes)", "a smaller --global-batch" + ("" if model.unit_form else " or --seq-len")]
+    relax += ["more devices (--nodes)", form.batch_hint]
     if fraction < 0.95:
         relax.append("a larger --memory-fraction")
     relax.append("a device with more memory")

@@ -12,100 +12,28 @@ EP groups are carved from the data-parallel ranks (ep divides dp).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.planner.forms import check_unit_fix, form_of, unit_form_restrict  # noqa: F401  re-exported
+from lightning_autopar.planner.space_table import LAYOUT_FIELDS, THINNED_MODES, Space  # noqa: F401  re-exported
 from lightning_autopar.specs import (INTERLEAVED_SCHEDULES, OFFLOAD_MODES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES,
                                       V_SCHEDULES, ModelSpec, Plan)
 
-LAYOUT_FIELDS = ("tp", "pp", "cp", "dp", "ep")
 SPLIT_BACKWARD = ("interleaved-zb",) + V_SCHEDULES  # input and weight gradients in two passes (zero bubble)
-UNIT_FORM_EXCLUDED = INTERLEAVED_SCHEDULES + V_SCHEDULES  # several stages per rank: not for the traced pipeline
 # recompute_every searched by default: the mode on every block or on every 2nd (torchtitan's per-layer selective
 # AC); offered for full and ops, the modes whose saving is large enough to be worth thinning out. Two values keep
 # the space at 6 recompute options (the planner-speed budget, benchmarks/planner_speed.py); restrict
 # recompute_every to [1, 2, 4] (or fix it) to search more.
 RECOMPUTE_EVERY = (1, 2)
-THINNED_MODES = (RECOMPUTE_MODES.index("full"), RECOMPUTE_MODES.index("ops"))
 EXTRA_RESTRICT = ("uneven",)  # restrict-only switch: allow uneven pipeline partitions (default True)
 
 
 def divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
-
-
-@dataclass
-class Space:
-    """The candidate space as factor tables, so shared work is priced once per distinct value:
-
-    layouts (tp, pp, cp, dp, ep) -> keys (+ mbs, sp, compile, precision; ga derived) -> mids (+ schedule, vpp: pipeline
-    stage contents) and dpcs (layout, precision, schedule, vpp, zero, dp_shard, offload: data-parallel traffic and
-    model states) -> cands (mid, dpc, recompute, recompute_every). Categorical fields are indices into SCHEDULES,
-    OFFLOAD_MODES etc.; dp_shard 0 = all of dp.
-    """
-
-    layouts: dict[str, np.ndarray]
-    keys: dict[str, np.ndarray]
-    mids: dict[str, np.ndarray]
-    dpcs: dict[str, np.ndarray]
-    cands: dict[str, np.ndarray]
-    rejected: Counter = field(default_factory=Counter)
-    uneven: bool = True
-    partition_precision: int = -1  # the precision of the pipeline partition's layer weights (-1: the first key's)
-
-    @property
-    def size(self) -> int:
-        return len(self.cands["mid"])
-
-    def column(self, name: str, idx: Any = slice(None)) -> np.ndarray:
-        """A plan field (or ga) for candidates ``idx``, gathered through the factor tables."""
-        if name in ("recompute", "recompute_every"):
-            return self.cands[name][idx]
-        if name in ("zero", "dp_shard", "offload"):
-            return self.dpcs[name][self.cands["dpc"][idx]]
-        mid = self.cands["mid"][idx]
-        if name in ("schedule", "vpp"):
-            return self.mids[name][mid]
-        key = self.mids["key"][mid]
-        if name in self.keys:
-            return self.keys[name][key]
-        return self.layouts[name][self.keys["layout"][key]]
-
-    def subset(self, idx: Any) -> "Space":
-        """Candidates ``idx`` with the factor tables cut down to the rows they use (cheap to price)."""
-        cands = {k: v[idx] for k, v in self.cands.items()}
-        mids, cands["mid"] = _compact(self.mids, cands["mid"])
-        dpcs, cands["dpc"] = _compact(self.dpcs, cands["dpc"])
-        keys, mids["key"] = _compact(self.keys, mids["key"])
-        layouts, both = _compact(self.layouts, np.concatenate([keys["layout"], dpcs["layout"]]))
-        keys["layout"], dpcs["layout"] = both[:len(keys["layout"])], both[len(keys["layout"]):]
-        return Space(layouts, keys, mids, dpcs, cands, self.rejected, self.uneven, self.weights_precision())
-
-    def weights_precision(self) -> int:
-        """The precision the pipeline partition weighs layers at: the first key's, kept by ``subset`` so that a
-        subset prices its candidates exactly as the whole space did."""
-        if self.partition_precision >= 0:
-            return self.partition_precision
-        return int(self.keys["precision"][0]) if len(self.keys["precision"]) else 0
-
-    def plan(self, i: int) -> Plan:
-        """The Plan object of candidate ``i``."""
-        get = lambda name: int(self.column(name, i))  # noqa: E731
-        return Plan(dp=get("dp"), zero=get("zero"), dp_shard=get("dp_shard") or None, tp=get("tp"), sp=bool(get("sp")),
-                    pp=get("pp"), schedule=SCHEDULES[get("schedule")], vpp=get("vpp"), ep=get("ep"), cp=get("cp"),
-                    mbs=get("mbs"), grad_accum=get("ga"), recompute=RECOMPUTE_MODES[get("recompute")],
-                    precision=PRECISIONS[get("precision")], compile=bool(get("compile")),
-                    recompute_every=get("recompute_every"), offload=OFFLOAD_MODES[get("offload")])
-
-
-def _compact(table: dict[str, np.ndarray], refs: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Rows of ``table`` that ``refs`` points at, and ``refs`` renumbered into them."""
-    used, inverse = np.unique(refs, return_inverse=True)
-    return {k: v[used] for k, v in table.items()}, inverse.reshape(-1).astype(np.int64)
 
 
 def space_from_plans(plans: Sequence[Plan], uneven: bool = True) -> Space:
@@ -147,8 +75,7 @@ def _allowed(name: str, default: Sequence, fix: Mapping[str, Any], restrict: Map
 
 def check_fix(model: ModelSpec, world: int, global_batch: int, seq_len: int, fix: Mapping[str, Any]) -> None:
     """Reject fixed values that can never form a valid plan, naming the field and the fix (ConfigError)."""
-    if model.unit_form:
-        check_unit_fix(model, fix)
+    form_of(model).check_fix(model, fix)
     tp = fix.get("tp")
     if tp is not None:
         for attr in ("heads", "kv_heads"):
@@ -267,53 +194,6 @@ def check_schedule_fix(model: ModelSpec, fix: Mapping[str, Any]) -> None:
             raise ConfigError("fix.grad_accum", reason, "choose grad_accum accordingly, or another schedule")
 
 
-def check_unit_fix(model: ModelSpec, fix: Mapping[str, Any]) -> None:
-    """Unit form (any model): no tensor, context or expert parallelism, no sequence parallel, no interleaved
-    schedule (a unit-form model has no attention/MLP to split, no sequence and uneven units; pipeline stages are
-    contiguous units, one per rank). A fixed value outside that is refused in one line."""
-    for name in ("tp", "cp", "ep"):
-        if fix.get(name, 1) != 1:
-            raise ConfigError(f"fix.{name}", f"{model.name} is in unit form (no attention, MLP or sequence found): "
-                              f"{name}={fix[name]} has nothing to split", f"use {name}=1")
-    if model.trace_failure and fix.get("pp", 1) != 1:
-        raise ConfigError("fix.pp", f"{model.name}: its forward does not run on meta tensors "
-                          f"({model.trace_failure}), so no pipeline split can be traced", "use pp=1 (DP / FSDP)")
-    if fix.get("sp"):
-        raise ConfigError("fix.sp", "sequence parallel needs a transformer with tp > 1", "set sp=false")
-    if fix.get("schedule") in UNIT_FORM_EXCLUDED or fix.get("vpp", 1) != 1:
-        raise ConfigError("fix.schedule", f"{fix.get('schedule', 'vpp > 1')}: more than one stage per rank needs a "
-                          "stack of identical blocks; a model in unit form has one contiguous run of units per "
-                          "pipeline rank", "use schedule=1f1b or gpipe, vpp=1")
-
-
-def unit_form_restrict(model: ModelSpec, fix: Mapping[str, Any],
-                       restrict: Mapping[str, Sequence]) -> tuple[dict[str, Sequence], dict[str, str]]:
-    """The unit form's space inside ``restrict``, and per narrowed field the reason (PlanReport.excluded):
-    tp = cp = ep = 1, sp off, no interleaving (check_unit_fix); selective recompute only when a unit holds
-    attention (elsewhere it is priced as none: a duplicate); grad_accum 1 when a unit holds BatchNorm, so the
-    SyncBatchNorm statistics cover each rank's whole batch as on one device, unless the user fixes grad_accum."""
-    out: dict[str, Sequence] = {**restrict, "tp": [1], "cp": [1], "ep": [1], "sp": [False]}
-    why = dict.fromkeys(("tp", "cp", "ep", "sp"), "a model in unit form has no attention, MLP or sequence to split")
-    out["schedule"] = [s for s in restrict.get("schedule", SCHEDULES) if s not in UNIT_FORM_EXCLUDED]
-    why["schedule"] = (f"{', '.join(UNIT_FORM_EXCLUDED)} run several stages per rank, which needs identical blocks; "
-                       "each pipeline rank holds one contiguous run of units (the traced pipeline)")
-    if not any("attention" in u.kinds for u in model.units) and "recompute" not in fix:
-        out["recompute"] = [r for r in restrict.get("recompute", RECOMPUTE_MODES) if r != "selective"]
-        why["recompute"] = "selective recompute keeps matmul/attention outputs; no unit holds attention"
-    if model.trace_failure:  # structure only: data parallelism alone, whose plans all do the same compute
-        out["pp"] = [1]
-        out["recompute"] = ["none"] if "recompute" not in fix else restrict.get("recompute", RECOMPUTE_MODES)
-        failed = f"the meta trace of the forward failed ({model.trace_failure}): "
-        why["pp"] = failed + "no pipeline split can be traced; DP and FSDP need no structure"
-        why["recompute"] = failed + "no activation sizes to price recompute by"
-        why.update({k: failed + v for k, v in why.items() if k in ("tp", "cp", "ep", "sp")})
-    if any("batchnorm" in u.kinds for u in model.units) and "grad_accum" not in fix:
-        out["grad_accum"] = [1]
-        why["grad_accum"] = ("BatchNorm: statistics over the whole per-rank batch, as on one device (fix "
-                             "grad_accum to allow more: the statistics are then per micro-batch)")
-    return out, why
-
-
 # ============================================================================================ enumeration
 
 
@@ -325,8 +205,7 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
     fix = dict(fix or {})
     restrict = dict(restrict or {})
     check_fix(model, world, global_batch, seq_len, fix)
-    if model.unit_form:
-        restrict = unit_form_restrict(model, fix, restrict)[0]
+    restrict = form_of(model).restrict(model, fix, restrict)[0]
     uneven = True in list(restrict.get("uneven", [True]))
     rejected: Counter = Counter()
     L = model.layers

@@ -11,7 +11,7 @@ cost-module function named there with its formula and source. search.Tables comb
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -31,8 +31,8 @@ from lightning_autopar.planner.cost_units import (
     UnitArrays, sync_batchnorm_time, unit_activation_bytes, unit_selective_time, unit_time)
 from lightning_autopar.planner.hardware import (
     ACT_BYTES, BASE_PREC, FP8, FRAGMENTATION, GRAD_REDUCE_BYTES, WEIGHT_BYTES, Hardware)
-from lightning_autopar.planner.partition import layer_weights, stage_table, unit_stage_table
-from lightning_autopar.planner.space import THINNED_MODES, Space
+from lightning_autopar.planner.partition import block_weights, stage_table, unit_stage_table, unit_weights
+from lightning_autopar.planner.space_table import THINNED_MODES, Space
 from lightning_autopar.specs import (
     PRECISIONS, RECOMPUTE_MODES, SCHEDULES, V_SCHEDULES, BlockMeasure, Measured, ModelSpec)
 
@@ -44,7 +44,7 @@ V_CODES = [SCHEDULES.index(s) for s in V_SCHEDULES]  # two chunks per rank in a 
 def _unit_reps(model: ModelSpec, units: UnitArrays, hw: Hardware, space: Space, pp: np.ndarray,
                vpp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unit-form representative ranks for each row's (pp, vpp): masks (rows, N_REP, units), rows (rows, N_REP, 3)."""
-    weights = layer_weights(model, hw, 1, space.weights_precision(), True)[0]
+    weights = unit_weights(model, hw, space.weights_precision())[0]
     shape = (int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, N_REP)
     masks, rows = np.zeros(shape + (len(weights),)), np.zeros(shape + (3,))
     for code in np.unique(pp * 4096 + vpp):
@@ -57,7 +57,7 @@ def _stage_reps(model: ModelSpec, hw: Hardware, space: Space, seq: int, fused: b
                 vpp: np.ndarray, schedule: np.ndarray) -> np.ndarray:
     """Representative ranks for each row's (pp, vpp, V placement or not): array (rows, N_REP, 5) from one
     partition per distinct triple."""
-    weights, emb_w, head_w = layer_weights(model, hw, seq, space.weights_precision(), fused)
+    weights, emb_w, head_w = block_weights(model, hw, seq, space.weights_precision(), fused)
     v = np.isin(schedule, V_CODES).astype(np.int64)
     table = np.zeros((int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, 2, N_REP, 5))
     for code in np.unique((pp * 4096 + vpp) * 2 + v):
@@ -98,10 +98,12 @@ def _mix_options(opts: np.ndarray, blocks: np.ndarray, base: np.ndarray, trc: li
     return np.stack(times, axis=1), np.stack(mems, axis=1)
 
 
-def runtime_terms(model: ModelSpec, hw: Hardware, space: Space) -> dict[str, np.ndarray] | None:
+def runtime_terms(model: ModelSpec, hw: Hardware, space: Space,
+                  stage_units: Callable[[ModelSpec, np.ndarray], tuple]) -> dict[str, np.ndarray] | None:
     """The runtime's fixed costs per candidate by term (cost_runtime.runtime_fixed_time) on the busiest rank: the
-    first pipeline stage (ceil(L/pp) blocks, plus the embedding's FSDP unit); None when none is measured and
-    none is priced from the device (cost_runtime.fsdp_unit_seconds)."""
+    first pipeline stage, whose blocks, MoE blocks and FSDP units the model's form counts (``stage_units``:
+    forms.ModelForm.stage_units); None when none is measured and none is priced from the device
+    (cost_runtime.fsdp_unit_seconds)."""
     rt = hw.runtime
     if not any(rt.figures().values()) and not fsdp_unit_seconds(hw):
         return None
@@ -113,15 +115,7 @@ def runtime_terms(model: ModelSpec, hw: Hardware, space: Space) -> dict[str, np.
     ga, vpp = K["ga"][key].astype(float), M["vpp"][mid].astype(float)
     zero = D["zero"][Cn["dpc"]]
     slots = ga + bubble_fraction(pp, ga, vpp, M["schedule"][mid]) * ga  # micro-batches plus fill and drain
-    if model.unit_form:
-        n_units = float(sum(1 for u in model.units if u.params > 0))
-        blocks, moe_blocks, units = np.ceil(n_units / pp), 0.0 * pp, np.ceil(n_units / pp)
-        has_moe = False
-    else:
-        blocks = np.ceil(model.layers / pp)
-        moe_blocks = np.ceil(model.moe_layers / pp)
-        units = blocks + 1.0  # the stage's blocks and its root (embedding / norm / head)
-        has_moe = model.moe_layers > 0
+    blocks, moe_blocks, units, has_moe = stage_units(model, pp)
     plain_ddp = runs_plain_ddp(zero, dp, tp, pp, ep, cp, has_moe)
     grad_bytes = 4.0 * model.total_params() / (tp * pp)  # fp32 gradients (GRAD_REDUCE_BYTES), the rank's share
     return runtime_fixed_time(hw, slots, zero, ~plain_ddp, units, blocks, moe_blocks, tp, pp, vpp, ep, dp,
