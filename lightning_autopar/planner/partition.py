@@ -4,6 +4,8 @@ the transformer form and the unit form. Pure numpy; tables are cached per (model
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import numpy as np
 
 from lightning_autopar.planner.cost import dense_block_time, embedding_time, head_time, moe_block_time
@@ -55,12 +57,30 @@ def stage_chunks(weights: np.ndarray, emb: float, head: float, pp: int, vpp: int
     return partition_layers(w, pp)
 
 
+class Stage(IntEnum):
+    """The columns of a transformer's stage table (stage_table), one row per representative rank."""
+
+    DENSE = 0  # dense blocks on the rank
+    MOE = 1  # MoE blocks on the rank
+    EMBEDDING = 2  # 1 when the rank holds the embedding
+    HEAD = 3  # 1 when the rank holds the final norm and LM head
+    RANK = 4  # the pipeline rank
+
+
+class UnitStage(IntEnum):
+    """The columns of a unit-form stage table's rows (unit_stage_table), one row per representative rank."""
+
+    RANK = 0  # the pipeline rank
+    BOUNDARY = 1  # bytes per sample (4-byte) of the larger tensor the rank receives or sends
+    HEAD_PARAMS = 2  # parameters of its first unit holding any: the gather and reduction no compute hides
+
+
 _STAGE_CACHE: dict[tuple, tuple[np.ndarray, list[int]]] = {}
 
 
 def stage_table(model: ModelSpec, weights: np.ndarray, emb: float, head: float, pp: int, vpp: int,
                 uneven: bool, v_shape: bool = False) -> tuple[np.ndarray, list[int]]:
-    """Representative ranks (first, last, heaviest middle) as rows [n_dense, n_moe, has_emb, has_head, rank];
+    """Representative ranks (first, last, heaviest middle) as rows named by ``Stage``;
     ``v_shape``: chunks placed in a V (zbv, dualpipev: rank r holds chunks r and 2*pp-1-r, so the head is on
     rank 0 with the embedding), else round-robin."""
     key = (weights.tobytes(), emb, head, pp, vpp, uneven, model.experts, model.moe_every, v_shape)
@@ -76,22 +96,22 @@ def _stage_table(model: ModelSpec, weights: np.ndarray, emb: float, head: float,
     chunks = stage_chunks(weights, emb, head, pp, vpp, uneven)
     is_moe = moe_mask(model)
     bounds = np.concatenate([[0], np.cumsum(chunks)])
-    rank_rows = np.zeros((pp, 5))
+    rank_rows = np.zeros((pp, len(Stage)))
     rank_w = np.zeros(pp)
     n_chunks = len(chunks)
     for j, n in enumerate(chunks):
         r = n_chunks - 1 - j if v_shape and j >= pp else j % pp
         lo, hi = bounds[j], bounds[j + 1]
         moe = int(is_moe[lo:hi].sum())
-        rank_rows[r, 0] += n - moe
-        rank_rows[r, 1] += moe
+        rank_rows[r, Stage.DENSE] += n - moe
+        rank_rows[r, Stage.MOE] += moe
         rank_w[r] += weights[lo:hi].sum()
     last = 0 if v_shape else pp - 1
-    rank_rows[0, 2] = 1
-    rank_rows[last, 3] = 1
+    rank_rows[0, Stage.EMBEDDING] = 1
+    rank_rows[last, Stage.HEAD] = 1
     rank_w[0] += emb
     rank_w[last] += head
-    rank_rows[:, 4] = np.arange(pp)
+    rank_rows[:, Stage.RANK] = np.arange(pp)
     middle = 1 + int(np.argmax(rank_w[1:-1])) if pp > 2 else 0
     return rank_rows[[0, pp - 1, middle]], chunks
 
@@ -102,7 +122,7 @@ _UNIT_STAGE_CACHE: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 def unit_stage_table(units: UnitArrays, weights: np.ndarray, pp: int, vpp: int,
                      uneven: bool) -> tuple[np.ndarray, np.ndarray]:
     """Representative ranks (first, last, heaviest middle) of a unit-form model: a (N_REP, units) membership mask,
-    and rows [stage, boundary bytes, FSDP head params]. Stages are contiguous units split by their time weights
+    and rows named by ``UnitStage`` (stage, boundary bytes, FSDP head params). Stages are contiguous units split by their time weights
     (stage_chunks); the boundary is the larger of the tensors the rank receives and sends (per sample, 4-byte);
     the head params are those of its first unit holding parameters (the gather and the last gradient reduction
     that no compute hides)."""
@@ -119,8 +139,8 @@ def _unit_stage_table(units: UnitArrays, weights: np.ndarray, pp: int, vpp: int,
     n_units = len(weights)
     chunks = stage_chunks(weights, 0.0, 0.0, pp, vpp, uneven)
     bounds = np.concatenate([[0], np.cumsum(chunks)]).astype(int)
-    mask, rows, rank_w = np.zeros((pp, n_units)), np.zeros((pp, 3)), np.zeros(pp)
-    rows[:, 0] = np.arange(pp)
+    mask, rows, rank_w = np.zeros((pp, n_units)), np.zeros((pp, len(UnitStage))), np.zeros(pp)
+    rows[:, UnitStage.RANK] = np.arange(pp)
     for j, _ in enumerate(chunks):
         r, lo, hi = j % pp, bounds[j], bounds[j + 1]
         if hi <= lo:
@@ -129,10 +149,10 @@ def _unit_stage_table(units: UnitArrays, weights: np.ndarray, pp: int, vpp: int,
         rank_w[r] += weights[lo:hi].sum()
         receives = units.inputs[lo] if lo > 0 else 0.0
         sends = units.out[hi - 1] if hi < n_units else 0.0
-        rows[r, 1] = max(rows[r, 1], receives, sends)
+        rows[r, UnitStage.BOUNDARY] = max(rows[r, UnitStage.BOUNDARY], receives, sends)
         held = units.params[lo:hi][units.params[lo:hi] > 0]
-        if rows[r, 2] == 0 and len(held):
-            rows[r, 2] = held[0]
+        if rows[r, UnitStage.HEAD_PARAMS] == 0 and len(held):
+            rows[r, UnitStage.HEAD_PARAMS] = held[0]
     middle = 1 + int(np.argmax(rank_w[1:-1])) if pp > 2 else 0
     pick = [0, pp - 1, middle]
     return mask[pick], rows[pick]

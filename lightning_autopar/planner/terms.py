@@ -31,7 +31,8 @@ from lightning_autopar.planner.cost_units import (
     UnitArrays, sync_batchnorm_time, unit_activation_bytes, unit_selective_time, unit_time)
 from lightning_autopar.planner.hardware import (
     ACT_BYTES, BASE_PREC, FP8, FRAGMENTATION, GRAD_REDUCE_BYTES, WEIGHT_BYTES, Hardware)
-from lightning_autopar.planner.partition import block_weights, stage_table, unit_stage_table, unit_weights
+from lightning_autopar.planner.partition import (
+    Stage, UnitStage, block_weights, stage_table, unit_stage_table, unit_weights)
 from lightning_autopar.planner.space_table import THINNED_MODES, Space
 from lightning_autopar.specs import (
     PRECISIONS, RECOMPUTE_MODES, SCHEDULES, V_SCHEDULES, BlockMeasure, Measured, ModelSpec)
@@ -43,10 +44,11 @@ V_CODES = [SCHEDULES.index(s) for s in V_SCHEDULES]  # two chunks per rank in a 
 
 def _unit_reps(model: ModelSpec, units: UnitArrays, hw: Hardware, space: Space, pp: np.ndarray,
                vpp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unit-form representative ranks for each row's (pp, vpp): masks (rows, N_REP, units), rows (rows, N_REP, 3)."""
+    """Unit-form representative ranks for each row's (pp, vpp): masks (rows, N_REP, units), rows (rows, N_REP,
+    UnitStage)."""
     weights = unit_weights(model, hw, space.weights_precision())[0]
     shape = (int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, N_REP)
-    masks, rows = np.zeros(shape + (len(weights),)), np.zeros(shape + (3,))
+    masks, rows = np.zeros(shape + (len(weights),)), np.zeros(shape + (len(UnitStage),))
     for code in np.unique(pp * 4096 + vpp):
         p_, v_ = divmod(int(code), 4096)
         masks[p_, v_], rows[p_, v_] = unit_stage_table(units, weights, p_, v_, space.uneven)
@@ -55,11 +57,11 @@ def _unit_reps(model: ModelSpec, units: UnitArrays, hw: Hardware, space: Space, 
 
 def _stage_reps(model: ModelSpec, hw: Hardware, space: Space, seq: int, fused: bool, pp: np.ndarray,
                 vpp: np.ndarray, schedule: np.ndarray) -> np.ndarray:
-    """Representative ranks for each row's (pp, vpp, V placement or not): array (rows, N_REP, 5) from one
+    """Representative ranks for each row's (pp, vpp, V placement or not): array (rows, N_REP, Stage) from one
     partition per distinct triple."""
     weights, emb_w, head_w = block_weights(model, hw, seq, space.weights_precision(), fused)
     v = np.isin(schedule, V_CODES).astype(np.int64)
-    table = np.zeros((int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, 2, N_REP, 5))
+    table = np.zeros((int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, 2, N_REP, len(Stage)))
     for code in np.unique((pp * 4096 + vpp) * 2 + v):
         (p_, v_), shape = divmod(int(code) // 2, 4096), int(code) % 2
         table[p_, v_, shape] = stage_table(model, weights, emb_w, head_w, p_, v_, space.uneven, bool(shape))[0]
@@ -179,7 +181,7 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     mid = {name: [] for name in ("tf", "tb", "base", "mem")}
     frag = 1 + FRAGMENTATION
     for r in range(N_REP):
-        nd, nm, he, hh, stage = (reps_m[:, r, j] for j in range(5))
+        nd, nm, he, hh, stage = (reps_m[:, r, c] for c in Stage)
         nb = nd + nm
         tf = nd * g(dense.fwd) + nm * g(moe.fwd) + he * g(emb_f) + hh * g(head_f)
         tb = nd * g(dense.bwd) + nm * g(moe.bwd) + he * g(emb_b) + hh * g(head_b)
@@ -212,7 +214,7 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     unit = np.maximum(p_dense_blk, p_moe_shared + p_moe_expert if has_moe else 0.0)
     dpc: dict[str, list] = {name: [] for name in DPC_TERMS}
     for r in range(N_REP):
-        nd, nm, he, hh, _ = (reps_d[:, r, j] for j in range(5))
+        nd, nm, he, hh = (reps_d[:, r, c] for c in (Stage.DENSE, Stage.MOE, Stage.EMBEDDING, Stage.HEAD))
         p_d = nd * p_dense_blk + nm * p_moe_shared + he * p_emb + hh * p_head
         p_e = nm * p_moe_expert
         # one FSDP unit per block plus one for the stage's embedding / norm / head: the first unit's gather and
@@ -260,8 +262,8 @@ def unit_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, measured:
     uf_m, ub_m, sel_m, ops_m, act_m = uf[mk], ub[mk], sel[mk], ops_rc[mk], [a[mk] for a in act]
     mid: dict[str, list] = {name: [] for name in ("tf", "tb", "base", "mem")}
     for r in range(N_REP):
-        w, stage = masks[:, r, :], rows[:, r, 0]
-        boundary = rows[:, r, 1] * mbs[mk] * elem[mk] / 4.0
+        w, stage = masks[:, r, :], rows[:, r, UnitStage.RANK]
+        boundary = rows[:, r, UnitStage.BOUNDARY] * mbs[mk] * elem[mk] / 4.0
         tf, tb = (uf_m * w).sum(axis=1), (ub_m * w).sum(axis=1)
         n_bn = w @ u.batchnorm.astype(float)
         p2p = np.where(pp_m > 1, 2 * vpp_m * p2p_time(hw, boundary, hw.nodes > 1), 0.0)
@@ -287,7 +289,7 @@ def unit_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, measured:
         w = masks_d[:, r, :]
         p_d = w @ u.params
         unit = (w * u.params).max(axis=1)  # the largest FSDP unit: zero-3 gather buffers
-        tail = np.minimum(1.0, rows_d[:, r, 2] / np.maximum(p_d, 1.0))
+        tail = np.minimum(1.0, rows_d[:, r, UnitStage.HEAD_PARAMS] / np.maximum(p_d, 1.0))
         _dp_rank_terms(hw, dpc, D["zero"], D["precision"], dp_d, cp_d, tp_d, ep_d, ds, p_d, 0.0 * p_d, unit, tail,
                        f(Lt["pp"][dl]), D["offload"])
     return mid, dpc
