@@ -121,7 +121,7 @@ def spec_yaml(spec: Any, header: str) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from lightning_autopar.profile.units import analyze_model, describe_units
+    from lightning_autopar.profile.units import analyze_model
 
     factory = load_factory(args.model)
     example = example_call(args.input)
@@ -137,10 +137,7 @@ def run(args: argparse.Namespace) -> int:
     analysis = analyze_model(model, example)
     spec = analysis.spec
     spec.name = args.name or args.model.rpartition(":")[2]
-    if spec.unit_form:
-        print(describe_units(spec))
-    else:
-        print(f"{spec.name}: transformer form, {analysis.describe()}")
+    print(analysis.summary())
     if args.output:
         from lightning_autopar.files import atomic_write
 

@@ -1,9 +1,11 @@
 """What the transformer analysis finds, as records: a block's attention, MLP and MoE layer, the blocks, and the
-model's ``ModelAnalysis`` (``analyze.py`` fills them; ``tp_layout.py`` adds what tensor parallelism needs)."""
+model's analysis, a tagged union (``Analysis``: ``ModelAnalysis`` for a transformer, ``analyze.py`` fills it and
+``tp_layout.py`` adds what tensor parallelism needs; ``units.UnitModelAnalysis`` for a model in unit form)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from lightning_autopar.specs import ModelSpec
 
@@ -85,27 +87,48 @@ class BlockInfo:
     moe: MoEInfo | None = None
 
 
-@dataclass
-class ModelAnalysis:
+@dataclass(kw_only=True)
+class Analysis:
+    """What the analysis of any model finds: the common part of a tagged union whose arms are ``ModelAnalysis`` (a
+    transformer: its blocks, embeddings, final norm and LM head) and ``profile.units.UnitModelAnalysis`` (any model
+    as units), told apart by ``form`` ("transformer" | "unit", as planner.forms.form_of names the spec's form).
+    Neither arm carries the other's fields."""
+
+    form: ClassVar[str] = ""
     spec: ModelSpec
-    blocks_fqn: str
-    blocks: list[BlockInfo]
-    token_embedding: str | None
-    position_embedding: str | None
-    final_norm: str | None
-    lm_head: str | None
-    tied_embeddings: bool
+    blocks_fqn: str  # the module the blocks' fqns are relative to ("": the root, a unit-form model's units)
+    blocks: list[BlockInfo]  # a transformer's blocks, or a unit-form model's units
+    tied_embeddings: bool  # a transformer's LM head is its token embedding; in unit form: parameters are tied
     total_params: int
     batch: int = 0
     seq_len: int = 0  # the traced sequence length (FLOPs and activation bytes are for (batch, seq_len))
     flops_total: float = 0.0  # whole model forward + backward for (batch, seq_len)
     unclassified: list[str] = field(default_factory=list)
-    # trainable parameters the traced forward never touched (LLaVA's vision post_layernorm, an unused head):
-    # DDP must be told to expect no gradient for them; frozen parameters (requires_grad=False) are not listed
     # why the meta forward did not run (one line; the analysis then comes from structure alone), None when it ran
     # or was not asked for
     trace_failure: str | None = None
+    # trainable parameters the traced forward never touched (LLaVA's vision post_layernorm, an unused head):
+    # DDP must be told to expect no gradient for them; frozen parameters (requires_grad=False) are not listed
     unused_params: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """One line: what was found."""
+        raise NotImplementedError
+
+    def summary(self) -> str:
+        """What ``autopar analyze`` prints for the model (named by its spec)."""
+        raise NotImplementedError
+
+
+@dataclass(kw_only=True)
+class ModelAnalysis(Analysis):
+    """The transformer arm: repeated blocks with attention, the embeddings, final norm and LM head around them."""
+
+    form: ClassVar[str] = "transformer"
+    token_embedding: str | None
+    position_embedding: str | None
+    final_norm: str | None
+    lm_head: str | None
 
     def describe(self) -> str:
         b0 = self.blocks[0] if self.blocks else None
@@ -120,6 +143,8 @@ class ModelAnalysis:
             parts.append(f"unclassified: {', '.join(self.unclassified)}")
         return "; ".join(parts)
 
+    def summary(self) -> str:
+        return f"{self.spec.name}: transformer form, {self.describe()}"
 
 
 def _join(*names: str) -> str:

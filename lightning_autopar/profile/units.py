@@ -28,13 +28,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.profile.analyze import BlockInfo, ModelAnalysis, analyze, find_block_list
+from lightning_autopar.profile.records import Analysis
 from lightning_autopar.profile.trace import (ELEMENT_BYTES, OpCost, OpCosts, ParameterUses, StopAtCall,  # noqa: F401
                                              Trace, first_line, flop_formulas, implements_forward, meta_example,
                                              meta_forward)
@@ -385,10 +386,12 @@ def analyze_units(model: nn.Module, example: tuple[tuple, dict]) -> UnitAnalysis
 # ------------------------------------------------------------------------------------------- front door
 
 
-@dataclass
-class UnitModelAnalysis(ModelAnalysis):
-    """A ModelAnalysis of a model in unit form: ``blocks`` are its module units, ``detail`` the full analysis."""
+@dataclass(kw_only=True)
+class UnitModelAnalysis(Analysis):
+    """The unit-form arm of the analysis (records.Analysis): ``blocks`` are the model's module units (fqns relative
+    to the root), ``detail`` the full unit analysis."""
 
+    form: ClassVar[str] = "unit"
     detail: UnitAnalysis | None = None
 
     def describe(self) -> str:
@@ -400,6 +403,13 @@ class UnitModelAnalysis(ModelAnalysis):
         if self.unclassified:
             parts.append(f"unclassified: {', '.join(self.unclassified)}")
         return "; ".join(parts)
+
+    def summary(self) -> str:
+        return describe_units(self.spec)
+
+    # The transformer arm's parts, which units do not single out (an embedding or head is one unit among the
+    # others): read-only None, not constructor fields, for code that reads the parts of any analysis.
+    token_embedding = position_embedding = final_norm = lm_head = property(lambda self: None)
 
 
 def _transformer(model: nn.Module, runner: nn.Module | None,
@@ -415,15 +425,15 @@ def _transformer(model: nn.Module, runner: nn.Module | None,
     return found if is_transformer(found) else None
 
 
-def is_transformer(analysis: ModelAnalysis) -> bool:
+def is_transformer(analysis: Analysis) -> bool:
     """Planned and split as a transformer (TP, EP, the block-stack pipeline): repeated blocks with attention
     found in the first; anything else is a model in unit form."""
-    attention = analysis.blocks[0].attention if analysis.blocks and not analysis.spec.unit_form else None
+    attention = analysis.blocks[0].attention if analysis.blocks and analysis.form == "transformer" else None
     return attention is not None and attention.heads > 0
 
 
 def analyze_model(model: nn.Module, example: tuple[tuple, dict] | None,
-                  runner: nn.Module | None = None) -> ModelAnalysis:
+                  runner: nn.Module | None = None) -> Analysis:
     """The analysis the strategy plans with: the transformer analysis (unchanged) for a stack of attention
     blocks, otherwise the unit form (``UnitModelAnalysis``) from one meta forward of ``example``. A unit-form
     model whose forward cannot run on meta tensors is refused in one line: units without FLOPs would price every
@@ -445,14 +455,14 @@ def analyze_model(model: nn.Module, example: tuple[tuple, dict] | None,
         blocks.append(BlockInfo(index=i, fqn=fqn, params=unit.params, flops=3 * unit.flops,
                                 activation_bytes=unit.activation_bytes))
     return UnitModelAnalysis(
-        spec=spec, blocks_fqn="", blocks=blocks, token_embedding=None, position_embedding=None, final_norm=None,
-        lm_head=None, tied_embeddings=bool(detail.ties), total_params=spec.total_params(), batch=1, seq_len=1,
+        spec=spec, blocks_fqn="", blocks=blocks, tied_embeddings=bool(detail.ties), total_params=spec.total_params(),
+        batch=1, seq_len=1,
         unclassified=[f"meta forward failed ({detail.failure}): data parallelism only"] if detail.failure else [],
         flops_total=3 * sum(u.flops for u in detail.units), unused_params=detail.unused_params,
         trace_failure=detail.failure or None, detail=detail)
 
 
-def describe_units(what: ModelSpec | UnitAnalysis | ModelAnalysis) -> str:
+def describe_units(what: ModelSpec | UnitAnalysis | Analysis) -> str:
     """The units as a plain-text table (name, kinds, params, GFLOPs / activation MiB per sample, forward)."""
     if isinstance(what, UnitModelAnalysis) and what.detail is not None:
         units = what.detail.units
