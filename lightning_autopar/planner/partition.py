@@ -15,7 +15,8 @@ from lightning_autopar.planner.hardware import ACT_BYTES, BASE_PREC, FP8, Hardwa
 from lightning_autopar.specs import ModelSpec
 
 
-def block_weights(model: ModelSpec, hw: Hardware, seq: int, prec: int, fused: bool) -> tuple[np.ndarray, float, float]:
+def block_weights(model: ModelSpec, hw: Hardware, seq: int, prec: int,
+                  fused: bool) -> tuple[np.ndarray, float, float]:
     """Transformer form: per-block fwd+bwd time at tp=cp=mbs=1 (the DP's costs), plus embedding and head costs in
     the same units."""
     peak, elem, fp8 = hw.peak[BASE_PREC[prec]], ACT_BYTES[prec], prec == FP8
@@ -122,8 +123,8 @@ _UNIT_STAGE_CACHE: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 def unit_stage_table(units: UnitArrays, weights: np.ndarray, pp: int, vpp: int,
                      uneven: bool) -> tuple[np.ndarray, np.ndarray]:
     """Representative ranks (first, last, heaviest middle) of a unit-form model: a (N_REP, units) membership mask,
-    and rows named by ``UnitStage`` (stage, boundary bytes, FSDP head params). Stages are contiguous units split by their time weights
-    (stage_chunks); the boundary is the larger of the tensors the rank receives and sends (per sample, 4-byte);
+    and rows named by ``UnitStage`` (stage, boundary bytes, FSDP head params). Stages are contiguous units split by
+    their time weights (stage_chunks); the boundary is the larger of the tensors the rank receives and sends (per sample, 4-byte);
     the head params are those of its first unit holding parameters (the gather and the last gradient reduction
     that no compute hides)."""
     key = (weights.tobytes(), units.out.tobytes(), units.params.tobytes(), pp, vpp, uneven)

@@ -98,7 +98,8 @@ class PlanReport:
         c = self.cluster
         form = form_of(self.model)  # unit form: a sample is one batch row, samples/s, no sequence length
         table = Table(title=f"autopar plan: {self.model.name} on {c.name} ({c.nodes} x {c.devices_per_node} "
-                            f"{c.device.name}), global batch {self.global_batch}, {form.shape(self.model, self.seq_len)}")
+                            f"{c.device.name}), global batch {self.global_batch}, "
+                            f"{form.shape(self.model, self.seq_len)}")
         rate = form.rate
         runtime = any(p.breakdown.runtime_s for p in self.candidates)
         cols = ["#", "plan", "step s", rate, "MFU", "GiB/dev", "compute", "recompute", "comm", "bubble"]
