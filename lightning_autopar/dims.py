@@ -37,11 +37,10 @@ def dim_strides(dp_replicate: Any, dp_shard: Any, cp: Any, tp: Any, ep: Any = 1)
     candidates). A dimension's stride is the product of the sizes inside it; a group of several adjacent
     dimensions ("dp", "dp_flat", "dp_shard_cp") has its innermost one's stride; "ep" strides like the
     data-parallel ranks it is carved from, "edp" (the ranks holding the same experts) ``ep`` of those apart."""
-    tp = np.asarray(tp)
-    cp_s = tp * 1
+    cp_s = np.asarray(tp)  # cp groups step over the tp ranks inside them, and so on outwards
     shard_s = cp_s * np.asarray(cp)
     replicate_s = shard_s * np.asarray(dp_shard)
-    return {"tp": tp ** 0, "cp": cp_s, "dp_shard": shard_s, "dp_replicate": replicate_s,
+    return {"tp": np.ones_like(cp_s), "cp": cp_s, "dp_shard": shard_s, "dp_replicate": replicate_s,
             "pp": replicate_s * np.asarray(dp_replicate), "dp": shard_s, "dp_flat": shard_s, "dp_shard_cp": cp_s,
             "ep": shard_s, "edp": shard_s * np.asarray(ep)}
 

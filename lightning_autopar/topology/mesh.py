@@ -15,18 +15,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Sequence
 
-from lightning_autopar.dims import EXPERT_DIMS, FLAT_DIMS, GROUP_DIMS, MESH_DIMS, ParallelDims, nodes_spanned  # noqa: F401
+from lightning_autopar.dims import (  # noqa: F401 (nodes_spanned: re-exported, the topology's use)
+    EXPERT_DIMS, FLAT_DIMS, GROUP_DIMS, MESH_DIMS, ParallelDims, nodes_spanned)
 from lightning_autopar.errors import AutoparError, ConfigError
 from lightning_autopar.specs import Plan
 from lightning_autopar.topology.worker import PG_TIMEOUT_ENV
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-def mesh_shape(plan: Plan) -> tuple[int, ...]:
-    """Sizes of MESH_DIMS for a plan. zero=0 replicates over all of dp; zero>0 shards over dp_shard."""
-    return ParallelDims.from_plan(plan).shape
-
 
 def group_ranks(plan: Plan, dims: tuple[str, ...] | str) -> list[list[int]]:
     """All process groups along ``dims`` (e.g. "tp", or ("dp_replicate", "dp_shard") for the dp group)."""
@@ -70,7 +66,6 @@ class MeshLayout:
     mesh: DeviceMesh
     submeshes: dict[str, DeviceMesh] = field(default_factory=dict)
     derived: dict[Any, DeviceMesh] = field(default_factory=dict)  # meshes carved later (expert meshes), shared
-
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """Sub-mesh by name: a MESH_DIMS entry, "dp" (replicate x shard, 2D when hybrid) or "dp_flat" (1D)."""
