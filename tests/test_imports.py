@@ -106,7 +106,7 @@ def test_planner_and_analysis_load_no_lightning_and_no_distributed_runtime():
 # ``cli_*`` modules of every package, the config (it builds strategies and Trainers) and the package root (its
 # lazy public API) sit on top with the entry points.
 LAYERS = (
-    ("specs", "errors", "files", "launch", "models", "data"),
+    ("specs", "errors", "files", "launch", "models", "data", "dims"),
     ("planner",),
     ("topology",),
     ("profile",),

@@ -9,7 +9,7 @@
 2b. CP (``context``): the transformer's sequence inputs split over the cp ranks and its outputs gathered back,
    attention over the whole sequence (K/V all-gathered); after TP (heads local), checked live on a short sequence;
    with PP before the split (the hooks must reach the embeddings the stages swap in and out, and the whole model
-   runs only then); FSDP then reduces over dp x cp (``context.data_mesh``).
+   runs only then); FSDP then reduces over dp x cp (``MeshLayout.dp_mesh``).
 3. EP (``experts``): remote experts removed, MoE forwards routed through all-to-all; with data parallelism alone
    (ep=1) the MoE forward is replaced too, so the balance loss covers the global micro-batch.
 3b. BatchNorm (``batchnorm``): with data parallelism every BatchNorm layer computes its statistics over the dp
@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import nn
 
+from lightning_autopar.dims import ParallelDims
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.parallel.capabilities import Capabilities
 
@@ -116,9 +117,9 @@ def has_moe(analysis: ModelAnalysis) -> bool:
 
 
 def plain_ddp(plan: Plan, analysis: ModelAnalysis) -> bool:
-    """zero=0 data parallelism alone on a dense model: DDP (``parallel.fsdp.apply_replicate``) instead of FSDP2."""
-    return (plan.dp > 1 and plan.zero == 0 and plan.tp == plan.pp == plan.ep == plan.cp == 1
-            and not has_moe(analysis))
+    """zero=0 data parallelism alone on a dense model: DDP (``parallel.fsdp.apply_replicate``) instead of FSDP2
+    (``dims.runs_plain_ddp``, the rule the planner prices)."""
+    return ParallelDims.from_plan(plan).plain_ddp(has_moe(analysis))
 
 
 def pipeline_split(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis) -> tuple[nn.Module, ModelAnalysis]:
@@ -268,7 +269,7 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     model the training step calls, ``example`` being that call) in place; see the module doc. ``capabilities``:
     the model's record from the set-up (``check_plan`` then runs no check twice), else one made here."""
     from lightning_autopar.parallel.batchnorm import batchnorm_modules, sync_batchnorm
-    from lightning_autopar.parallel.context import apply_context_parallel, data_mesh, self_check
+    from lightning_autopar.parallel.context import apply_context_parallel, self_check
     from lightning_autopar.parallel.compile import check_compile, compile_blocks, enable_async_tp
     from lightning_autopar.parallel.experts import apply_expert_parallel
     from lightning_autopar.parallel.fsdp import (apply_data_parallel, apply_data_parallel_chunks, apply_replicate,
@@ -278,7 +279,6 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     from lightning_autopar.parallel.recompute import apply_recompute
     from lightning_autopar.parallel.tensor import apply_tensor_parallel
     from lightning_autopar.parallel.units import check_applied, choose_units
-    from lightning_autopar.topology.mesh import expert_meshes
 
     caps = check_plan(plan, analysis, root, transformer, example, capabilities)
     check_compile(plan.compile, plan.pp, device.type, schedule=applied_schedule(plan))
@@ -321,11 +321,11 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
                                          causal=bool(caps.causal))
         self_check(transformer, context, analysis.spec.vocab, analysis.spec.seq_len)
     if plan.cp > 1:
-        dp_mesh = data_mesh(layout, plan)
+        dp_mesh = layout.dp_mesh(plan)
     divide = plan.dp if plan.cp > 1 else None
     experts, meshes = [], {}
     if has_moe(local) and (plan.ep > 1 or plan.dp > 1):  # 3. EP
-        meshes = expert_meshes(layout, plan) if plan.ep > 1 else {}
+        meshes = layout.expert_meshes(plan) if plan.ep > 1 else {}
         experts = apply_expert_parallel(transformer, local, meshes["ep"].get_group() if meshes else None,
                                         layout["dp_flat"].get_group() if plan.dp > 1 else None, capacity_factor,
                                         ep_mesh=meshes.get("ep"))

@@ -22,7 +22,7 @@ Where it happens (the user's code unchanged):
   runs (block hooks too: recompute re-runs a block alone in backward), restored after.
 
 Each rank's parameter gradients are then its tokens' part of the loss's gradient: FSDP reduces them over the
-data-parallel x cp ranks (``data_mesh``), summed over cp and averaged over dp (divide factor ``dp``).
+data-parallel x cp ranks (``topology.mesh.MeshLayout.dp_mesh``), summed over cp and averaged over dp (divide factor ``dp``).
 
 Real data (issue 18): a length ``2 * cp`` does not divide is zero-padded at its end before the split and the
 padding dropped from the gathered outputs, where the attention is causal by itself in every block (a meta run,
@@ -58,8 +58,6 @@ from lightning_autopar.parallel.collectives import all_gather_along, reduce_scat
 
 if TYPE_CHECKING:
     from lightning_autopar.profile.analyze import ModelAnalysis
-    from lightning_autopar.specs import Plan
-    from lightning_autopar.topology.mesh import MeshLayout
 
 
 # ------------------------------------------------------------------------------------------- positions, chunks
@@ -769,13 +767,3 @@ def self_check(transformer: nn.Module, state: ContextParallel, vocab: int, seq_l
 def _first_tensor(output: Any) -> torch.Tensor:
     return next(t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor))
 
-
-def data_mesh(layout: MeshLayout, plan: Plan) -> Any:
-    """The mesh FSDP reduces gradients over with cp: data-parallel x cp ranks (torchtitan's ``dp_shard_cp``),
-    parameters sharded over dp_shard x cp; 2-D (replicate, shard x cp) when dp replicates (HSDP, zero=0)."""
-    mesh = layout.mesh
-    if "dp_shard_cp" not in mesh._flatten_mapping:  # a root mesh flattens a name once
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    if plan.shard_size < plan.dp:
-        return mesh["dp_replicate", "dp_shard_cp"]
-    return mesh["dp_shard_cp"]

@@ -8,17 +8,15 @@ from typing import Any
 
 import numpy as np
 
+from lightning_autopar.dims import dim_strides, group_placement
 from lightning_autopar.planner.hardware import Hardware, moe_load_imbalance
 from lightning_autopar.specs import ModelSpec
 
 
 def group_nodes(hw: Hardware, size: Any, stride: Any) -> tuple[Any, Any]:
-    """(members per node, nodes spanned) of a group of `size` ranks `stride` apart, ranks filling nodes in order."""
-    size = np.asarray(size, dtype=float)
-    per_node = np.where(stride < hw.dpn, np.minimum(size, np.maximum(np.floor(hw.dpn / np.maximum(stride, 1)), 1)), 1)
-    if hw.nodes == 1:
-        per_node = size
-    return per_node, np.ceil(size / per_node)
+    """(members per node, nodes spanned) of a group of `size` ranks `stride` apart, ranks filling nodes in order
+    (dims.group_placement: the placement of dims.ParallelDims.group_ranks)."""
+    return group_placement(size, stride, hw.dpn, hw.nodes)
 
 
 def _intra_bw(hw: Hardware, local: Any) -> Any:
@@ -98,7 +96,7 @@ def p2p_time(hw: Hardware, nbytes: Any, inter_node: Any) -> Any:
 def tp_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any) -> tuple[Any, Any]:
     """2 all-reduces (or AG+RS with SP, same volume) of T*h per block forward, 2 backward (Korthikanti et al. 2022)."""
     S = mbs * seq / cp * m.hidden * elem
-    one = allreduce_time(hw, S, tp, 1)
+    one = allreduce_time(hw, S, tp, dim_strides(1, 1, cp, tp)["tp"])
     return 2 * one, 2 * one
 
 
@@ -107,8 +105,9 @@ def cp_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, c
     (2*mbs*seq*kv_heads*head_dim/tp*e bytes gathered over the cp group), backward a reduce-scatter of their
     gradients (parallel/context.py); both run inside the attention call, so nothing hides them."""
     kv = 2 * mbs * seq * m.kv_heads * m.head_dim / tp * elem
-    fwd = np.where(cp > 1, allgather_time(hw, kv, cp, tp), 0.0)
-    bwd = np.where(cp > 1, reduce_scatter_time(hw, kv, cp, tp), 0.0)
+    stride = dim_strides(1, 1, cp, tp)["cp"]
+    fwd = np.where(cp > 1, allgather_time(hw, kv, cp, stride), 0.0)
+    bwd = np.where(cp > 1, reduce_scatter_time(hw, kv, cp, stride), 0.0)
     return fwd, bwd
 
 
@@ -124,5 +123,5 @@ def ep_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, c
     """Dispatch + combine all-to-all of T*k*h x load imbalance per MoE block forward, the same backward (GShard; Lepikhin et al. 2020)."""
     T = mbs * seq / cp
     S = T / np.where(sp, tp, 1) * m.top_k * m.hidden * elem * moe_load_imbalance(T * m.top_k, ep)  # the busiest rank
-    one = alltoall_time(hw, S, ep, cp * tp)
+    one = alltoall_time(hw, S, ep, dim_strides(1, 1, cp, tp)["ep"])
     return 2 * one, 2 * one

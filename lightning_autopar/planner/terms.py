@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from lightning_autopar.dims import dim_strides, runs_fsdp, runs_plain_ddp
 from lightning_autopar.planner.cost import (
     BlockTimes, async_tp_exposed, compile_hardware, compiled_block_time, dense_block_time, embedding_time,
     grad_accumulate_time, head_time, host_optimizer_step_time, moe_block_time, offload_copy_time,
@@ -353,13 +354,6 @@ class Dpc(IntEnum):
 DPC_TERMS = tuple(term.name.lower() for term in Dpc)  # the keys of the dpc dict, in Dpc order
 
 
-def runs_plain_ddp(zero: Any, dp: Any, tp: Any, pp: Any, ep: Any, cp: Any, has_moe: Any) -> np.ndarray:
-    """Whether the runtime runs plain DDP (parallel.apply: zero 0, data parallelism alone, no MoE layers) rather
-    than FSDP2: their collectives and memory differ (cost_runtime.runtime_fixed_time, ddp_bucket_bytes)."""
-    return ((np.asarray(zero) == 0) & (np.asarray(dp) > 1) & (np.asarray(tp) == 1) & (np.asarray(pp) == 1)
-            & (np.asarray(ep) == 1) & (np.asarray(cp) == 1) & ~np.asarray(has_moe, dtype=bool))
-
-
 def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d: np.ndarray, dp_d: np.ndarray,
                    cp_d: np.ndarray, tp_d: np.ndarray, ep_d: np.ndarray, ds: np.ndarray, p_d: np.ndarray,
                    p_e: np.ndarray, unit: np.ndarray, tail: np.ndarray, pp: Any = 1.0, offload: Any = 0) -> None:
@@ -374,26 +368,28 @@ def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d:
     named by ``Dpc``.
     """
     frag = 1 + FRAGMENTATION
-    # context parallelism: FSDP runs over dp x cp (parallel/context.data_mesh, torchtitan's dp_shard_cp); at zero 0
+    # context parallelism: FSDP runs over dp x cp (topology/mesh.MeshLayout.dp_mesh, torchtitan's dp_shard_cp); at zero 0
     # it replicates over dp and shards over cp, parameters kept gathered through the step: zero 2 over cp
     cp_zero0 = (zero == 0) & (cp_d > 1)
     ddp = runs_plain_ddp(zero, dp_d, tp_d, pp, ep_d, cp_d, np.asarray(p_e) > 0)  # else FSDP2: other buffers
-    fsdp = ~ddp & (dp_d * cp_d > 1)
+    fsdp = runs_fsdp(zero, dp_d, tp_d, pp, ep_d, cp_d, np.asarray(p_e) > 0)
     zero, ds = np.where(cp_zero0, 2, zero), np.where(cp_zero0, 1.0, ds)
     wbytes = WEIGHT_BYTES[prec_d]
     gbytes = GRAD_REDUCE_BYTES[prec_d]  # gradients travel in fp32, parameters in the compute precision
     shard = ds * cp_d
     exp_shard = np.maximum(shard / ep_d, 1)
     replicas = dp_d / ds
+    stride = dim_strides(replicas, ds, cp_d, tp_d, ep_d)  # the mesh's rank order (dims.py)
     z1, z2, z3 = zero == 1, zero == 2, zero == 3
     grad_d, grad_e = p_d * gbytes, p_e * gbytes
-    rs = reduce_scatter_time(hw, grad_d, shard, tp_d) + reduce_scatter_time(hw, grad_e, exp_shard, tp_d * ep_d)
-    ag = (allgather_time(hw, p_d * wbytes, shard, tp_d)
+    shard_s = stride["dp_shard_cp"]  # FSDP's dp_shard x cp group
+    rs = reduce_scatter_time(hw, grad_d, shard, shard_s) + reduce_scatter_time(hw, grad_e, exp_shard, tp_d * ep_d)
+    ag = (allgather_time(hw, p_d * wbytes, shard, shard_s)
           + allgather_time(hw, p_e * wbytes, exp_shard, tp_d * ep_d))
-    ar = (allreduce_time(hw, grad_d, dp_d * cp_d, tp_d)
+    ar = (allreduce_time(hw, grad_d, dp_d * cp_d, shard_s)
           + allreduce_time(hw, grad_e, np.maximum(dp_d * cp_d / ep_d, 1), tp_d * ep_d))
     hsdp = np.where(replicas > 1, allreduce_time(hw, grad_d / shard + grad_e / exp_shard, replicas,
-                                                   ds * cp_d * tp_d), 0.0)
+                                                   stride["dp_replicate"]), 0.0)
     local = np.where(zero == 0, p_d + p_e, p_d / shard + p_e / exp_shard)
     # offload: the host-link copies ride with the gathers (shard copy-in) and the reductions (gradient copy-out),
     # prefetched and overlapped as those are; the updated parameters' copy back is exposed (with the step)

@@ -36,13 +36,13 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from lightning_autopar.dims import ParallelDims
 from lightning_autopar.profile.analyze import block_modules
 from lightning_autopar.profile.measure import (block_pass_seconds, cluster_yaml, measure_blocks, median_time,
                                                optimizer_step_seconds, pass_seconds, token_forward, p2p_call,
                                                repeated_blocks, time_collective)
 from lightning_autopar.specs import (BlockSample, ClusterSpec, CollectiveSample, ModelSpec, Plan, RuntimeCosts,
                                      RuntimeProfile)
-from lightning_autopar.topology.mesh import GROUP_DIMS, ep_group_ranks, group_ranks
 
 # the user's training step on mbs rows of its first batch, as a loss to backward (the strategy builds it)
 StepPass = Callable[[int], Callable[[], torch.Tensor]]
@@ -64,7 +64,7 @@ SYNC_CHUNK_S = (0.002, 0.02)  # the compute between two collectives: one block's
 # A-priori link figures before any is measured (bytes/s, latency s): conservative so a budget is not overrun;
 # replaced by the measured all-reduce as soon as there is one.
 PRIOR = {"cpu": (2e8, 3e-4), "gpu": (5e9, 5e-5)}
-GROUP_KINDS = ("dp", "dp_shard", "tp", "pp", "cp")  # mesh.GROUP_DIMS names whose groups communicate (+ ep)
+GROUP_KINDS = ("dp", "dp_shard", "tp", "pp", "cp")  # dims.GROUP_DIMS names whose groups communicate (+ ep)
 
 
 # --------------------------------------------------------------------------------------------- budget
@@ -121,9 +121,10 @@ class GroupKind:
 
 
 def plan_groups(plan: Plan) -> list[GroupKind]:
-    """The communicating groups (size > 1) of ``plan``'s mesh, by kind (topology/mesh.py's rank order)."""
-    found = {kind: group_ranks(plan, GROUP_DIMS[kind]) for kind in GROUP_KINDS}
-    found["ep"] = ep_group_ranks(plan) if plan.ep > 1 else [[0]]
+    """The communicating groups (size > 1) of ``plan``'s mesh, by kind (dims.py's rank order)."""
+    dims = ParallelDims.from_plan(plan)
+    found = {kind: dims.groups(kind) for kind in GROUP_KINDS}
+    found["ep"] = dims.groups("ep") if plan.ep > 1 else [[0]]
     if plan.zero == 0 or plan.shard_size == plan.dp:  # dp_shard is dp itself or not sharded: no extra group
         found.pop("dp_shard")
     return [GroupKind(kind, tuple(tuple(g) for g in groups)) for kind, groups in found.items() if len(groups[0]) > 1]

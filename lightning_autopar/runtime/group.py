@@ -40,8 +40,7 @@ def broadcast_module(module: nn.Module) -> None:
 
 
 def dp_mesh(layout: Any, plan: Any) -> Any:
-    """The mesh data parallelism shards / replicates over: 2-D for HSDP (and DDP as HSDP with shard groups of
-    one), else the shard dimension."""
-    if plan.shard_size < plan.dp:
-        return layout["dp"]
-    return layout["dp_shard"]
+    """The mesh data parallelism shards / replicates over (``topology.mesh.MeshLayout.dp_mesh``; ``layout`` is
+    one built for a plan of ``plan``'s shape): 2-D for HSDP (and DDP as HSDP with shard groups of one), else the shard
+    dimension; with cp, over data-parallel x cp ranks."""
+    return layout.dp_mesh(plan)

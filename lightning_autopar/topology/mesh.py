@@ -1,9 +1,10 @@
-"""Plan dims -> DeviceMesh, placed on the topology as the cost model assumes.
+"""Plan -> DeviceMesh, placed on the topology as the cost model assumes: the mesh-building half of
+``lightning_autopar.dims.ParallelDims`` (rank order, names, strides and groups are there, pure).
 
-Rank order, outermost to innermost: ``pp, dp_replicate, dp_shard, cp, tp``. TP is innermost so a TP group is
-``tp`` consecutive ranks, inside one node whenever ``tp <= devices_per_node`` (launchers number ranks node by
-node); data-parallel groups stride by ``cp * tp``; pipeline stages are outermost, so stage-to-stage traffic
-(the smallest volume) is what crosses the slowest links. An EP group is ``ep`` consecutive data-parallel ranks.
+Every sub-mesh the apply layer uses comes from ``MeshLayout``: the MESH_DIMS, "dp" / "dp_flat", the mesh the
+data-parallel wrapper runs over (``dp_mesh``: with cp, dp_shard x cp flattened), the expert meshes
+(``expert_meshes``). The private DeviceMesh API (``_flatten``, ``_unflatten``, ``_flatten_mapping``) is used here
+only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Sequence
 
+from lightning_autopar.dims import (  # noqa: F401 (nodes_spanned: re-exported, the topology's use)
+    EXPERT_DIMS, FLAT_DIMS, GROUP_DIMS, MESH_DIMS, ParallelDims, nodes_spanned)
 from lightning_autopar.errors import AutoparError, ConfigError
 from lightning_autopar.specs import Plan
 from lightning_autopar.topology.worker import PG_TIMEOUT_ENV
@@ -21,88 +24,19 @@ from lightning_autopar.topology.worker import PG_TIMEOUT_ENV
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-
-def mesh_shape(plan: Plan) -> tuple[int, ...]:
-    """Sizes of MESH_DIMS for a plan. zero=0 replicates over all of dp; zero>0 shards over dp_shard."""
-    shard = plan.shard_size
-    return (plan.pp, plan.dp // shard, shard, plan.cp, plan.tp)
-
-
-def rank_grid(plan: Plan) -> list:
-    """Nested lists of ranks with shape ``mesh_shape(plan)`` (pure: no process group needed)."""
-    shape = mesh_shape(plan)
-    ranks = list(range(plan.world_size))
-
-    def build(offset: int, dims: tuple[int, ...]) -> Any:
-        if not dims:
-            return ranks[offset]
-        stride = 1
-        for d in dims[1:]:
-            stride *= d
-        return [build(offset + i * stride, dims[1:]) for i in range(dims[0])]
-
-    return build(0, shape)
-
-
 def group_ranks(plan: Plan, dims: tuple[str, ...] | str) -> list[list[int]]:
     """All process groups along ``dims`` (e.g. "tp", or ("dp_replicate", "dp_shard") for the dp group)."""
-    dims = (dims,) if isinstance(dims, str) else tuple(dims)
-    unknown = [d for d in dims if d not in MESH_DIMS]
-    if unknown:
-        raise ValueError(f"unknown mesh dims {unknown}; known: {MESH_DIMS}")
-    shape = mesh_shape(plan)
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * shape[i + 1]
-    inner = [MESH_DIMS.index(d) for d in dims]
-    outer = [i for i in range(len(shape)) if i not in inner]
-
-    def combos(idx: list[int]) -> list[int]:
-        offsets = [0]
-        for i in idx:
-            offsets = [o + k * strides[i] for o in offsets for k in range(shape[i])]
-        return offsets
-
-    return sorted(sorted(base + off for off in combos(inner)) for base in combos(outer))
+    return ParallelDims.from_plan(plan).group_ranks(dims)
 
 
 def ep_group_ranks(plan: Plan) -> list[list[int]]:
     """Expert-parallel groups: ``ep`` consecutive data-parallel ranks, with the same pp, cp and tp coordinates."""
-    groups = []
-    for dp_group in group_ranks(plan, ("dp_replicate", "dp_shard")):
-        for i in range(0, len(dp_group), plan.ep):
-            groups.append(dp_group[i : i + plan.ep])
-    return sorted(groups)
-
-
-# Named groups: each MESH_DIMS entry, "dp" (replicate x shard) and "dp_flat" (the same ranks, one dim).
-GROUP_DIMS: dict[str, tuple[str, ...]] = {**{d: (d,) for d in MESH_DIMS}, "dp": ("dp_replicate", "dp_shard"),
-                                          "dp_flat": ("dp_replicate", "dp_shard")}
+    return ParallelDims.from_plan(plan).ep_group_ranks()
 
 
 def all_group_ranks(plan: Plan) -> dict[str, list[list[int]]]:
     """Every group of every named dimension (GROUP_DIMS, plus "ep"), as the cost model prices them."""
-    out = {name: group_ranks(plan, dims) for name, dims in GROUP_DIMS.items()}
-    out["ep"] = ep_group_ranks(plan)
-    return out
-
-
-def _node_index(devices_per_node: int | Sequence[Sequence[int]]) -> Any:
-    """rank -> node: ``devices_per_node`` (ranks numbered node by node) or the ranks of each node."""
-    if isinstance(devices_per_node, int):
-        if devices_per_node < 1:
-            raise ValueError(f"devices_per_node must be >= 1, got {devices_per_node}")
-        return lambda rank: rank // devices_per_node
-    where = {rank: i for i, ranks in enumerate(devices_per_node) for rank in ranks}
-    return where.__getitem__
-
-
-def nodes_spanned(ranks: Sequence[int], devices_per_node: int | Sequence[Sequence[int]]) -> int:
-    """How many nodes a group's ranks live on."""
-    node = _node_index(devices_per_node)
-    return len({node(r) for r in ranks})
+    return ParallelDims.from_plan(plan).all_group_ranks()
 
 
 def groups_crossing_nodes(plan: Plan, devices_per_node: int | Sequence[Sequence[int]]) -> dict[str, bool]:
@@ -113,6 +47,15 @@ def groups_crossing_nodes(plan: Plan, devices_per_node: int | Sequence[Sequence[
     """
     return {name: any(nodes_spanned(g, devices_per_node) > 1 for g in groups)
             for name, groups in all_group_ranks(plan).items()}
+
+
+def _flattened(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """``mesh[dims]`` flattened to one dim called ``name``, created once: a root mesh flattens a name once, and
+    each ``_flatten`` call creates process groups. The one read of DeviceMesh's private ``_flatten_mapping``
+    (the root's flattened meshes by name; torch 2.13)."""
+    if name in mesh._flatten_mapping:
+        return mesh[name]
+    return mesh[dims]._flatten(name)
 
 
 @dataclass
@@ -151,6 +94,30 @@ class MeshLayout:
         """All named groups of the live mesh (same keys as all_group_ranks, less "ep")."""
         return {name: self.all_ranks(name) for name in GROUP_DIMS}
 
+    def dp_mesh(self, plan: Plan | None = None) -> DeviceMesh:
+        """The mesh the data-parallel wrapper (FSDP2 / DDP) shards / replicates over (``ParallelDims.dp_mesh_name``):
+        2-D (replicate, shard) when dp replicates (HSDP, and DDP as HSDP with shard groups of one), else the shard
+        dimension; with cp, the shard dimension is data-parallel x cp ranks (torchtitan's ``dp_shard_cp``),
+        parameters sharded over dp_shard x cp. ``plan``: one of this layout's shape (default: the layout's)."""
+        dims = ParallelDims.from_plan(plan or self.plan)
+        if not dims.cp_on:
+            return self["dp"] if dims.replicates else self["dp_shard"]
+        _flattened(self.mesh, FLAT_DIMS["dp_shard_cp"], "dp_shard_cp")
+        names = dims.dp_mesh_name
+        return self.mesh[names if len(names) > 1 else names[0]]
+
+    def expert_meshes(self, plan: Plan | None = None) -> dict[str, DeviceMesh]:
+        """Expert-parallel sub-meshes carved from the data-parallel ranks (same root mesh, so they compose with TP
+        and FSDP): "ep" -- ``plan.ep`` consecutive data-parallel ranks (the groups of ``ep_group_ranks``) -- and
+        "edp" -- the ``dp / ep`` ranks holding the same experts, as FSDP's mesh for the experts
+        (``ParallelDims.expert_shape`` / ``edp_mesh_name``)."""
+        dims = ParallelDims.from_plan(plan or self.plan)
+        key = ("expert", dims.expert_shape)
+        if key not in self.derived:  # carved once per layout: _unflatten creates new groups each call
+            self.derived[key] = self["dp_flat"]._unflatten(0, dims.expert_shape, EXPERT_DIMS)
+        grid = self.derived[key]
+        return {"ep": grid["ep"], "edp": grid[dims.edp_mesh_name]}
+
 
 # Meshes built in this process, by (device type, mesh shape): one layout's process groups are created once and
 # shared by every plan with that shape (trials, the chosen plan, a later fit in the same process). Each gloo/NCCL
@@ -183,15 +150,14 @@ def build_mesh(plan: Plan, device_type: str) -> MeshLayout:
     from torch.distributed import distributed_c10d as c10d
     from torch.distributed.device_mesh import init_device_mesh
 
-    world = dist.get_world_size()
-    plan.validate(world_size=world)
-    shape = tuple(mesh_shape(plan))
+    dims = ParallelDims.from_plan(plan, world_size=dist.get_world_size())
+    shape = dims.shape
     layout = _cached_layout(device_type, shape)
     if layout is None:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         subs: dict[str, DeviceMesh] = {name: mesh[name] for name in MESH_DIMS}
-        subs["dp"] = mesh["dp_replicate", "dp_shard"]
-        subs["dp_flat"] = subs["dp"]._flatten("dp_flat") if plan.dp > 1 else mesh["dp_shard"]
+        subs["dp"] = mesh[GROUP_DIMS["dp"]]
+        subs["dp_flat"] = _flattened(mesh, FLAT_DIMS["dp_flat"], "dp_flat") if dims.dp > 1 else mesh["dp_shard"]
         layout = MeshLayout(plan=plan, mesh=mesh, submeshes=subs)
         default = c10d._get_default_group()
         for key in [k for k, (group, _) in _MESHES.items() if group is not default]:
@@ -331,20 +297,3 @@ def init_process_group_with_timeout(backend: str | None = None, timeout: float |
     if backend == "nccl" and "device_id" not in kwargs:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit, **kwargs)
-
-
-def expert_meshes(layout: MeshLayout, plan: Plan) -> dict[str, DeviceMesh]:
-    """Expert-parallel sub-meshes carved from the data-parallel ranks of ``layout`` (same root mesh, so they
-    compose with TP and FSDP): "ep" -- ``plan.ep`` consecutive data-parallel ranks (the groups of
-    ``ep_group_ranks``) -- and "edp" -- the ``dp / ep`` ranks holding the same experts, as FSDP's mesh for the
-    experts: 2-D (replicate, shard of 1) for zero=0 like the dense mesh, else 1-D (shard)."""
-    if plan.ep < 1 or plan.dp % plan.ep:
-        raise ConfigError("plan.ep", f"ep={plan.ep} does not divide dp={plan.dp}", "choose ep dividing dp")
-    edp = plan.dp // plan.ep
-    sizes = (edp, 1, plan.ep) if plan.zero == 0 else (1, edp, plan.ep)
-    key = ("expert", sizes)
-    if key not in layout.derived:  # carved once per layout: _unflatten creates new groups each call
-        layout.derived[key] = layout["dp_flat"]._unflatten(0, sizes, ("edp_replicate", "edp_shard", "ep"))
-    grid = layout.derived[key]
-    edp_mesh = grid["edp_replicate", "edp_shard"] if plan.zero == 0 else grid["edp_shard"]
-    return {"ep": grid["ep"], "edp": edp_mesh}
