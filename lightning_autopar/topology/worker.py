@@ -153,33 +153,39 @@ def _destroy_process_group() -> None:
 GROUP_THREAD = "pt_gloo_runloop"  # the name torch gives a gloo group's worker threads (torch 2.13)
 
 
-def settle_group_threads(limit_s: float = 2.0, calm_polls: int = 3) -> bool:
-    """Wait, with the GIL released, until every gloo worker thread of this process is asleep on ``calm_polls``
-    polls in a row (at most ``limit_s``): a worker that just finished a collective is running or about to take
-    the GIL to drop the work's tensors, and must do it before the interpreter finalizes (destroy_at_exit says
-    why). Reads the thread states from /proc (Linux; elsewhere returns False at once). True when they settled."""
+def settle_group_threads(limit_s: float = 2.0, calm_s: float = 0.05) -> bool:
+    """Wait, with the GIL released, until every gloo worker thread of this process has been asleep for ``calm_s``
+    (at most ``limit_s``): a worker that just finished a collective is running or about to take the GIL to drop
+    the work's tensors, and must do it before the interpreter finalizes (destroy_at_exit says why); one whose peer
+    is a moment behind sleeps briefly in the collective, hence a calm period rather than one look. Reads the thread
+    states from /proc (Linux; elsewhere returns False at once). True when they settled."""
     import time
 
     tasks = "/proc/self/task"
     if not os.path.isdir(tasks):
         return False
-    deadline, calm = time.monotonic() + limit_s, 0
-    while time.monotonic() < deadline:
+    now = time.monotonic()
+    deadline, calm_since = now + limit_s, now
+    while now < deadline:
         time.sleep(0.002)  # releases the GIL: a worker waiting for it takes it now
-        busy = False
-        for tid in os.listdir(tasks):
-            try:
-                with open(f"{tasks}/{tid}/comm") as f:
-                    if f.read().strip() != GROUP_THREAD:
-                        continue
-                with open(f"{tasks}/{tid}/stat") as f:
-                    busy |= f.read().rpartition(")")[2].split()[0] in ("R", "D")
-            except OSError:  # the thread ended meanwhile
-                continue
-        calm = 0 if busy else calm + 1
-        if calm >= calm_polls:
+        now = time.monotonic()
+        if any(_thread_state(tasks, tid) in ("R", "D") for tid in os.listdir(tasks)):
+            calm_since = now
+        elif now - calm_since >= calm_s:
             return True
     return False
+
+
+def _thread_state(tasks: str, tid: str) -> str | None:
+    """The scheduler state of thread ``tid`` if it is a gloo group worker (GROUP_THREAD), else None."""
+    try:
+        with open(f"{tasks}/{tid}/comm") as f:
+            if f.read().strip() != GROUP_THREAD:
+                return None
+        with open(f"{tasks}/{tid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except OSError:  # the thread ended meanwhile
+        return None
 
 
 # ------------------------------------------------------------------ one line on every rank (install_excepthook)
