@@ -19,7 +19,7 @@ from lightning_autopar.dims import (  # noqa: F401 (nodes_spanned: re-exported, 
     EXPERT_DIMS, FLAT_DIMS, GROUP_DIMS, MESH_DIMS, ParallelDims, nodes_spanned)
 from lightning_autopar.errors import AutoparError, ConfigError
 from lightning_autopar.specs import Plan
-from lightning_autopar.topology.worker import PG_TIMEOUT_ENV
+from lightning_autopar.topology.worker import PG_TIMEOUT_ENV, destroy_at_exit
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -143,6 +143,17 @@ def _cached_layout(device_type: str, shape: tuple[int, ...]) -> MeshLayout | Non
     return layout
 
 
+def release_meshes() -> None:
+    """Forget every mesh this process built and the process groups they hold (at exit, after the default group
+    is destroyed; worker.destroy_at_exit says why). torch's DTensor caches keep DeviceMesh objects alive past
+    ``destroy_process_group``, and a mesh's ``_pg_registry`` (private, torch 2.13; shared by a root mesh and its
+    sub-meshes) keeps its groups and their threads alive with it."""
+    for _, layout in _MESHES.values():
+        for mesh in (layout.mesh, *layout.submeshes.values(), *layout.derived.values()):
+            mesh._pg_registry.clear()
+    _MESHES.clear()
+
+
 def build_mesh(plan: Plan, device_type: str) -> MeshLayout:
     """The DeviceMesh for ``plan`` on the live process group (``device_type`` "cpu", "cuda", "npu"); the groups
     of a mesh shape are created once per process group (see _MESHES)."""
@@ -151,6 +162,7 @@ def build_mesh(plan: Plan, device_type: str) -> MeshLayout:
     from torch.distributed.device_mesh import init_device_mesh
 
     dims = ParallelDims.from_plan(plan, world_size=dist.get_world_size())
+    destroy_at_exit(release=release_meshes)  # the groups below must end before the interpreter does
     shape = dims.shape
     layout = _cached_layout(device_type, shape)
     if layout is None:

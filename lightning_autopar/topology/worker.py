@@ -37,7 +37,7 @@ import os
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 PG_TIMEOUT_ENV = "AUTOPAR_PG_TIMEOUT"  # the process-group timeout in seconds (read by topology.mesh.pg_timeout)
 _INITS = [0]  # process groups this process has created through init_process_group (every rank: the same count)
@@ -105,26 +105,87 @@ def init_process_group(backend: str, timeout: timedelta, **kwargs: Any) -> bool:
     return True
 
 
-def destroy_at_exit() -> None:
+def destroy_at_exit(release: Callable[[], None] | None = None) -> None:
     """Destroy the default process group when the interpreter exits, whoever created it and for every backend
-    (Lightning does it for NCCL only): torch warns about an undestroyed NCCL group, and an undestroyed gloo group's
-    threads can abort the exit ("terminate called without an active exception", exit code -6, which torchrun
-    reports as a failed run) -- seen here in about one of fifteen two-process runs. Registered once."""
+    (Lightning does it for NCCL only), then let go of the groups: ``release`` (registered once per callable) drops
+    what a caller holds that keeps process groups alive (topology.mesh's meshes), and a collection follows.
+
+    Why (issue 28, the teardown abort: "terminate called without an active exception", exit -6, about one
+    two-process run in fifteen under load, which torchrun reports as a failed run): ``destroy_process_group``
+    unregisters the groups but does not end a gloo group's worker threads; only the group object's destructor joins
+    them, and anything still holding the object -- a DeviceMesh's group registry, which torch's DTensor sharding
+    caches keep alive -- lets the threads outlive the exit hooks. A worker that finished the last collective drops
+    that work a moment later; if Python freed the work's tensors in between, the drop decrefs their Python objects
+    and must take the GIL. Once the interpreter is finalizing, CPython ends a thread that asks for the GIL with
+    ``pthread_exit``; its forced unwind crosses gloo's noexcept work destructor and ``std::terminate`` aborts the
+    process after all its work (seen in a core dump: ``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` ->
+    ``TensorImpl::decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``). Destroying the groups here, before
+    finalization, joins their threads while the GIL can still be taken (torch releases it in the destructor)."""
     global _DESTROY_REGISTERED
+    if release is not None and release not in _RELEASES:
+        _RELEASES.append(release)
     if not _DESTROY_REGISTERED:
         atexit.register(_destroy_process_group)
         _DESTROY_REGISTERED = True
 
 
 _DESTROY_REGISTERED = False
+_RELEASES: list[Callable[[], None]] = []  # what drops references to process groups at exit (destroy_at_exit)
 
 
 def _destroy_process_group() -> None:
+    import gc
+    import sys
+
     import torch.distributed as dist
 
     stop_heartbeat()  # before its store goes away
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    if hasattr(sys, "last_value"):  # an uncaught error: a group may still wait on a peer; leave without joining
+        return
+    for release in _RELEASES:
+        release()
+    gc.collect()  # groups no longer held are destroyed now, their worker threads joined
+    settle_group_threads()  # groups the user's own objects still hold keep their threads: let them go idle
+
+
+GROUP_THREAD = "pt_gloo_runloop"  # the name torch gives a gloo group's worker threads (torch 2.13)
+
+
+def settle_group_threads(limit_s: float = 2.0, calm_s: float = 0.05) -> bool:
+    """Wait, with the GIL released, until every gloo worker thread of this process has been asleep for ``calm_s``
+    (at most ``limit_s``): a worker that just finished a collective is running or about to take the GIL to drop
+    the work's tensors, and must do it before the interpreter finalizes (destroy_at_exit says why); one whose peer
+    is a moment behind sleeps briefly in the collective, hence a calm period rather than one look. Reads the thread
+    states from /proc (Linux; elsewhere returns False at once). True when they settled."""
+    import time
+
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return False
+    now = time.monotonic()
+    deadline, calm_since = now + limit_s, now
+    while now < deadline:
+        time.sleep(0.002)  # releases the GIL: a worker waiting for it takes it now
+        now = time.monotonic()
+        if any(_thread_state(tasks, tid) in ("R", "D") for tid in os.listdir(tasks)):
+            calm_since = now
+        elif now - calm_since >= calm_s:
+            return True
+    return False
+
+
+def _thread_state(tasks: str, tid: str) -> str | None:
+    """The scheduler state of thread ``tid`` if it is a gloo group worker (GROUP_THREAD), else None."""
+    try:
+        with open(f"{tasks}/{tid}/comm") as f:
+            if f.read().strip() != GROUP_THREAD:
+                return None
+        with open(f"{tasks}/{tid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except OSError:  # the thread ended meanwhile
+        return None
 
 
 # ------------------------------------------------------------------ one line on every rank (install_excepthook)

@@ -2,7 +2,8 @@
 
 Usage: torchrun --nproc-per-node N tests/dist/runtime_scenarios.py OUT_DIR
 Each rank writes OUT_DIR/trial_r<rank>.pt: per plan the measured step times, and whether the module's
-parameters, the RNG states and the process group's sub-groups were as before the trials (or the traceback).
+parameters, the RNG states and the process group's sub-groups were as before the trials (or the traceback);
+then it leaves collectives unwaited and exits (unwaited_collectives_at_exit: the launch must still exit 0).
 
        torchrun --nproc-per-node 2 --max-restarts 1 tests/dist/runtime_scenarios.py OUT_DIR stopped
 A stopped peer: strategy timeout 20 s, checkpoints every 2 steps, rank 1 SIGSTOPs itself after step 3 (once:
@@ -93,7 +94,21 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - the test reports the traceback
         result = {"crash": traceback.format_exc()}
     torch.save(result, out_dir / f"trial_r{rank}.pt")
+    unwaited_collectives_at_exit()
     dist.destroy_process_group()
+
+
+def unwaited_collectives_at_exit() -> None:
+    """Collectives still queued when the script ends, on a group the trials' mesh holds, their tensors already
+    freed by Python: without the groups destroyed at exit (topology.worker.destroy_at_exit), a gloo worker drops
+    them after the interpreter began finalizing and the process aborts ("terminate called without an active
+    exception", -6; 3 of 3 runs here before the fix). The launch must exit 0."""
+    from lightning_autopar.specs import Plan
+    from lightning_autopar.topology.mesh import build_mesh
+
+    group = build_mesh(Plan(dp=2, zero=3, mbs=1, grad_accum=1), "cpu")["dp_flat"].get_group()
+    works = [dist.all_reduce(torch.ones(20000), group=group, async_op=True) for _ in range(20)]
+    works[0].wait()
 
 
 if __name__ == "__main__":
