@@ -28,9 +28,10 @@ run forward-only through the stages.
 This module is the glue over the Trainer's hooks; the work is in ``runtime/``: the set-up stages (analyse ->
 capabilities -> plan -> measure -> apply, ``runtime.setup`` and ``runtime.measure``, called by
 ``runtime.planning.PlanningMixin``, shared with the Fabric strategy), the micro-batch step (``runtime.step``),
-the pipeline steps (``runtime.pipeline_step``), batch slicing, the log recorder and the gradient hold; Lightning's private API
-only through ``runtime.lightning_private``. The hooks live in a mixin so the same strategy is registered for
-``lightning.pytorch`` and, when installed, ``pytorch_lightning`` (two packages with separate class hierarchies).
+the pipeline steps (``runtime.pipeline_step``), batch slicing, the log recorder and the gradient hold;
+Lightning's private API only through ``runtime.lightning_private``. The hooks live in a mixin so the same
+strategy is registered for ``lightning.pytorch`` and, when installed, ``pytorch_lightning`` (two packages with
+separate class hierarchies).
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ class PlanningMixin(ABC):
         self.report = planned.report
         measured = measure(planned, analysed, work, live, options.settings, options.memory_fraction)
         report, self.setup_outcome = measured.report, measured.outcome
-        report.excluded = {**report.excluded, **self.excluded}  # the planner's own exclusions (unit form), the runtime's
+        report.excluded = {**report.excluded, **self.excluded}  # the planner's own (unit form), the runtime's
         self.report, self.plan = report, report.best.plan
         announce(report, measured.outcome.line(report.best, report.source), analysed, live, started, self._print_plan)
         self._apply(self.plan, analysed, capable, work)
