@@ -118,6 +118,12 @@ def child(case: str, profile: str | None) -> dict[str, Any]:
         def world_size(self) -> int:
             return WORLD
 
+        @property
+        def root_device(self) -> Any:  # no parallel devices without a Trainer; the stages run on the host
+            import torch
+
+            return torch.device("cpu")
+
         def _cluster_spec(self) -> Any:
             return cluster
 
@@ -138,17 +144,18 @@ def child(case: str, profile: str | None) -> dict[str, Any]:
         def _loss_scaler(self) -> Any:
             return None
 
-        def _apply(self, plan: Any, transformer: Any, analysis: Any, example: Any) -> None:
+        def _apply(self, plan: Any, analysed: Any, capable: Any, work: Any) -> None:
             # what apply_plan checks first; a tree with a capabilities record passes it (nothing traced again)
-            extra = {"capabilities": self.capabilities} if hasattr(self, "capabilities") else {}
-            apply_mod.check_plan(plan, analysis, self.lightning_module, transformer, example, **extra)
+            apply_mod.check_plan(plan, analysed.analysis, self.lightning_module, analysed.model, analysed.example,
+                                 capabilities=capable.capabilities)
 
     strategy = Bench(cluster=preset, print_plan=False, profile=False, trials=0)
     strategy.connect(module)
-    for name, label in [("_analyse", "analyse"), ("_restrictions", "restrictions"),
-                        ("_unit_restrictions", "restrictions"), ("_capabilities", "restrictions"),
-                        ("_apply", "check_plan")]:
+    for name, label in [("_restrictions", "restrictions"), ("_apply", "check_plan")]:
         timer.wrap(strategy, name, label)
+    from lightning_autopar.runtime import setup as setup_mod
+
+    timer.wrap(setup_mod, "analyse", "analyse")  # runtime.analysis.analyse, as the analyse stage calls it
     import lightning_autopar.planner.search as search
 
     timer.wrap(search, "plan", "plan")  # planning.py imports it inside the function: the patched one is found

@@ -1,7 +1,7 @@
 """The autopar strategy for Lightning Fabric: ``Fabric(strategy="autopar")``.
 
-The same planner and apply layer as the Trainer strategy (``runtime.planning.PlanningMixin``, over Fabric's
-``ModelParallelStrategy`` instead of the Trainer's), so a plan means the same thing in both::
+The same set-up stages as the Trainer strategy (``runtime.setup``, called by ``runtime.planning.PlanningMixin``,
+over Fabric's ``ModelParallelStrategy`` instead of the Trainer's), so a plan means the same thing in both::
 
     fabric = Fabric(strategy="autopar", accelerator="cpu", devices=4)   # or AutoParallelFabricStrategy(fix="tp=2")
     fabric.launch()

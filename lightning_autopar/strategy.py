@@ -25,11 +25,13 @@ Logged values are broadcast from the last stage; Lightning's backward then only 
 did the backward; gradients are held until then so zero_grad cannot clear them). Validation, test and predict
 run forward-only through the stages.
 
-This module is the glue over the Trainer's hooks; the work is in ``runtime/``: planning and apply
-(``runtime.planning``, shared with the Fabric strategy), the micro-batch step (``runtime.step``), the pipeline
-steps (``runtime.pipeline_step``), batch slicing, the log recorder and the gradient hold; Lightning's private API
-only through ``runtime.lightning_private``. The hooks live in a mixin so the same strategy is registered for
-``lightning.pytorch`` and, when installed, ``pytorch_lightning`` (two packages with separate class hierarchies).
+This module is the glue over the Trainer's hooks; the work is in ``runtime/``: the set-up stages (analyse ->
+capabilities -> plan -> measure -> apply, ``runtime.setup`` and ``runtime.measure``, called by
+``runtime.planning.PlanningMixin``, shared with the Fabric strategy), the micro-batch step (``runtime.step``),
+the pipeline steps (``runtime.pipeline_step``), batch slicing, the log recorder and the gradient hold;
+Lightning's private API only through ``runtime.lightning_private``. The hooks live in a mixin so the same
+strategy is registered for ``lightning.pytorch`` and, when installed, ``pytorch_lightning`` (two packages with
+separate class hierarchies).
 """
 
 from __future__ import annotations

@@ -1,0 +1,136 @@
+"""The set-up stages (runtime/setup.py, runtime/measure.py) on their own: a tiny GPT in a plain nn.Module (no
+Lightning, no strategy), one process, each stage's typed output checked; the measure stage's trial and the apply
+stage on a world-1 gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_autopar.models import GPT, GPTConfig
+from lightning_autopar.models.gpt import lm_loss
+from lightning_autopar.parallel.capabilities import Capabilities
+from lightning_autopar.runtime.measure import Measured, choose, measure, trial_refusal
+from lightning_autopar.runtime.setup import (Analysed, Capable, Live, Planned, PlanOn, SetUp, SetupOptions,
+                                             Workload, analyse_model, apply_setup, batch_geometry, find_capabilities,
+                                             plan_model)
+from lightning_autopar.runtime.trial import SetupOutcome, SetupSettings
+from lightning_autopar.specs import Plan, load_cluster_spec
+
+ROWS, SEQ = 4, 16
+
+
+class TinyLM(nn.Module):
+    """What a trial and the step runtime call: training_step and configure_optimizers, no Lightning."""
+
+    automatic_optimization = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = GPT(GPTConfig(vocab=64, seq_len=SEQ, layers=2, hidden=32, heads=4))
+
+    def training_step(self, batch, batch_idx):
+        idx, targets = batch
+        return lm_loss(self.model(idx), targets)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 64, (ROWS, SEQ + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _work(module: nn.Module, **kw) -> Workload:
+    return Workload(module, first_batch=_batch(), loader_batch_size=ROWS, **kw)
+
+
+@pytest.fixture
+def single_process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _planned(module: nn.Module, options: SetupOptions) -> tuple[Analysed, Capable, Planned]:
+    work = _work(module)
+    analysed = analyse_model(work, lambda: pytest.fail("a transformer needs no model call"), None, 1)
+    capable = find_capabilities(module, analysed.model, analysed.analysis, analysed.example, options)
+    planned = plan_model(analysed, capable, load_cluster_spec("cpu", nodes=1, devices_per_node=1), "32-true", options)
+    return analysed, capable, planned
+
+
+def test_analyse_capabilities_and_plan_stages():
+    module = TinyLM()
+    options = SetupOptions(restrict={"zero": [0]}, settings=SetupSettings(trials=0, profile=False))
+    analysed, capable, planned = _planned(module, options)
+
+    assert isinstance(analysed, Analysed) and not analysed.unit_form and analysed.example is None
+    assert analysed.model is module.model  # the transformer the plan applies to
+    assert (analysed.global_batch, analysed.seq_len, analysed.analysis.spec.seq_len) == (ROWS, SEQ, SEQ)
+
+    assert isinstance(capable, Capable) and isinstance(capable.capabilities, Capabilities)
+    assert capable.restrict["zero"] == [0]  # the user's restrict comes last
+    assert capable.excluded is capable.capabilities.excluded
+
+    assert isinstance(planned, Planned) and isinstance(planned.plan_on, PlanOn)
+    report = planned.report
+    assert (report.global_batch, report.seq_len, planned.plan_on.precision) == (ROWS, SEQ, "fp32")
+    assert report.best.plan.dp == 1 and report.best.plan.zero == 0
+    again = planned.plan_on(report.cluster)  # what the measure stage calls on each changed cluster
+    assert again.best.plan == report.best.plan
+
+
+def test_geometry_of_a_unit_form_model_and_of_no_batch():
+    work = _work(TinyLM())
+    assert batch_geometry(work, None, 2, unit_form=True, transformer_seq=None) == (ROWS, 1)
+    assert batch_geometry(work, 8, 2, unit_form=False, transformer_seq=32) == (8, SEQ)
+    assert batch_geometry(Workload(TinyLM()), None, 2, unit_form=False, transformer_seq=32) == (2, 32)
+
+
+def test_measure_stage_without_profile_or_trials_keeps_the_first_planning():
+    module = TinyLM()
+    options = SetupOptions(settings=SetupSettings(trials=0, profile=False, profile_cache=False))
+    analysed, _, planned = _planned(module, options)
+    measured = measure(planned, analysed, _work(module), Live(), options.settings)
+    assert isinstance(measured, Measured) and isinstance(measured.outcome, SetupOutcome)
+    assert measured.report is planned.report and measured.report.trials == [] and measured.report.profile is None
+    assert measured.outcome.skipped == "profile=False" and measured.outcome.trials_run == 0
+    assert measured.outcome.plan_s >= 0
+
+
+def test_trial_refusal_and_choice():
+    module = TinyLM()
+    assert trial_refusal(_work(module)) == ""
+    assert trial_refusal(_work(module, planned_steps=0)) == "not training"
+    assert trial_refusal(Workload(module)).startswith("no batch to run on")
+    assert "no training_step" in trial_refusal(_work(nn.Linear(2, 2)))
+    _, _, planned = _planned(module, SetupOptions(top=3))
+    report = planned.report
+    last = report.candidates[-1]
+    choose(report, last.plan, fresh=False)
+    assert report.best is last and report.candidates[0] is last
+    choose(report, Plan(dp=1, mbs=1, grad_accum=4), fresh=False)  # a cached choice no longer a candidate: kept
+    assert report.best is last
+
+
+def test_measure_trial_then_apply_on_one_process(single_process_group):
+    module = TinyLM()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    options = SetupOptions(settings=SetupSettings(trials=1, profile=False, profile_cache=False))
+    analysed, capable, planned = _planned(module, options)
+    work, live = _work(module), Live()
+    measured = measure(planned, analysed, work, live, options.settings)
+    outcome, report = measured.outcome, measured.report
+    assert outcome.trials_run == 1 and len(report.trials) == 1 and not report.trials[0].error
+    assert report.trials[0].measured_s > 0 and Plan(**report.trials[0].plan) == report.best.plan
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())  # a trial leaves no state
+
+    set_up = apply_setup(report.best.plan, analysed, capable, report.best.layers_per_stage, work, live, options)
+    assert isinstance(set_up, SetUp) and set_up.model is analysed.model
+    assert module._device_mesh is set_up.layout.mesh and set_up.steps.pipe is None
+    assert set_up.env.group.rank_and_size() == (0, 1) and set_up.env.fsdp_roots == set_up.applied.fsdp_roots
