@@ -314,6 +314,8 @@ def test_stragglers_are_ranks_slower_than_their_stage_peers_every_time():
     assert find_stragglers(steady[:2], 0.25, 3) == []  # not yet persistent
     assert find_stragglers([probe(3), probe(None), probe(3)], 0.25, 3) == []  # one fast probe breaks the run
     assert find_stragglers([probe(3, 1.2)] * 3, 0.25, 3) == []  # within the threshold
+    assert find_stragglers(steady, 0.25, 3, min_excess_s=0.5) == []  # 0.4 s more: under the absolute floor
+    assert find_stragglers(steady, 0.25, 3, min_excess_s=0.3) == [(3, 0.8, 0.4)]
     # pipeline stages do different work: the last stage's ranks compare with each other only
     staged = [[RankTime(r, r // 2, 1.0, 0.4 if r < 2 else 0.9, 0.1) for r in range(4)]] * 3
     assert find_stragglers(staged, 0.25, 3) == []

@@ -103,10 +103,13 @@ class RankTime:
     waiting_s: float
 
 
-def find_stragglers(probes: list[list[RankTime]], threshold: float, consecutive: int) -> list[tuple[int, float, float]]:
+def find_stragglers(probes: list[list[RankTime]], threshold: float, consecutive: int,
+                    min_excess_s: float = 0.0) -> list[tuple[int, float, float]]:
     """Ranks slower than their peers in each of the last ``consecutive`` probes: ``(rank, compute_s, peers'
     median compute_s)`` of the latest probe, for each rank whose compute exceeded ``(1 + threshold)`` x the
-    median of the other ranks of its pipeline stage every time (a rank with no peer is never named)."""
+    median of the other ranks of its pipeline stage, and that median by at least ``min_excess_s``, every time (a
+    rank with no peer is never named). The absolute floor keeps timer noise and rank 0's own bookkeeping (logging,
+    the report) from naming a rank when steps take milliseconds."""
     recent = probes[-consecutive:] if consecutive > 0 else []
     if len(recent) < consecutive or not recent:
         return []
@@ -115,7 +118,8 @@ def find_stragglers(probes: list[list[RankTime]], threshold: float, consecutive:
         out = {}
         for r in probe:
             peers = [p.compute_s for p in probe if p.stage == r.stage and p.rank != r.rank]
-            if peers and r.compute_s > (1 + threshold) * statistics.median(peers):
+            if peers and r.compute_s > max((1 + threshold) * statistics.median(peers),
+                                           statistics.median(peers) + min_excess_s):
                 out[r.rank] = (r.compute_s, statistics.median(peers))
         return out
 
@@ -261,12 +265,16 @@ class StepMonitor(L.Callback):
             beside it). None of these are written when ``report_path=False``.
         straggler_threshold: how much more compute than its peers' median (relative) makes a rank slow.
         straggler_probes: in how many profiled steps in a row a rank must be slow to be named.
+        straggler_min_excess_s: the least extra compute per step (seconds) that makes a rank slow, whatever
+            the ratio: below it the difference is timer noise or rank 0's own bookkeeping.
     """
 
     def __init__(self, every_n_steps: int = 1, warmup_steps: int = 3, tolerance: float = 0.2, window: int = 10,
                  probe_every_n_steps: int = 50, report_path: str | Path | bool | None = None,
-                 straggler_threshold: float = 0.25, straggler_probes: int = 3) -> None:
+                 straggler_threshold: float = 0.25, straggler_probes: int = 3,
+                 straggler_min_excess_s: float = 0.05) -> None:
         self.straggler_threshold = straggler_threshold
+        self.straggler_min_excess_s = straggler_min_excess_s
         self.straggler_probes = max(1, straggler_probes)
         self.rank_times: list[list[RankTime]] = []  # one exchange per profiled step, every rank's split
         self.stragglers: list[int] = []
@@ -401,7 +409,7 @@ class StepMonitor(L.Callback):
         dist.all_gather_object(every, mine)
         self.rank_times.append(every)
         for rank, compute, peers in find_stragglers(self.rank_times, self.straggler_threshold,
-                                                    self.straggler_probes):
+                                                    self.straggler_probes, self.straggler_min_excess_s):
             if rank in self.stragglers:
                 continue
             self.stragglers.append(rank)
