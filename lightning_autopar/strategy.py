@@ -286,7 +286,7 @@ class AutoParallelMixin(PlanningMixin):
             return super().optimizer_state(optimizer)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        from lightning_autopar.parallel.tensor import plain_shards
+        from lightning_autopar.parallel.tp_placement import plain_shards
 
         optimizer = private.unwrap_optimizer(optimizer)
         options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
@@ -295,8 +295,8 @@ class AutoParallelMixin(PlanningMixin):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state as Lightning saves it; TP-fused projections (strided shards, which DCP cannot write)
-        as plain shards of the same global tensors (``parallel.tensor.plain_shards``)."""
-        from lightning_autopar.parallel.tensor import plain_shards
+        as plain shards of the same global tensors (``parallel.tp_placement.plain_shards``)."""
+        from lightning_autopar.parallel.tp_placement import plain_shards
 
         state = super().lightning_module_state_dict()
         return plain_shards(state) if self._save_distributed_checkpoint else state
@@ -310,7 +310,7 @@ class AutoParallelMixin(PlanningMixin):
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict, set_optimizer_state_dict)
 
-        from lightning_autopar.parallel.tensor import plain_shards, restore_layout
+        from lightning_autopar.parallel.tp_placement import plain_shards, restore_layout
 
         path = Path(self.broadcast(checkpoint_path))
         if not private.is_sharded_checkpoint(path):

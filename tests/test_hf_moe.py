@@ -168,18 +168,18 @@ def test_fused_experts_tp_split_checked_on_their_forward():
     """The TP split of the fused experts (gate_up_proj strided on dim 1 in [gate | up] pieces, down_proj on dim 2)
     is checked on the module's own forward, for each experts implementation; a forward cutting gate/up
     interleaved is refused with one line, and the module keeps its weights either way."""
-    from lightning_autopar.parallel.tensor import _fused_split_dims, _probe_fused_split
+    from lightning_autopar.parallel.tp_experts import fused_split_dims, probe_fused_split
     from lightning_autopar.profile.analyze import analyze, find_transformer
 
     transformer = find_transformer(_tiny_mixtral())[1]
     moe = analyze(transformer, trace=False).blocks[0].moe
     experts = transformer.layers[0].mlp.experts
     before = {n: p.detach().clone() for n, p in experts.named_parameters()}
-    dims = _fused_split_dims(experts, moe, "layers.0.mlp.experts")
+    dims = fused_split_dims(experts, moe, "layers.0.mlp.experts")
     assert dims == {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
     for implementation in ("eager", "grouped_mm", "batched_mm"):
         experts.config._experts_implementation = implementation
-        _probe_fused_split(experts, moe, dims, 2, "layers.0.mlp.experts")
+        probe_fused_split(experts, moe, dims, 2, "layers.0.mlp.experts")
 
     class InterleavedExperts(type(experts)):
         """gate and up interleaved along dim 1 ([g0, u0, g1, u1, ...]): not a [gate | up] chunk."""
@@ -196,5 +196,5 @@ def test_fused_experts_tp_split_checked_on_their_forward():
 
     experts.__class__ = InterleavedExperts
     with pytest.raises(ConfigError, match=r"^plan.tp: layers.0.mlp.experts: .*not cut \[gate \| up\]"):
-        _probe_fused_split(experts, moe, dims, 2, "layers.0.mlp.experts")
+        probe_fused_split(experts, moe, dims, 2, "layers.0.mlp.experts")
     assert all(torch.equal(p, before[n]) for n, p in experts.named_parameters())

@@ -50,7 +50,7 @@ EQUAL, REFUSED = "equal", "refused"
 # where it cannot: a pipeline split cannot keep a tied embedding / head pair on one stage ("a plan that cannot
 # keep a tie is not offered"), and attention code that takes its sizes from the full width cannot run on a TP
 # rank's local heads: nanoGPT's ``C // self.n_head`` (C the input width). litgpt's own split of its fused GQA
-# [q|k|v] works on local heads (TP splits it row-permuted, parallel.tensor.RowOrder), and its MoE model has the
+# [q|k|v] works on local heads (TP splits it row-permuted, parallel.row_order.RowOrder), and its MoE model has the
 # same attention, so both are expected equal. OLMoE's q/k norms run over the full projection width: the issue
 # accepts either TP keeping them exact or the planner restricting tp with a reason. BERT (an encoder: its
 # attention output projection and its MLP's second half sit in sibling modules, found from the traced dataflow)

@@ -16,7 +16,8 @@ from test_strategy import PARAM_ATOL, PARAM_RTOL, assert_equivalent, load
 import tp_layout_scenarios as S
 
 from lightning_autopar.errors import ConfigError
-from lightning_autopar.parallel.tensor import LocalShardSpec, RowOrder, block_layout, check_tp
+from lightning_autopar.parallel.row_order import RowOrder
+from lightning_autopar.parallel.tensor import LocalShardSpec, block_layout, check_tp
 from lightning_autopar.profile.analyze import analyze, find_transformer, fused_layout
 
 pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""The sequence collectives SP (``parallel.tensor``, over the TP group) and CP (``parallel.context``, over the cp
+"""The sequence collectives SP (``parallel.tp_comm``, over the TP group) and CP (``parallel.context``, over the cp
 group) share: all-gather and reduce-scatter of a tensor along one dim, the ranks' parts in rank order."""
 
 from __future__ import annotations

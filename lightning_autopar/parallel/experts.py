@@ -19,7 +19,7 @@ Supported MoE layouts:
   received rows with the local weights. Each expert parameter becomes a DTensor ``Shard(0)`` on the "ep" mesh:
   parameter names and global shapes stay the user's, so DCP checkpoints hold whole tensors and reshard across
   plans. FSDP then shards dim 1 over the expert-data-parallel mesh (``parallel.fsdp.shard_experts``). TP (applied
-  before EP, ``parallel.tensor.shard_fused_experts``) splits each expert inside: the parameters are then 2-D
+  before EP, ``parallel.tp_experts.shard_fused_experts``) splits each expert inside: the parameters are then 2-D
   DTensors on the (ep, tp) mesh, and the TP hooks around the experts module wrap this dispatch (its input
   replicated over TP, its output -- partial sums of each token's experts -- all-reduced).
 
@@ -92,6 +92,7 @@ import torch
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.parallel.dtensor_private import concatenate_meshes, own_parameters
 from lightning_autopar.parallel.stand_in import stand_in_for
 from lightning_autopar.profile.analyze import plain_moe_layout as plain_layout
 
@@ -303,7 +304,7 @@ class FusedExpertsForward(ExpertParallelForward):
         from torch.distributed.tensor import DTensor
 
         module = self.layer.experts[0]
-        weights = {n: module._parameters[n] for n in self.layer.fused_params}
+        weights = {n: own_parameters(module)[n] for n in self.layer.fused_params}
         local = {n: w.to_local() if isinstance(w, DTensor) else w for n, w in weights.items()}
         if rows.shape[0] == 0:  # nothing received: the weights still join the graph (zero gradients)
             return rows + sum(t.sum() for t in local.values()) * 0
@@ -311,12 +312,12 @@ class FusedExpertsForward(ExpertParallelForward):
                                       torch.tensor(per_expert, device=rows.device))[:, None]
         count = getattr(module, "num_experts", None)
         try:
-            module._parameters.update(local)
+            own_parameters(module).update(local)
             if count is not None:
                 module.num_experts = len(per_expert)
             return type(module).forward(module, rows, ids, torch.ones(ids.shape, dtype=rows.dtype, device=rows.device))
         finally:
-            module._parameters.update(weights)
+            own_parameters(module).update(weights)
             if count is not None:
                 module.num_experts = count
 
@@ -550,17 +551,16 @@ class RouterLogitsGather:
 def _shard_fused(module: nn.Module, names: list[str], first: int, count: int, ep_mesh: Any) -> None:
     """Each parameter ``names`` of ``module`` becomes a DTensor ``Shard(0)`` on ``ep_mesh`` (this rank's rows
     ``[first, first + count)``, the same on every rank since the strategy broadcast the model). A parameter TP
-    already split (a DTensor on the "tp" mesh, ``parallel.tensor.shard_fused_experts``) becomes a 2-D DTensor on
+    already split (a DTensor on the "tp" mesh, ``parallel.tp_experts.shard_fused_experts``) becomes a 2-D DTensor on
     the (ep, tp) mesh: ``Shard(0)`` on ep, its TP placement on tp; the global tensor stays the single-device one."""
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
     with torch.no_grad():
         for name in names:
-            full = module._parameters[name]
+            full = own_parameters(module)[name]
             if isinstance(full, DTensor):
                 local = full.to_local()[first:first + count].clone()
-                mesh = DeviceMesh._concatenate([ep_mesh, full.device_mesh])
+                mesh = concatenate_meshes([ep_mesh, full.device_mesh])
                 sharded = DTensor.from_local(local, mesh, [Shard(0), *full.placements], run_check=False,
                                              shape=full.shape, stride=full.stride())
             else:

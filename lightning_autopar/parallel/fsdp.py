@@ -117,10 +117,10 @@ def _shard_units(units: list[nn.Module], n_blocks: int, dp_mesh: DeviceMesh, zer
     ``shard_experts``."""
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_autopar.parallel.tensor import fsdp_placement
+    from lightning_autopar.parallel.tp_placement import fsdp_placement
 
     policy = mixed_precision_policy(precision)
-    place = fsdp_placement(dp_mesh.mesh.shape[-1])  # TP-fused projections: shard the other dim (parallel.tensor)
+    place = fsdp_placement(dp_mesh.mesh.shape[-1])  # TP-fused projections: shard the other dim (parallel.tp_placement)
     for i, unit in enumerate(units):
         # the last block is gathered again right away by backward: keeping it saves one all-gather
         reshard = zero == 3 and i < n_blocks - 1

@@ -10,13 +10,13 @@ states), so the activations of norms, residual adds and dropout are divided by t
   rotary cos/sin, position ids) stay whole;
 * the attention module and a dense MLP module all-gather their hidden-state input (backward: reduce-scatter,
   summing the column projections' partial input gradients, which then run without Megatron's f); their row
-  projection reduce-scatters its output along S instead of all-reducing it (``tensor.row_output_sp``), its bias
+  projection reduce-scatters its output along S instead of all-reducing it (``tp_comm.row_output_sp``), its bias
   added on this rank's tokens. Same traffic as TP's two all-reduces (all-reduce = reduce-scatter + all-gather);
 * an MoE module gathers the sequence at entry (backward: this rank's chunk; inside, the experts' TP f/g leave the
   gradients TP-replicated) and keeps this rank's chunk of its output (backward: all-gather): the router sees the
   whole sequence, so routing and balance losses are those of one device;
 * parameters outside those modules (norms, anything else in the block) see only this rank's tokens: while their
-  module runs they are swapped for ``_CopyToTP`` of themselves (identity forward, gradient summed over the TP group
+  module runs they are swapped for ``CopyToTP`` of themselves (identity forward, gradient summed over the TP group
   backward). The swap happens in the owning module's own hooks, after FSDP2 has put its unsharded parameters in
   place (FSDP unshards in the block's pre-hook); a recompute re-runs the hooks with the forward.
 
@@ -40,7 +40,9 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.parallel.capabilities import NOT_CHECKED, Capabilities
-from lightning_autopar.parallel.tensor import _CopyToTP, GatherSeq, SeqComm, SplitSeq, _join, row_output_sp
+from lightning_autopar.parallel.dtensor_private import own_parameters
+from lightning_autopar.parallel.tensor import join_path
+from lightning_autopar.parallel.tp_comm import CopyToTP, GatherSeq, SeqComm, SplitSeq, row_output_sp
 from lightning_autopar.profile.analyze import BlockInfo, ModelAnalysis
 
 if TYPE_CHECKING:
@@ -165,13 +167,13 @@ def _split_output_hook(state: _SeqState) -> Callable:
 
 
 def _sum_grads_pre(group: Any) -> Callable:
-    """Swap ``module``'s own parameters for ``_CopyToTP`` of them for this call (their gradient, from this rank's
+    """Swap ``module``'s own parameters for ``CopyToTP`` of them for this call (their gradient, from this rank's
     tokens only, summed over the TP group)."""
 
     def hook(module: nn.Module, args: tuple) -> None:
-        params = module._parameters
+        params = own_parameters(module)
         stash = {n: p for n, p in params.items() if p is not None and p.requires_grad}
-        params.update({n: _CopyToTP.apply(p, group) for n, p in stash.items()})
+        params.update({n: CopyToTP.apply(p, group) for n, p in stash.items()})
         module._sp_stash = (stash, {n: params[n] for n in stash})
 
     return hook
@@ -181,8 +183,8 @@ def _sum_grads_post(module: nn.Module, args: tuple, output: Any) -> None:
     """Undo ``_sum_grads_pre``, except where something else (FSDP's reshard) already replaced the parameter."""
     stash, swapped = getattr(module, "_sp_stash", ({}, {}))
     for name, param in stash.items():
-        if module._parameters.get(name) is swapped[name]:
-            module._parameters[name] = param
+        if own_parameters(module).get(name) is swapped[name]:
+            own_parameters(module)[name] = param
     module._sp_stash = ({}, {})
 
 
@@ -269,7 +271,7 @@ def _grad_sum_hooks(block: nn.Module, info: BlockInfo, group: Any) -> list[Remov
     inside = tuple(p + "." for p in paths)
     handles = []
     for name, module in block.named_modules():
-        if name in paths or name.startswith(inside) or not module._parameters:
+        if name in paths or name.startswith(inside) or not own_parameters(module):
             continue
         handles.append(module.register_forward_pre_hook(_sum_grads_pre(group)))
         handles.append(module.register_forward_hook(_sum_grads_post))
@@ -320,7 +322,7 @@ def _dry_run(transformer: nn.Module, analysis: ModelAnalysis, info: BlockInfo, t
     handles = install(transformer, dataclasses.replace(analysis, blocks=[info]), comm, [[info.fqn]],
                       gather_runs=False)
     attn = info.attention
-    rows = [_join(attn.fqn, attn.o)] + ([_join(info.mlp.fqn, info.mlp.down)] if info.mlp is not None else [])
+    rows = [join_path(attn.fqn, attn.o)] + ([join_path(info.mlp.fqn, info.mlp.down)] if info.mlp is not None else [])
     for path in rows:
         handles.append(block.get_submodule(path).register_forward_hook(
             lambda m, a, out, p=path: row_output_sp(out, comm, f"{info.fqn}.{p}")))

@@ -274,7 +274,7 @@ def _attention_tp(block0: str, attn_mod: nn.Module, info: AttentionInfo, traced:
         if info.qkv_layout == "sequential" and info.qkv_pieces != [q_width, kv_width, kv_width]:
             info.tp_refusal = f"{_join(info.fqn, info.qkv)}: fused pieces {info.qkv_pieces} are not q, k, v"
             return
-        # GQA's unequal [q | k | v]: parallel.tensor stores the weight row-permuted (RowOrder), so no refusal
+        # GQA's unequal [q | k | v]: parallel.row_order stores the weight row-permuted (RowOrder), so no refusal
     if site not in probe.calls or site not in probe.out_shapes:
         return
     transposed = set(info.transposed)

@@ -147,8 +147,8 @@ class PlanningMixin(ABC):
     @staticmethod
     def _keep_optimizer_layouts(optimizers: list[Any], model: nn.Module) -> None:
         """Optimizer states of TP weights stored in another row order show the single-device order in state dicts
-        (``parallel.tensor.keep_optimizer_row_order``), so optimizer checkpoints reshard across plans."""
-        from lightning_autopar.parallel.tensor import keep_optimizer_row_order
+        (``parallel.row_order.keep_optimizer_row_order``), so optimizer checkpoints reshard across plans."""
+        from lightning_autopar.parallel.row_order import keep_optimizer_row_order
 
         for optimizer in optimizers:
             keep_optimizer_row_order(getattr(optimizer, "_optimizer", optimizer), model)

@@ -233,11 +233,11 @@ def placements(module: nn.Module) -> dict[str, str]:
 
 
 def save_dcp(module: nn.Module, path: Path, plain: bool) -> None:
-    """The sharded model state as DCP writes it (``plain``: through ``parallel.tensor.plain_shards`` first)."""
+    """The sharded model state as DCP writes it (``plain``: through ``parallel.tp_placement.plain_shards`` first)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from lightning_autopar.parallel.tensor import plain_shards
+    from lightning_autopar.parallel.tp_placement import plain_shards
 
     state = {"model": get_model_state_dict(module)}
     dcp.save(plain_shards(state) if plain else state, checkpoint_id=str(path))
@@ -249,7 +249,7 @@ def reload_dcp(module: nn.Module, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from lightning_autopar.parallel.tensor import plain_shards, restore_layout
+    from lightning_autopar.parallel.tp_placement import plain_shards, restore_layout
 
     with torch.no_grad():
         for p in module.parameters():
@@ -277,7 +277,7 @@ def reload_optimizer_dcp(trainer: L.Trainer, module: nn.Module, path: Path) -> N
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from lightning_autopar.parallel.tensor import plain_shards, restore_layout
+    from lightning_autopar.parallel.tp_placement import plain_shards, restore_layout
 
     optimizer = trainer.optimizers[0]
     dcp.save(plain_shards({"optim": get_optimizer_state_dict(module, optimizer)}), checkpoint_id=str(path))

@@ -1,0 +1,131 @@
+"""Every private torch API the tensor-parallel layouts use (``parallel.tensor``, ``tp_experts``, ``row_order``,
+``tp_placement``, ``sequence``, ``experts``), in one module, each behind a small function.
+
+Checked against torch 2.13.0 (``torch.__version__`` of the project's environment). A torch upgrade that changes
+any of these breaks TP here, and nowhere else. ``torch.distributed`` is imported inside the functions: importing
+the planner or the profiler must not load it.
+
+* ``torch.distributed.tensor.placement_types._StridedShard`` (``strided_shard``, ``strided_dim``,
+  ``plain_placements``): the placement of a fused projection ([q | k | v], [gate | up]) whose TP rank r holds
+  rows r of *each* piece, so the global tensor stays the single-device one and the local shard is
+  [q_r | k_r | v_r]. No public placement describes it (``Shard`` cuts contiguous blocks). DCP writes a DTensor's
+  local shard as one contiguous chunk, which a strided shard is not, so ``plain_placements`` names the plain
+  ``Shard`` placements a state dict is redistributed to before a DCP save or load.
+* ``ParallelStyle._apply`` (``ParallelStyleBase``): the abstract method ``parallelize_module`` calls on a style.
+  torch's styles accept only nn.Linear and contiguous splits; ``LocalShard`` (fused, row-permuted and transposed
+  projections, sequence parallelism) is a style of our own, so it implements this private hook.
+* ``nn.Module._parameters`` (``own_parameters``, ``swap_in_local``, ``swap_back``): the live name -> parameter
+  table. A module's own forward runs on local shards or on autograd functions of its parameters (a plain tensor
+  or a non-leaf in a parameter's place for one call), which ``register_parameter`` refuses and ``setattr``
+  would turn into a plain attribute; writing the table for the call and restoring it after keeps the
+  parameters (DTensors, FSDP's) and their names. Used by ``LocalShard``'s hooks, fused 3-D experts (TP hooks,
+  the split probe, EP's expert forward) and SP's gradient-summing swap.
+* ``nn.Module._register_state_dict_hook`` (``register_state_dict_hook``): a row-permuted weight's hook
+  (``row_order``) that replaces its entry in the state dict (W instead of P(W)), in place, returning None. Kept
+  as it was written; torch's public ``register_state_dict_post_hook`` (same signature, in-place changes only)
+  would serve the same hook and is the way to drop this private use.
+* ``DeviceMesh._concatenate`` (``concatenate_meshes``): the (ep, tp) mesh of a fused expert weight TP already
+  split, from the ep mesh and the weight's tp mesh (``experts``). Public slicing only takes named dims of one
+  existing mesh; no public API joins two meshes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+# ------------------------------------------------------------------------------------------- _StridedShard
+
+
+def strided_shard(dim: int, pieces: int) -> Any:
+    """The placement holding this rank's part of each of ``pieces`` equal pieces along ``dim``."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=pieces)
+
+
+def strided_dim(tensor: Any) -> int | None:
+    """The dim of ``tensor``'s strided-shard placement (a DTensor), None when it has none."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(tensor, DTensor):
+        return None
+    return next((p.dim for p in tensor.placements if isinstance(p, _StridedShard)), None)
+
+
+def plain_placements(placements: tuple) -> tuple:
+    """``placements`` with every strided shard a plain ``Shard`` of the same dim."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements)
+
+
+# ------------------------------------------------------------------------------------------- ParallelStyle._apply
+
+
+def parallel_style_base() -> type:
+    """A ``ParallelStyle`` whose subclasses implement ``apply(module, device_mesh)`` (the private ``_apply``
+    ``parallelize_module`` calls)."""
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    class ParallelStyleBase(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            return self.apply(module, device_mesh)
+
+        def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            raise NotImplementedError
+
+    return ParallelStyleBase
+
+
+# ------------------------------------------------------------------------------------------- nn.Module._parameters
+
+
+def own_parameters(module: nn.Module) -> dict[str, Any]:
+    """``module``'s live name -> parameter table (its own parameters, not its children's): writing it swaps a
+    tensor in for a call without ``register_parameter``."""
+    return module._parameters
+
+
+def swap_in_local(module: nn.Module, names: list[str]) -> dict[str, Any]:
+    """Put the local tensors of ``module``'s DTensor parameters ``names`` in their place for one forward (the
+    model's own code then computes on this rank's slice, autograd reaching the DTensors); returns the stash
+    ``swap_back`` restores."""
+    from torch.distributed.tensor import DTensor
+
+    params = module._parameters
+    module._tp_stash = {n: params[n] for n in names if params.get(n) is not None}
+    params.update({n: p.to_local() if isinstance(p, DTensor) else p for n, p in module._tp_stash.items()})
+    return module._tp_stash
+
+
+def swap_back(module: nn.Module) -> None:
+    """Undo ``swap_in_local``."""
+    module._parameters.update(module._tp_stash)
+    module._tp_stash = {}
+
+
+# ------------------------------------------------------------------------------------------- state-dict hook
+
+
+def register_state_dict_hook(module: nn.Module, hook: Callable[[nn.Module, dict, str, Any], None]) -> None:
+    """``hook(module, state_dict, prefix, local_metadata)`` after ``module``'s own entries are in the state dict;
+    it may replace their values."""
+    module._register_state_dict_hook(hook)
+
+
+# ------------------------------------------------------------------------------------------- DeviceMesh._concatenate
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """The mesh whose dims are those of ``meshes`` in order (sub-meshes of one world mesh)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh._concatenate(meshes)
