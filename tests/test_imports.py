@@ -196,3 +196,42 @@ def test_meta_forward_finder_finds_a_meta_forward():
               "def run(model, state):\n    return functional_call(model, state, ())\n")
     assert meta_forward_sites(source) == ["class _Captured(Exception) (line 2)", "functional_call (line 5)"]
     assert meta_forward_sites("import torch\ndef f(m):\n    return m(torch.ones(1))\n") == []
+
+
+PRIVATE_TP_NAMES = ("_StridedShard", "_concatenate", "_register_state_dict_hook")
+
+
+def private_tp_uses(source: str) -> list[str]:
+    """Where ``source``'s code (not its prose) names one of torch's private TP APIs (``PRIVATE_TP_NAMES``): an
+    import of it, an attribute of that name, or a bare name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        else:
+            continue
+        found += [f"{n} (line {node.lineno})" for n in names if n in PRIVATE_TP_NAMES]
+    return found
+
+
+def test_private_dtensor_api_is_used_in_one_module():
+    """``parallel/dtensor_private.py`` alone touches torch's private TP API (``_StridedShard``, the mesh
+    concatenation, the state-dict hook), as ``parallel/pipeline/stage.py`` does for pipelining's; the others call
+    its documented wrappers."""
+    uses = {m: found for m, p in module_names().items() if (found := private_tp_uses(p.read_text()))}
+    private = "lightning_autopar.parallel.dtensor_private"
+    assert set(uses) == {private}, f"private TP API outside {private}: {uses}"
+    assert any(u.startswith("_StridedShard") for u in uses[private])
+    docs = ast.get_docstring(ast.parse(module_names()[private].read_text())) or ""
+    assert "torch 2.13" in docs and all(name in docs for name in PRIVATE_TP_NAMES)
+
+
+def test_private_use_finder_finds_code_not_prose():
+    source = ('"""Uses ``_StridedShard``."""\n'
+              "from torch.distributed.tensor.placement_types import _StridedShard\n"
+              "def f(mesh):\n    return mesh._concatenate([mesh])\n")
+    assert private_tp_uses(source) == ["_StridedShard (line 2)", "_concatenate (line 4)"]
