@@ -141,7 +141,6 @@ class LocalShardSpec:
     sp: bool = False
 
 
-
 def _local_style() -> type:
     class LocalShard(parallel_style_base()):
         """Shard a linear-like module's weight (and bias) as ``spec`` says; its forward runs on the local shards
@@ -189,8 +188,6 @@ def _local_style() -> type:
             return module
 
     return LocalShard
-
-
 
 
 def _pre_hook(spec: LocalShardSpec, group: Any, bias_index: torch.Tensor | None) -> Callable:
