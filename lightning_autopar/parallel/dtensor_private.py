@@ -11,15 +11,16 @@ the planner or the profiler must not load it.
   [q_r | k_r | v_r]. No public placement describes it (``Shard`` cuts contiguous blocks). DCP writes a DTensor's
   local shard as one contiguous chunk, which a strided shard is not, so ``plain_placements`` names the plain
   ``Shard`` placements a state dict is redistributed to before a DCP save or load.
-* ``ParallelStyle._apply`` (``ParallelStyleBase``): the abstract method ``parallelize_module`` calls on a style.
+* ``ParallelStyle._apply`` (``parallel_style_base``): the abstract method ``parallelize_module`` calls on a style.
   torch's styles accept only nn.Linear and contiguous splits; ``LocalShard`` (fused, row-permuted and transposed
   projections, sequence parallelism) is a style of our own, so it implements this private hook.
 * ``nn.Module._parameters`` (``own_parameters``, ``swap_in_local``, ``swap_back``): the live name -> parameter
   table. A module's own forward runs on local shards or on autograd functions of its parameters (a plain tensor
-  or a non-leaf in a parameter's place for one call), which ``register_parameter`` refuses and ``setattr``
-  would turn into a plain attribute; writing the table for the call and restoring it after keeps the
+  or a non-leaf in a parameter's place for one call), which ``register_parameter`` and ``setattr`` refuse (a
+  parameter's slot takes only an ``nn.Parameter``); writing the table for the call and restoring it after keeps the
   parameters (DTensors, FSDP's) and their names. Used by ``LocalShard``'s hooks, fused 3-D experts (TP hooks,
-  the split probe, EP's expert forward) and SP's gradient-summing swap.
+  the split probe, EP's expert forward) and SP's gradient-summing swap; ``row_order`` reads a module's own
+  weight through it (the parameter object itself, whatever FSDP put there).
 * ``nn.Module._register_state_dict_hook`` (``register_state_dict_hook``): a row-permuted weight's hook
   (``row_order``) that replaces its entry in the state dict (W instead of P(W)), in place, returning None. Kept
   as it was written; torch's public ``register_state_dict_post_hook`` (same signature, in-place changes only)
