@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves
 
+from lightning_autopar.profile.meta_kernels import MetaKernelCache
 from lightning_autopar.profile.op_costs import (ELEMENT_BYTES, OpCost, _CostMode, _nbytes,  # noqa: F401
                                                 flop_formulas)
 
@@ -796,6 +797,7 @@ def meta_forward(model: nn.Module, call: Example, recorders: Sequence[Recorder] 
         contexts = [context for recorder in everything for context in recorder.contexts(run)]
         with ExitStack() as es:
             es.enter_context(nullcontext() if grad is None else torch.enable_grad() if grad else torch.no_grad())
+            es.enter_context(MetaKernelCache())  # the innermost dispatch mode: the recorders' modes see every op
             for context in contexts:
                 es.enter_context(context)
             es.enter_context(meta_friendly(model))
