@@ -21,26 +21,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
 _UNCACHED = object()  # a signature whose outputs the cache cannot rebuild: the kernel runs each time
-
-
-class _Unkeyed(Exception):
-    """An argument the cache does not key on: the kernel runs."""
+_NO_KEY = object()  # an argument the cache does not key on: the kernel runs
 
 
 def _key(value: Any, storages: list[int]) -> Any:
     """A hashable description of an argument: a tensor by its metadata (its storage noted in ``storages``), a
-    plain value with its type (1, 1.0 and True promote differently), lists and tuples element-wise."""
+    plain value with its type (1, 1.0 and True promote differently), lists and tuples element-wise; ``_NO_KEY``
+    for anything else."""
     if isinstance(value, torch.Tensor):
         if not value.is_meta or value.layout is not torch.strided or value.is_complex() or \
                 type(value) not in (torch.Tensor, torch.nn.Parameter):
-            raise _Unkeyed
+            return _NO_KEY
         storages.append(value.untyped_storage()._cdata)
         return (tuple(value.shape), value.stride(), value.storage_offset(), value.dtype)
     if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_key(v, storages) for v in value))
+        keys = tuple(_key(v, storages) for v in value)
+        return _NO_KEY if any(k is _NO_KEY for k in keys) else (type(value), keys)
     if type(value) in _PLAIN:
         return (type(value), value)
-    raise _Unkeyed
+    return _NO_KEY
 
 
 def _cacheable(func: Any) -> int:
@@ -69,11 +68,9 @@ class MetaKernelCache(TorchDispatchMode):
         if not cacheable:
             return func(*args, **kwargs)
         storages: list[int] = []
-        try:
-            key = (func, torch.get_default_dtype(), _key(args, storages), _key(tuple(sorted(kwargs.items())), storages))
-        except _Unkeyed:
-            return func(*args, **kwargs)
-        if not storages:  # a factory op: its device comes from the arguments, which may not be meta
+        key = (func, torch.get_default_dtype(), _key(args, storages), _key(tuple(sorted(kwargs.items())), storages))
+        if key[2] is _NO_KEY or key[3] is _NO_KEY or not storages:
+            # not keyed; or a factory op: its device comes from the arguments, which may not be meta
             return func(*args, **kwargs)
         recorded = self.outputs.get(key)
         if recorded is _UNCACHED:
