@@ -144,18 +144,25 @@ def child(case: str, profile: str | None) -> dict[str, Any]:
         def _loss_scaler(self) -> Any:
             return None
 
-        def _apply(self, plan: Any, analysed: Any, capable: Any, work: Any) -> None:
+        def _apply(self, plan: Any, *args: Any) -> None:
             # what apply_plan checks first; a tree with a capabilities record passes it (nothing traced again)
-            apply_mod.check_plan(plan, analysed.analysis, self.lightning_module, analysed.model, analysed.example,
-                                 capabilities=capable.capabilities)
+            if hasattr(args[0], "example"):  # the set-up stages: (analysed, capable, work)
+                analysed, capable = args[0], args[1]
+                apply_mod.check_plan(plan, analysed.analysis, self.lightning_module, analysed.model,
+                                     analysed.example, capabilities=capable.capabilities)
+            else:  # a tree before them (8b37e6c): (transformer, analysis, example)
+                transformer, analysis, example = args
+                apply_mod.check_plan(plan, analysis, self.lightning_module, transformer, example)
 
     strategy = Bench(cluster=preset, print_plan=False, profile=False, trials=0)
     strategy.connect(module)
     for name, label in [("_restrictions", "restrictions"), ("_apply", "check_plan")]:
         timer.wrap(strategy, name, label)
-    from lightning_autopar.runtime import setup as setup_mod
-
-    timer.wrap(setup_mod, "analyse", "analyse")  # runtime.analysis.analyse, as the analyse stage calls it
+    try:
+        from lightning_autopar.runtime import setup as setup_mod  # runtime.analysis.analyse, as the stage calls it
+    except ImportError:  # a tree before the set-up stages (8b37e6c): planning.py calls it
+        from lightning_autopar.runtime import planning as setup_mod
+    timer.wrap(setup_mod, "analyse", "analyse")
     import lightning_autopar.planner.search as search
 
     timer.wrap(search, "plan", "plan")  # planning.py imports it inside the function: the patched one is found

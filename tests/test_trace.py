@@ -100,3 +100,35 @@ def test_stop_at_module_stops_the_forward_with_its_call_and_is_a_base_exception(
     assert trace.stopped.args[0].shape == (1, 4, 16) and trace.stopped.args[0].device.type == "meta"
     assert "blocks.1" not in trace.called and "head" not in trace.called
     assert not issubclass(StopAtCall, Exception)
+
+
+def test_meta_kernel_cache_answers_repeats_as_the_kernel_does():
+    """A repeated op on meta tensors of the same metadata is answered from the recorded outputs: the same shapes,
+    strides, dtypes and storage sizes as the kernel's, fresh tensors; views and in-place ops run as usual."""
+    import torch.nn.functional as F
+
+    from lightning_autopar.profile.meta_kernels import MetaKernelCache
+
+    def meta(*shape, **kw):
+        return torch.empty(*shape, device="meta", **kw)
+
+    x, w = meta(2, 8, 5, 5).to(memory_format=torch.channels_last), meta(8)
+    calls = [lambda: F.batch_norm(x, meta(8), meta(8), w, meta(8), training=True),
+             lambda: F.relu(x), lambda: x + 1, lambda: x + 1.0, lambda: torch.add(x, meta(8, 1, 1, dtype=torch.half)),
+             lambda: F.conv2d(x, meta(4, 8, 3, 3), padding=1), lambda: x.permute(0, 2, 3, 1), lambda: x[:, :2],
+             lambda: meta(3).add_(1), lambda: torch.cat((x, x))]
+
+    def described(out):
+        outs = out if isinstance(out, tuple) else (out,)
+        return [(t.shape, t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes()) for t in outs]
+
+    expected = [described(c()) for c in calls]
+    MetaKernelCache.outputs.clear()  # a cache: what other tests recorded is dropped, not changed
+    with MetaKernelCache():
+        first = [described(c()) for c in calls]
+        again = [c() for c in calls]
+    assert first == expected and [described(o) for o in again] == expected
+    assert again[6].untyped_storage()._cdata == x.untyped_storage()._cdata  # a view still aliases its input
+    assert MetaKernelCache.outputs  # the repeats were answered from the record
+    relu = next(k for k in MetaKernelCache.outputs if k[0] is torch.ops.aten.relu.default)
+    assert MetaKernelCache.outputs[relu][0][1] == x.stride()  # channels-last kept

@@ -92,12 +92,16 @@ class _CostMode(TorchDispatchMode):
         self.trace = costs
         self.registry = _registry()
         self.kinds: dict[Any, str | None] = {}
+        self.decomposes: dict[Any, bool] = {}  # op -> has a CompositeImplicitAutograd kernel (``_can_decompose``)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in SKIPPED_OPS:
             return NotImplemented
-        if func is not torch.ops.prim.device.default:
+        decomposes = self.decomposes.get(func)
+        if decomposes is None:  # what func.decompose tries first; without such a kernel it returns NotImplemented
+            decomposes = self.decomposes[func] = func is not torch.ops.prim.device.default and func._can_decompose()
+        if decomposes:
             with self:
                 r = func.decompose(*args, **kwargs)
                 if r is not NotImplemented:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves
 
+from lightning_autopar.profile.meta_kernels import MetaKernelCache
 from lightning_autopar.profile.op_costs import (ELEMENT_BYTES, OpCost, _CostMode, _nbytes,  # noqa: F401
                                                 flop_formulas)
 
@@ -556,6 +557,17 @@ class ModuleStack(Recorder):
         trace.called = list(self.order)
 
 
+_FLAT = (torch.Tensor, int, float, bool, str, type(None))
+
+
+def _leaves(args: tuple, kwargs: dict) -> Any:
+    """``tree_leaves((args, kwargs))``: the arguments themselves when each is a tensor or a plain value (most
+    calls; a subclass of those types, a namedtuple or another pytree node goes through ``tree_leaves``)."""
+    if not kwargs and all(type(a) in _FLAT or type(a) is nn.Parameter for a in args):
+        return args
+    return tree_leaves((args, kwargs))
+
+
 class ParameterUses(Recorder, torch.overrides.TorchFunctionMode):
     """The parameters any torch function of the forward takes (by every name of the parameter); the trainable
     ones it never took (``Trace.unused``; none known when a block stood in: it did not run to its end) and, with
@@ -576,7 +588,7 @@ class ParameterUses(Recorder, torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         names = self.names
-        for leaf in tree_leaves((args, kwargs)):
+        for leaf in _leaves(args, kwargs):
             found = names.get(id(leaf))  # the meta tensors are alive: no other object has their id
             if not found:
                 continue
@@ -593,6 +605,51 @@ class ParameterUses(Recorder, torch.overrides.TorchFunctionMode):
         trace.uses = dict(self.uses)
 
 
+_COUNTER: list[Any] = []  # the counter class, made once
+
+
+def _flop_counter() -> Any:
+    """``FlopCounterMode(display=False)`` whose dispatch mode skips what its ``__torch_dispatch__`` tries first
+    for every op, ``func.decompose`` under the mode re-entered, for the ops that have no CompositeImplicitAutograd
+    kernel (where it returns NotImplemented): the same counts, without a mode push and pop per op. Built on
+    torch's private ``_FlopCounterMode`` (torch 2.13: ``FlopCounterMode.__enter__`` makes one, ``counter`` its
+    FlopCounterMode); any other torch gets the plain FlopCounterMode."""
+    if _COUNTER:
+        return _COUNTER[0](display=False)
+    from torch.utils import flop_counter
+
+    inner = getattr(flop_counter, "_FlopCounterMode", None)
+    if inner is None or not hasattr(flop_counter.FlopCounterMode, "_count_flops"):
+        return flop_counter.FlopCounterMode(display=False)
+    from torch._ops import HigherOrderOperator
+
+    from lightning_autopar.profile.op_costs import SKIPPED_OPS
+
+    class Mode(inner):
+        plain: dict[Any, bool] = {}  # op -> runs and is counted at once (no decomposition to try)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            plain = self.plain.get(func)
+            if plain is None:
+                plain = self.plain[func] = func not in SKIPPED_OPS and not isinstance(func, HigherOrderOperator) \
+                    and (func is torch.ops.prim.device.default or not func._can_decompose())
+            if not plain:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            kwargs = kwargs or {}
+            return self.counter._count_flops(func._overloadpacket, func(*args, **kwargs), args, kwargs)
+
+    class Counter(flop_counter.FlopCounterMode):
+        def __enter__(self) -> Any:
+            self.flop_counts.clear()
+            self.mod_tracker.__enter__()
+            self.mode = Mode(self)
+            self.mode.__enter__()
+            return self
+
+    _COUNTER.append(Counter)
+    return Counter(display=False)
+
+
 class BlockCost(Recorder):
     """Forward + backward FLOPs of each module in ``modules`` (``FlopCounterMode``), the total, and the bytes
     autograd saves while each of them runs (the innermost of them running)."""
@@ -602,8 +659,6 @@ class BlockCost(Recorder):
         self.counter: Any = None
 
     def contexts(self, run: Run) -> list[ContextManager[Any]]:
-        from torch.utils.flop_counter import FlopCounterMode
-
         stack = run.stack.stack
 
         def pack(t: Any) -> Any:
@@ -613,7 +668,7 @@ class BlockCost(Recorder):
                     self.saved[block] += t.numel() * t.element_size()
             return t
 
-        self.counter = FlopCounterMode(display=False)
+        self.counter = _flop_counter()
         return [self.counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)]
 
     def finish(self, run: Run, trace: Trace) -> None:
@@ -796,6 +851,7 @@ def meta_forward(model: nn.Module, call: Example, recorders: Sequence[Recorder] 
         contexts = [context for recorder in everything for context in recorder.contexts(run)]
         with ExitStack() as es:
             es.enter_context(nullcontext() if grad is None else torch.enable_grad() if grad else torch.no_grad())
+            es.enter_context(MetaKernelCache())  # the innermost dispatch mode: the recorders' modes see every op
             for context in contexts:
                 es.enter_context(context)
             es.enter_context(meta_friendly(model))
