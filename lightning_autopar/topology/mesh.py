@@ -3,8 +3,8 @@
 
 Every sub-mesh the apply layer uses comes from ``MeshLayout``: the MESH_DIMS, "dp" / "dp_flat", the mesh the
 data-parallel wrapper runs over (``dp_mesh``: with cp, dp_shard x cp flattened), the expert meshes
-(``expert_meshes``). The private DeviceMesh API (``_flatten``, ``_unflatten``, ``_flatten_mapping``) is used here
-only.
+(``expert_meshes``). The private DeviceMesh API (``_flatten``, ``_unflatten``, ``_flatten_mapping``, and
+``_pg_registry`` to let the groups go at exit) is used here only.
 """
 
 from __future__ import annotations

@@ -169,7 +169,10 @@ def settle_group_threads(limit_s: float = 2.0, calm_s: float = 0.05) -> bool:
     while now < deadline:
         time.sleep(0.002)  # releases the GIL: a worker waiting for it takes it now
         now = time.monotonic()
-        if any(_thread_state(tasks, tid) in ("R", "D") for tid in os.listdir(tasks)):
+        states = [state for tid in os.listdir(tasks) if (state := _thread_state(tasks, tid)) is not None]
+        if not states:  # no gloo group left (the usual case once the collection destroyed them)
+            return True
+        if any(state in ("R", "D") for state in states):
             calm_since = now
         elif now - calm_since >= calm_s:
             return True
