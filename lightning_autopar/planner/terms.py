@@ -383,11 +383,12 @@ def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d:
     z1, z2, z3 = zero == 1, zero == 2, zero == 3
     grad_d, grad_e = p_d * gbytes, p_e * gbytes
     shard_s = stride["dp_shard_cp"]  # FSDP's dp_shard x cp group
-    rs = reduce_scatter_time(hw, grad_d, shard, shard_s) + reduce_scatter_time(hw, grad_e, exp_shard, tp_d * ep_d)
+    edp_s = stride["edp"]  # the expert shards' group (ranks holding the same experts; MoE runs with cp = 1)
+    rs = reduce_scatter_time(hw, grad_d, shard, shard_s) + reduce_scatter_time(hw, grad_e, exp_shard, edp_s)
     ag = (allgather_time(hw, p_d * wbytes, shard, shard_s)
-          + allgather_time(hw, p_e * wbytes, exp_shard, tp_d * ep_d))
+          + allgather_time(hw, p_e * wbytes, exp_shard, edp_s))
     ar = (allreduce_time(hw, grad_d, dp_d * cp_d, shard_s)
-          + allreduce_time(hw, grad_e, np.maximum(dp_d * cp_d / ep_d, 1), tp_d * ep_d))
+          + allreduce_time(hw, grad_e, np.maximum(dp_d * cp_d / ep_d, 1), edp_s))
     hsdp = np.where(replicas > 1, allreduce_time(hw, grad_d / shard + grad_e / exp_shard, replicas,
                                                    stride["dp_replicate"]), 0.0)
     local = np.where(zero == 0, p_d + p_e, p_d / shard + p_e / exp_shard)
