@@ -40,7 +40,10 @@ def analyse(module: nn.Module, model_call: Callable[[], Any]) -> tuple[nn.Module
 
     try:
         _, transformer = find_transformer(module)
-        analysis = analyze(transformer, trace=True, runner=module)  # what the code does (views, fused layouts)
+        # token ids enter a model through an embedding: without one (a CNN, a ViT's pixels) the token-id trace
+        # can only fail, so the model is traced on the user's own call straight away
+        tokens_enter = any(isinstance(m, nn.Embedding) for m in transformer.modules())
+        analysis = analyze(transformer, trace=True, runner=module) if tokens_enter else None  # what the code does
     except ValueError:  # no repeated blocks, or none a transformer spec describes (a ResNet's: no width)
         analysis = None
     if analysis is not None and is_transformer(analysis) and analysis.trace_failure is None:
