@@ -16,4 +16,7 @@ fi
 if ! .venv/bin/python -c "import litgpt.model" >/dev/null 2>&1; then
   .venv/bin/pip install -q --no-deps litgpt==0.5.13 2>&1 | grep -v "^WARNING: Location" || true
 fi
+# bytecode for this checkout, as pip writes it for installed packages: every torchrun worker imports the package and
+# the tests, and a machine with PYTHONDONTWRITEBYTECODE set would otherwise compile them from source in each one
+.venv/bin/python -m compileall -q lightning_autopar tests examples >/dev/null
 .venv/bin/python -c "import lightning_autopar, torch; print('autopar set-up ok: torch', torch.__version__)"

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -29,7 +33,7 @@ def free_port() -> int:
 def torchrun(script: Path | str, nproc: int, *args: str, timeout: int = 900, extra_env: dict | None = None,
              torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run ``script`` under torchrun on localhost; returns the completed process (output captured)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    env = {**launch_environ(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", *torchrun_args, str(script), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -41,6 +45,59 @@ def check_launch(proc: subprocess.CompletedProcess, what: str) -> None:
     if proc.returncode == 0:
         return
     pytest.fail(f"{what} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+
+
+# ------------------------------------------------------------------------- the background lane
+#
+# Launches that mostly wait (a collective's timeout and a restart, two torchrun agents' rendezvous, killed and
+# restarted ranks) leave this 2-core machine's cores idle for most of their run. A module fixture whose body is
+# decorated with @background_launch starts on one background thread when collection ends (for the selected tests
+# that use it) and runs beside the main lane's batches and single-process tests; the fixture, when pytest asks
+# for it, waits for that result (its failure, a pytest.fail included, is raised there). The body must only
+# launch and collect (no pytest state besides the tmp_path_factory it gets); launches on the lane start from the
+# environment as the session began, so a main-lane test's monkeypatched variable never leaks into them.
+
+_LANE: ThreadPoolExecutor | None = None
+_STARTED: dict[Callable, Future] = {}
+_SESSION_ENV: dict[str, str] = {}
+_on_lane = threading.local()
+
+
+def launch_environ() -> dict[str, str]:
+    """The environment a launch starts from: the session's first one on the background lane, else the live one."""
+    return dict(_SESSION_ENV) if getattr(_on_lane, "active", False) else dict(os.environ)
+
+
+def background_launch(body: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Run the module fixture body ``body(tmp_path_factory)`` on the background lane (see above)."""
+
+    @functools.wraps(body)
+    def fixture(tmp_path_factory):
+        future = _STARTED.get(fixture)
+        return body(tmp_path_factory) if future is None else future.result()
+
+    fixture.background_body = body
+    return fixture
+
+
+def _start_on_lane(fixture: Callable, tmp_path_factory) -> None:
+    global _LANE
+    if fixture in _STARTED:
+        return
+    if _LANE is None:
+        _LANE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-lane")
+
+    def run():
+        _on_lane.active = True
+        return fixture.background_body(tmp_path_factory)
+
+    _STARTED[fixture] = _LANE.submit(run)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Launches not yet begun are dropped when the session ends early (-x, an interrupt)."""
+    if _LANE is not None:
+        _LANE.shutdown(wait=False, cancel_futures=True)
 
 
 def pytest_addoption(parser):
@@ -93,6 +150,12 @@ def pytest_configure(config):
 def pytest_collection_finish(session):
     """Collect the scenario requests of the selected tests' fixtures (see above)."""
     global _declaring
+    _SESSION_ENV.update(os.environ)
+    for item in session.items:  # the waiting launches first, so the lane runs beside everything else
+        fixtureinfo = getattr(item, "_fixtureinfo", None)
+        for defs in fixtureinfo.name2fixturedefs.values() if fixtureinfo else ():
+            if getattr(defs[-1].func, "background_body", None) is not None:
+                _start_on_lane(defs[-1].func, session.config._tmp_path_factory)
     if _launch_each:
         return
     seen = set()
@@ -199,7 +262,7 @@ def run_batch(out: Path, nproc: int, scenarios: list[tuple[str, str]]) -> None:
     def done(script: str, name: str) -> bool:
         return len(list(progress.glob(f"{Path(script).stem}.{name}.done_r*"))) == nproc
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # as torchrun()
+    env = {**launch_environ(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # as torchrun()
     while todo := [s for s in scenarios if not done(*s) and not state(*s, "failed").exists()]:
         for s in todo:  # a scenario some ranks ran in a launch that ended early runs again from the start
             for mark in progress.glob(f"{Path(s[0]).stem}.{s[1]}.*"):

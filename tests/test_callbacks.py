@@ -22,7 +22,7 @@ import csv
 
 import pytest
 import torch
-from conftest import DIST, check_launch, torchrun
+from conftest import DIST, background_launch, check_launch, torchrun
 from common import STEPS, reference_run
 
 LOSS_RTOL = 1e-5
@@ -37,6 +37,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
+@background_launch
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("callbacks")
     for nproc, names, extra in ((4, ["elastic_save", "straggler"], ()), (2, WORLD2, ("--max-restarts=3",))):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from common import STEPS, reference_run
-from conftest import DIST, ROOT, check_launch, run_scenarios
+from conftest import DIST, ROOT, background_launch, check_launch, launch_environ, run_scenarios
 from test_strategy import assert_equivalent
 
 try:
@@ -39,7 +39,7 @@ def world2(tmp_path_factory):
 
 def without_thread_env() -> dict[str, str]:
     """The environment a user's shell gives: no thread variable (the strategies pick each process's share)."""
-    return {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return {k: v for k, v in launch_environ().items() if k != "OMP_NUM_THREADS"}
 
 
 def load(out: Path, name: str) -> dict:
@@ -100,16 +100,28 @@ def test_hf_llama_matches_single_process(world2, name, layout):
     assert_equivalent(result, *hf_reference_run(STEPS))
 
 
-def test_hydra_app_with_lightning_launcher(tmp_path):
-    """`python examples/train_gpt.py ...` on 2 CPU processes: Lightning re-runs the script for rank 1 with
-    Hydra's run dir, so both ranks compose the same config; rank 0 prints the plan and the final loss."""
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+@background_launch
+def own_launches(tmp_path_factory) -> dict:
+    """The launches by Lightning's own launcher (``python script.py``): the Hydra app, and a Trainer and a Fabric
+    run with no thread variable; they run beside the other tests (see conftest's background lane)."""
+    out = tmp_path_factory.mktemp("own_launches")
     env = without_thread_env()
     env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.run(
+    launched = {"hydra": subprocess.run(
         [sys.executable, "examples/train_gpt.py", "model=gpt-tiny", "cluster=cpu", "trainer=debug",
-         "trainer.max_steps=3", "planner.fix=tp=2", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+         "trainer.max_steps=3", "planner.fix=tp=2", "trainer.enable_progress_bar=false", f"hydra.run.dir={out / 'run'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)}
+    for mode in ("trainer", "fabric"):
+        launched[mode] = subprocess.run([sys.executable, str(DIST / "launcher_threads.py"), str(out), mode], cwd=ROOT,
+                                        env=without_thread_env(), capture_output=True, text=True, timeout=600)
+    return {"out": out, **launched}
+
+
+def test_hydra_app_with_lightning_launcher(own_launches):
+    """`python examples/train_gpt.py ...` on 2 CPU processes: Lightning re-runs the script for rank 1 with
+    Hydra's run dir, so both ranks compose the same config; rank 0 prints the plan and the final loss."""
+    run_dir, proc = own_launches["out"] / "run", own_launches["hydra"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "autopar plan: GPT on cpu (1 x 2 cpu)" in proc.stdout
     planned = next(line for line in proc.stdout.splitlines() if line.startswith("autopar: planned in"))
@@ -120,15 +132,13 @@ def test_hydra_app_with_lightning_launcher(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["trainer", "fabric"])
-def test_own_launcher_shares_the_cores(tmp_path, mode):
+def test_own_launcher_shares_the_cores(own_launches, mode):
     """`python script.py` with devices=2 and no OMP_NUM_THREADS: Lightning's launcher starts rank 1 and sets the
     threads of DDPStrategy processes only; with the autopar strategies every rank still trains with at most its
     share of the cores (processes x threads <= cores), as under torchrun or DDPStrategy."""
     from lightning_autopar.topology.worker import cpu_count
 
-    proc = subprocess.run([sys.executable, str(DIST / "launcher_threads.py"), str(tmp_path), mode], cwd=ROOT,
-                          env=without_thread_env(), capture_output=True, text=True, timeout=600)
-    check_launch(proc, f"launcher_threads.py {mode}")
+    check_launch(own_launches[mode], f"launcher_threads.py {mode}")
     share = max(1, cpu_count() // 2)
-    threads = [int((tmp_path / f"{mode}_rank{rank}.txt").read_text()) for rank in (0, 1)]
+    threads = [int((own_launches["out"] / f"{mode}_rank{rank}.txt").read_text()) for rank in (0, 1)]
     assert all(1 <= t <= share for t in threads), (threads, share)

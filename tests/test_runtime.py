@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import DIST, check_launch, torchrun
+from conftest import DIST, background_launch, check_launch, torchrun
 
 from lightning_autopar.runtime.batches import leading_size, micro_batches, slice_batch, split_rows
 from lightning_autopar.runtime.logs import LogRecorder, recording_logs
@@ -100,10 +100,19 @@ def test_trial_measures_and_leaves_no_state(trial_world2):
         assert result["world_sum"] == 2.0
 
 
-def test_stopped_peer_is_named_and_the_restart_resumes(tmp_path):
+@pytest.fixture(scope="module")
+@background_launch
+def stopped_peer(tmp_path_factory):
+    """The stopped-peer launch (its wait for the timeout runs beside the other tests)."""
+    out = tmp_path_factory.mktemp("stopped_peer")
+    proc = torchrun(DIST / "runtime_scenarios.py", 2, str(out), "stopped", torchrun_args=("--max-restarts=1",))
+    return out, proc
+
+
+def test_stopped_peer_is_named_and_the_restart_resumes(stopped_peer):
     """Rank 1 SIGSTOPs itself after step 3 (strategy timeout 20 s): rank 0's all_reduce times out, it prints one
     line naming rank 1 and exits 1 (no traceback); torchrun restarts the job from the step-2 checkpoint."""
-    proc = torchrun(DIST / "runtime_scenarios.py", 2, str(tmp_path), "stopped", torchrun_args=("--max-restarts=1",))
+    tmp_path, proc = stopped_peer
     check_launch(proc, "torchrun runtime_scenarios.py stopped")
     text = proc.stdout + proc.stderr
     lines = [line for line in text.splitlines() if "stopped answering" in line]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DIST, ROOT, free_port  # tests/conftest.py
+from conftest import DIST, ROOT, background_launch, free_port, launch_environ  # tests/conftest.py
 from lightning_autopar.specs import load_cluster_spec
 from lightning_autopar.topology.ranktable import read_table
 
@@ -138,7 +138,7 @@ def two_agents(args: list[str], cwd: Path, timeout: int, restarts: int = 0, fabr
     rendezvous = (["--master-addr", "127.0.0.1", "--master-port", str(port)] if not restarts else
                   ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two_nodes",
                    f"--max-restarts={restarts}"])
-    env = {**os.environ, "AUTOPAR_PG_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**launch_environ(), "AUTOPAR_PG_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK_TABLE_FILE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     def command(node: int) -> list[str]:
@@ -170,6 +170,7 @@ def outputs(procs: list[subprocess.Popen], timeout: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
+@background_launch
 def two_nodes(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("two_nodes")
     script = out / "worker.py"
@@ -194,6 +195,7 @@ TRAINING = ["scenarios.py:dp_zero0", "scenarios.py:hsdp", "scenarios.py:tp2_dp2_
 
 
 @pytest.fixture(scope="module")
+@background_launch
 def two_node_training(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("two_node_training")
     logs = two_agents([str(DIST / "batch.py"), str(out), ",".join(TRAINING)], ROOT, timeout=600, restarts=2)
@@ -327,6 +329,7 @@ def _free_port_in(low: int, high: int) -> int:
 
 
 @pytest.fixture(scope="module")
+@background_launch
 def slurm_step(tmp_path_factory) -> Path:
     """Four tasks started as ``srun --nodes 2 --ntasks-per-node 2 python train.py`` starts them: plain processes,
     each with the SLURM_* variables of its task (no torchrun); Lightning's SLURMEnvironment takes rank and node
@@ -335,7 +338,7 @@ def slurm_step(tmp_path_factory) -> Path:
     script = out / "train.py"
     script.write_text(SLURM_WORKER)
     port = _free_port_in(15000, 25000)  # Lightning's SLURM port is 15000 + the job id's last 4 digits
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC"))
+    env = {k: v for k, v in launch_environ().items() if not k.startswith(("SLURM_", "MASTER_", "TORCHELASTIC"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", SLURM_JOB_ID=f"7{port - 15000:04d}", SLURM_JOB_NAME="train",
                SLURM_NTASKS="4", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="2", SLURM_JOB_NUM_NODES="2",
@@ -362,6 +365,7 @@ def test_srun_style_tasks_train_hsdp_across_two_nodes_equal_to_one_device(slurm_
 
 
 @pytest.fixture(scope="module")
+@background_launch
 def fabric_two_nodes(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fabric_two_nodes")
     logs = two_agents([str(DIST / "batch.py"), str(out), "ecosystem_scenarios.py:fabric_dp"], ROOT, timeout=300,
