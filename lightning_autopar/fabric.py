@@ -94,6 +94,19 @@ class _GlobalBatchSlices:
             yield micro_batches(batch, 1, *self.strategy._step_env.group.rank_and_size())[0].batch
 
 
+def first_tensor_call(module: nn.Module, first: Any, where: str, fix: str) -> Any:
+    """The call a model in unit form is traced on: the model itself, on one row of the first tensor of the
+    loader's first batch (the user's loop calls ``model(x)``; Fabric and Accelerate have no training_step to
+    capture). Without such a batch, one ConfigError line naming ``where`` and ``fix``."""
+    from lightning_autopar.profile.units import ModelCall
+
+    x = next((t for t in tree_leaves(first) if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
+    if x is None:
+        raise ConfigError(where, f"{type(module).__name__} has no transformer blocks, so it is analysed by tracing "
+                          "it on a batch, and no DataLoader with tensors was set up before it", fix)
+    return ModelCall("", module, (x[:1],), {})
+
+
 def check_even_rows(rows: int | None, dp: int) -> None:
     """One ConfigError line when a batch of ``rows`` does not split evenly over ``dp`` ranks: the user's loop
     averages its own slice's loss, so unequal slices would weight the ranks unequally (not the single-device
@@ -108,20 +121,9 @@ class _NoBackwardSync:
     on ``replicate`` (DDP) modules (``parallel.fsdp.apply_replicate``), which take the same switch."""
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> Any:
-        from contextlib import contextmanager
+        from lightning_autopar.parallel.fsdp import gradient_sync_off
 
-        from lightning_autopar.parallel.fsdp import set_gradient_sync, synced_modules
-
-        @contextmanager
-        def blocked() -> Iterator[None]:
-            modules = synced_modules(module)
-            set_gradient_sync(modules, not enabled)
-            try:
-                yield
-            finally:
-                set_gradient_sync(modules, True)
-
-        return blocked()
+        return gradient_sync_off(module, enabled)
 
 
 class FabricAutoParallelMixin(PlanningMixin):
@@ -155,18 +157,9 @@ class FabricAutoParallelMixin(PlanningMixin):
         return getattr(self.precision, "scaler", None)
 
     def _model_call(self) -> Any:
-        """The call a model in unit form is traced on: the model itself, on one row of the first tensor of the
-        loader's first batch (the user's loop calls ``model(x)``; Fabric has no training_step to capture)."""
-        from lightning_autopar.profile.units import ModelCall
-
-        module = self._autopar_module
-        first = self._first_batch()
-        x = next((t for t in tree_leaves(first) if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
-        if x is None:
-            raise ConfigError("fabric.setup", f"{type(module).__name__} has no transformer blocks, so it is analysed "
-                              "by tracing it on a batch, and no DataLoader with tensors was set up before it",
-                              "call fabric.setup_dataloaders(...) before fabric.setup(model, ...)")
-        return ModelCall("", module, (x[:1],), {})
+        """The call a model in unit form is traced on (``first_tensor_call``)."""
+        return first_tensor_call(self._autopar_module, self._first_batch(), "fabric.setup",
+                                 "call fabric.setup_dataloaders(...) before fabric.setup(model, ...)")
 
     @override
     def setup_environment(self) -> None:

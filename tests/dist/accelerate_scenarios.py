@@ -1,0 +1,102 @@
+"""Accelerate scenarios under torchrun (issue 31): ``lightning_autopar.accelerate.prepare`` in Accelerate's own loop.
+
+Usage: torchrun --nproc-per-node N tests/dist/accelerate_scenarios.py OUT_DIR name[,name...]
+``Accelerator(cpu=True)`` under torchrun is MULTI_CPU on gloo. Each scenario writes OUT_DIR/<name>.pt on rank 0:
+the global loss of every loader batch, the full final state dict (single-device names) and the plan, or the
+traceback it crashed with.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import GLOBAL_BATCH, STEPS, make_data, make_module  # noqa: E402
+
+import lightning.pytorch as L  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from scenarios import full_state, main, record  # noqa: E402
+
+CLIP = 0.05  # small enough that every step clips
+SCENARIOS = {  # name -> (fix, Accelerator kwargs, loop options)
+    "acc_auto": (None, {}, {}),
+    "acc_ddp": ("dp={w},zero=0", {}, {}),
+    "acc_zero3": ("dp={w},zero=3", {}, {}),
+    "acc_tp": ("tp={w},dp=1", {}, {}),
+    "acc_zero3_clip": ("dp={w},zero=3", {}, {"clip": CLIP}),
+    "acc_tp_clip": ("tp={w},dp=1", {}, {"clip": CLIP}),
+    "acc_ddp_accum": ("dp={w},zero=0", {"gradient_accumulation_steps": 2}, {}),
+    "acc_zero3_accum_clip": ("dp={w},zero=3", {"gradient_accumulation_steps": 2}, {"clip": CLIP}),
+    # Accelerate's default batches: each data-parallel rank its own loader batch of GLOBAL_BATCH / dp rows
+    "acc_zero3_per_process": ("dp={w},zero=3", {"split_batches": False}, {"per_process": True}),
+}
+
+
+def accelerate_run(fix: str | None, acc_kwargs: dict, clip: float | None = None, per_process: bool = False,
+                   steps: int = STEPS, save_at: int | None = None, load_from: Path | None = None):
+    """The user's Accelerate loop (the reference loop of tests/test_accelerate.py) on a model ``prepare``d with
+    ``fix``; ``save_at``: ``accelerator.save_state`` after that many batches into ``load_from``'s folder;
+    ``load_from``: ``accelerator.load_state`` before the first batch, then the batches after the saved ones."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    from lightning_autopar.accelerate import prepare
+    from lightning_autopar.models import lm_loss
+
+    acc_kwargs = dict(acc_kwargs)
+    split = acc_kwargs.pop("split_batches", True)
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=split), **acc_kwargs)
+    L.seed_everything(0, verbose=False)
+    module = make_module()
+    optimizer = module.configure_optimizers()
+    world = acc.num_processes
+    batch = GLOBAL_BATCH // world if per_process else GLOBAL_BATCH
+    data = DataLoader(make_data(), batch_size=batch, shuffle=False, drop_last=True)
+    model, optimizer, loader = prepare(acc, module, optimizer, data, fix=fix, cluster="cpu", print_plan=False)
+    skip = 0
+    if load_from is not None:
+        acc.load_state(str(load_from))
+        skip = save_at or 0
+    losses, seen = [], 0
+    while len(losses) < steps:
+        for x, y in loader:
+            seen += 1
+            if seen <= skip:
+                continue
+            with acc.accumulate(model):
+                loss = lm_loss(model(x), y)
+                acc.backward(loss)
+                if clip is not None and acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(acc.reduce(loss.detach(), reduction="mean").item())
+            if save_at is not None and load_from is None and len(losses) == save_at:
+                acc.save_state(os.environ["AUTOPAR_ACC_STATE"])
+            if len(losses) == steps:
+                break
+    assert model.autopar.report.global_batch == GLOBAL_BATCH, model.autopar.report.global_batch
+    return module, losses, model.autopar.plan.to_dict()
+
+
+def run(out: Path, name: str) -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    if name in SCENARIOS:
+        fix, acc_kwargs, loop = SCENARIOS[name]
+        module, losses, plan = accelerate_run(fix and fix.format(w=world), acc_kwargs, **loop)
+        record(out, name, losses=losses, state=full_state(module), plan=plan)
+    elif name == "acc_resume_zero3_to_tp":  # save_state at zero=3 after 4 batches, load_state at tp=2
+        os.environ["AUTOPAR_ACC_STATE"] = str(out / f"{name}_state")
+        accelerate_run(f"dp={world},zero=3", {}, steps=4, save_at=4)
+        module, losses, plan = accelerate_run(f"tp={world},dp=1", {}, steps=STEPS - 4, save_at=4,
+                                              load_from=out / f"{name}_state")
+        record(out, name, losses=losses, state=full_state(module), plan=plan)
+    else:
+        raise SystemExit(f"unknown scenario {name}")
+
+
+if __name__ == "__main__":
+    main(run)
