@@ -21,12 +21,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 from scenarios import full_state, main, record  # noqa: E402
 
 CLIP = 0.05  # small enough that every step clips
-SCENARIOS = {  # name -> (fix, Accelerator kwargs, loop options)
+SCENARIOS = {  # name -> (fix, Accelerator kwargs, loop options); the planner's own plan here is DDP (dp=2, zero=0)
     "acc_auto": (None, {}, {}),
-    "acc_ddp": ("dp={w},zero=0", {}, {}),
-    "acc_zero3": ("dp={w},zero=3", {}, {}),
-    "acc_tp": ("tp={w},dp=1", {}, {}),
-    "acc_zero3_clip": ("dp={w},zero=3", {}, {"clip": CLIP}),
     "acc_tp_clip": ("tp={w},dp=1", {}, {"clip": CLIP}),
     "acc_ddp_accum": ("dp={w},zero=0", {"gradient_accumulation_steps": 2}, {}),
     "acc_zero3_accum_clip": ("dp={w},zero=3", {"gradient_accumulation_steps": 2}, {"clip": CLIP}),
