@@ -1,6 +1,13 @@
-"""A plan for Hugging Face Accelerate: ``ParallelismConfig`` (dp_replicate / dp_shard / tp / cp) + an FSDP2 plugin.
+"""Hugging Face Accelerate: autopar's own plan inside an Accelerate loop (``prepare``), or a plan mapped to
+Accelerate's ``ParallelismConfig`` (dp_replicate / dp_shard / tp / cp) + an FSDP2 plugin.
 
-``accelerate_mapping(plan)`` is the pure, documented mapping (no Accelerate import):
+``prepare(accelerator, model, optimizer, loader, fix=None, **planner_options)`` plans and applies with autopar's
+analysis, planner and apply layer (the set-up stages of the Trainer and Fabric strategies) on the process group
+the Accelerator set up, and returns ``(model, optimizer, loader)`` for the user's Accelerate loop; it runs on CPU
+processes (``Accelerator(cpu=True)`` under torchrun) and GPUs. See its docstring and docs/launching.md.
+
+``accelerate_mapping(plan)`` is the pure, documented mapping to Accelerate's own implementation (no Accelerate
+import):
 
 ==================  ====================================================================================
 plan                Accelerate
@@ -17,7 +24,7 @@ recompute=full      the FSDP plugin's ``activation_checkpointing=True``
 What Accelerate cannot express raises a one-line ``ConfigError`` naming the field (pp > 1, ep > 1, sp,
 selective recompute, tp with zero=0). ``accelerator(plan)`` builds the ``Accelerator``; Accelerate refuses a
 ParallelismConfig on several CPU processes (it needs FSDP2 or a multi-device GPU/NPU type), which is reported in
-one line too: on CPUs use the Lightning or Fabric strategy. ``examples/accelerate_gpt.py`` is the GPU run.
+one line too: on CPUs use ``prepare``.
 """
 
 from __future__ import annotations
@@ -125,7 +132,7 @@ def accelerator(plan: Plan | dict | str, **kwargs: Any) -> Any:
     merged = {**accelerator_kwargs(plan), **kwargs}
     config = merged.get("parallelism_config")
     if config is not None and config.total_size > 1 and not _accelerator_device():
-        raise ConfigError("accelerate", CPU_REFUSAL, "run on GPUs, or use strategy='autopar' (Trainer or Fabric)")
+        raise ConfigError("accelerate", CPU_REFUSAL, "run on GPUs, or use lightning_autopar.accelerate.prepare")
     try:
         return Accelerator(**merged)
     except ValueError as err:
@@ -262,6 +269,7 @@ class AcceleratePlanning(PlanningMixin, _AccelerateBase):
         from lightning_autopar.runtime.batches import last_batch_rows
 
         acc = self._acc
+        self._single_process_group()
         rows = getattr(self._loader, "batch_size", None)
         split = acc.split_batches
         if not split and rows:  # planned for one loader batch per process, settled below for the plan's dp
@@ -296,6 +304,18 @@ class AcceleratePlanning(PlanningMixin, _AccelerateBase):
             module.forward = MethodType(autocast_forward, module)
         self._hook_accelerator(module)
         return module, self._optimizer
+
+    def _single_process_group(self) -> None:
+        """One process (``python script.py``, Accelerate's simple launcher) has no process group, and the plan's
+        mesh needs one: a world of one on an in-memory store, as Lightning's strategies make it."""
+        import torch.distributed as dist
+
+        from lightning_autopar.topology import worker
+
+        if self.world_size == 1 and not dist.is_initialized():
+            backend = "cuda:nccl,cpu:gloo" if self.root_device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            worker.destroy_at_exit()
 
     def _hook_accelerator(self, module: Any) -> None:
         """``accelerator.clip_grad_norm_`` on this model's parameters clips over every mesh (``parallel.clip``, with
