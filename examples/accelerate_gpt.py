@@ -4,6 +4,7 @@
     accelerate launch --num_processes 8 examples/accelerate_gpt.py                   # plan for 8 GPUs, then train
     accelerate launch --num_processes 8 examples/accelerate_gpt.py --fix tp=2,zero=3
     python examples/accelerate_gpt.py --cpu --steps 5                                # one process
+    torchrun --nproc-per-node 2 examples/accelerate_gpt.py --cpu --step-call --fix pp=2   # a pipeline in this loop
 
 ``lightning_autopar.accelerate.prepare(accelerator, model, optimizer, loader)`` replaces
 ``accelerator.prepare(model, optimizer, loader)``: autopar analyses the model, plans it on the discovered cluster
@@ -41,6 +42,8 @@ def main() -> None:
     parser.add_argument("--cluster", default=None, help="cluster preset or YAML (default: discovered)")
     parser.add_argument("--cpu", action="store_true", help="CPU processes (gloo), as Accelerator(cpu=True)")
     parser.add_argument("--save", default=None, help="accelerator.save_state folder at the end")
+    parser.add_argument("--step-call", action="store_true",
+                        help="the loop calls model.train_step(batch, loss_fn): pp and grad_accum offered")
     args = parser.parse_args()
 
     acc = Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.accumulate,
@@ -50,18 +53,25 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = DataLoader(ByteDataset(seq_len=args.seq_len), batch_size=args.global_batch, shuffle=True,
                         drop_last=True)
-    model, optimizer, loader = prepare(acc, model, optimizer, loader, fix=args.fix, cluster=args.cluster)
+    model, optimizer, loader = prepare(acc, model, optimizer, loader, fix=args.fix, cluster=args.cluster,
+                                       step_call=args.step_call)
     acc.print(f"autopar plan applied: {model.autopar.plan.short()}")
     step = 0
     while step < args.steps:
-        for x, y in loader:  # this rank's rows of each global batch
-            with acc.accumulate(model):
-                loss = lm_loss(model(x), y)
-                acc.backward(loss)
-                if acc.sync_gradients:
-                    acc.clip_grad_norm_(model.parameters(), args.clip)
+        for x, y in loader:  # this rank's rows of each global batch (--step-call: the whole global batch)
+            if args.step_call:  # every micro-batch's forward and backward (pp > 1: the pipeline schedule)
+                loss = model.train_step((x, y), lambda b: lm_loss(model(b[0]), b[1]))
+                acc.clip_grad_norm_(model.parameters(), args.clip)
                 optimizer.step()
                 optimizer.zero_grad()
+            else:
+                with acc.accumulate(model):
+                    loss = lm_loss(model(x), y)
+                    acc.backward(loss)
+                    if acc.sync_gradients:
+                        acc.clip_grad_norm_(model.parameters(), args.clip)
+                    optimizer.step()
+                    optimizer.zero_grad()
             if acc.sync_gradients:
                 step += 1
                 if step % 10 == 0 or step == args.steps:

@@ -148,7 +148,7 @@ ACCELERATE_TO_LIGHTNING = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mi
 
 
 def prepare(accelerator: Any, model: Any, optimizer: Any, loader: Any, fix: str | dict | None = None,
-            **planner_options: Any) -> tuple[Any, Any, Any]:
+            step_call: bool = False, **planner_options: Any) -> tuple[Any, Any, Any]:
     """Plan ``model`` with autopar and apply the plan with autopar's own layers, on the process group ``accelerator``
     set up; returns ``(model, optimizer, loader)`` for the user's Accelerate loop (see docs/launching.md
     "Accelerate"). ``planner_options`` are the strategies' (``cluster``, ``restrict``, ``top``, ``print_plan``,
@@ -169,11 +169,15 @@ def prepare(accelerator: Any, model: Any, optimizer: Any, loader: Any, fix: str 
       step, schedulers and the scaler).
     * **the plan** has one micro-batch per backward (``grad_accum=1``) and ``pp=1``: the user's loop calls
       backward; accumulate with ``accelerator.accumulate``.
+    * **step_call=True**: the loop calls ``loss = model.train_step(batch, loss_fn)`` instead of forward and
+      backward (``loss_fn(micro_batch)`` calls the model and returns the loss, like a ``training_step``); the
+      step runs every micro-batch's forward and backward, so the planner offers ``pp > 1`` (the pipeline
+      schedule) and ``grad_accum > 1``. Needs ``split_batches=True``: every rank gets the whole global batch.
     """
     if "global_batch" in planner_options:
         raise ConfigError("global_batch", "prepare() reads the global batch from the DataLoader and the "
                           "Accelerator's split_batches", "leave global_batch out")
-    planning = AcceleratePlanning(accelerator, model, loader, fix=fix, **planner_options)
+    planning = AcceleratePlanning(accelerator, model, loader, step_call=step_call, fix=fix, **planner_options)
     model, optimizer = planning.setup(model, optimizer)
     return model, optimizer, planning.prepare_loader(loader)
 
@@ -190,8 +194,9 @@ class AcceleratePlanning(PlanningMixin, _AccelerateBase):
     """The set-up stages (``runtime.setup``, through ``runtime.planning.PlanningMixin`` as the Trainer and Fabric
     strategies call them) on an Accelerator's process group, device and precision; ``prepare`` is its front."""
 
-    def __init__(self, accelerator: Any, module: Any, loader: Any, **options: Any) -> None:
+    def __init__(self, accelerator: Any, module: Any, loader: Any, step_call: bool = False, **options: Any) -> None:
         super().__init__(**options)
+        self._step_call = step_call
         self._acc = accelerator
         self._module = module
         self._loader = loader
@@ -236,7 +241,8 @@ class AcceleratePlanning(PlanningMixin, _AccelerateBase):
         return self._loader
 
     def _automatic_optimization(self) -> bool:
-        return False  # the user's loop runs backward: one micro-batch per backward, no pipeline schedule
+        # a loop calling backward: one micro-batch per backward, no pipeline schedule; step_call: model.train_step
+        return self._step_call
 
     def _model_call(self) -> Any:
         from lightning_autopar.fabric import first_tensor_call
@@ -272,6 +278,9 @@ class AcceleratePlanning(PlanningMixin, _AccelerateBase):
         self._single_process_group()
         rows = getattr(self._loader, "batch_size", None)
         split = acc.split_batches
+        if self._step_call and not split:
+            raise ConfigError("Accelerator.split_batches", "model.train_step takes the global batch of one step",
+                              "Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True))")
         if not split and rows:  # planned for one loader batch per process, settled below for the plan's dp
             self._global_batch_arg = rows * self.world_size
         names = {id(p): name for name, p in module.named_parameters()}
@@ -294,6 +303,8 @@ class AcceleratePlanning(PlanningMixin, _AccelerateBase):
         self._optimizer = AcceleratedOptimizer(optimizer, device_placement=False, scaler=acc.scaler)
         module.no_sync = lambda: gradient_sync_off(module)  # what accelerator.no_sync / accumulate call
         module.autopar = self  # the plan, report, analysis and mesh of this model (``model.autopar.plan``)
+        if self._step_call:
+            module.train_step = self.train_step
         if acc.mixed_precision != "no":  # as Accelerate's prepare_model: the forward under its autocast
             forward = module.forward
 
@@ -304,6 +315,17 @@ class AcceleratePlanning(PlanningMixin, _AccelerateBase):
             module.forward = MethodType(autocast_forward, module)
         self._hook_accelerator(module)
         return module, self._optimizer
+
+    def train_step(self, batch: Any, loss_fn: Any) -> Any:
+        """``model.train_step(batch, loss_fn)`` (``step_call=True``): forward and backward of every micro-batch of
+        the plan on the global ``batch`` (pp > 1: the pipeline schedule), gradients left reduced in ``.grad``;
+        returns this rank's mean loss (``runtime.pipeline_step.PipelineSteps.loop_step``)."""
+        scaler = self._acc.scaler
+
+        def backward(loss: Any) -> None:
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+
+        return self._pipeline_steps.loop_step(batch, loss_fn, self.plan.grad_accum, backward)
 
     def _single_process_group(self) -> None:
         """One process (``python script.py``, Accelerate's simple launcher) has no process group, and the plan's
@@ -359,6 +381,8 @@ class AcceleratePlanning(PlanningMixin, _AccelerateBase):
         acc = self._acc
         config = acc.dataloader_config
         dp_rank, dp = self._step_env.group.rank_and_size()
+        if self._step_call:  # model.train_step takes the whole global batch on every rank and slices it itself
+            dp_rank, dp = 0, 1
         return prepare_data_loader(loader, acc.device, num_processes=dp, process_index=dp_rank,
                                    split_batches=acc.split_batches, put_on_device=acc.device_placement,
                                    rng_types=list(acc.rng_types), dispatch_batches=False,

@@ -16,7 +16,7 @@ pytest.importorskip("accelerate", reason="extra 'accelerate' not installed")
 
 CLIP = 0.05  # accelerate_scenarios.CLIP
 SCENARIOS = ["acc_auto", "acc_tp_clip", "acc_ddp_accum", "acc_zero3_accum_clip", "acc_zero3_per_process",
-             "acc_resume_zero3_to_tp"]
+             "acc_resume_zero3_to_tp", "acc_step_pp2", "acc_step_zero3_accum"]
 
 
 def accelerate_reference(accumulate: int = 1, clip: float | None = None, steps: int = STEPS):
@@ -79,3 +79,16 @@ def test_accelerate_save_state_resumes_at_another_plan(world2):
     result = load(world2, "acc_resume_zero3_to_tp")
     assert (result["plan"]["tp"], result["plan"]["dp"]) == (2, 1)
     assert_equivalent(result, *accelerate_reference(), first_step=4)
+
+
+@pytest.mark.parametrize("name, clip, layout", [
+    ("acc_step_pp2", CLIP, (2, 1, 4)),  # the pipeline schedule (4 micro-batches) in Accelerate's loop, clipped
+    ("acc_step_zero3_accum", None, (1, 2, 2)),  # FSDP2 with 2 micro-batches in one train_step
+])
+def test_accelerate_step_call_matches_single_process(world2, name, clip, layout):
+    """``prepare(..., step_call=True)``: the loop calls ``model.train_step(batch, loss_fn)`` on the global batch
+    and ``optimizer.step()``; the plan's pp and grad_accum run inside the call."""
+    result = load(world2, name)
+    plan = result["plan"]
+    assert (plan["pp"], plan["dp"], plan["grad_accum"]) == layout
+    assert_equivalent(result, *accelerate_reference(1, clip))

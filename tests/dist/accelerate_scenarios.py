@@ -18,7 +18,8 @@ from common import GLOBAL_BATCH, STEPS, make_data, make_module  # noqa: E402
 import lightning.pytorch as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from scenarios import full_state, main, record  # noqa: E402
+from pp_scenarios import gathered_state  # noqa: E402
+from scenarios import main, record  # noqa: E402
 
 CLIP = 0.05  # small enough that every step clips
 SCENARIOS = {  # name -> (fix, Accelerator kwargs, loop options); the planner's own plan here is DDP (dp=2, zero=0)
@@ -28,11 +29,15 @@ SCENARIOS = {  # name -> (fix, Accelerator kwargs, loop options); the planner's 
     "acc_zero3_accum_clip": ("dp={w},zero=3", {"gradient_accumulation_steps": 2}, {"clip": CLIP}),
     # Accelerate's default batches: each data-parallel rank its own loader batch of GLOBAL_BATCH / dp rows
     "acc_zero3_per_process": ("dp={w},zero=3", {"split_batches": False}, {"per_process": True}),
+    # model.train_step(batch, loss_fn) (step_call=True): the plan's micro-batches, the pipeline's schedule
+    "acc_step_pp2": ("pp={w},dp=1,grad_accum=4", {}, {"step_call": True, "clip": CLIP}),
+    "acc_step_zero3_accum": ("dp={w},zero=3,grad_accum=2", {}, {"step_call": True}),
 }
 
 
 def accelerate_run(fix: str | None, acc_kwargs: dict, clip: float | None = None, per_process: bool = False,
-                   steps: int = STEPS, save_at: int | None = None, load_from: Path | None = None):
+                   step_call: bool = False, steps: int = STEPS, save_at: int | None = None,
+                   load_from: Path | None = None):
     """The user's Accelerate loop (the reference loop of tests/test_accelerate.py) on a model ``prepare``d with
     ``fix``; ``save_at``: ``accelerator.save_state`` after that many batches into ``load_from``'s folder;
     ``load_from``: ``accelerator.load_state`` before the first batch, then the batches after the saved ones."""
@@ -51,7 +56,8 @@ def accelerate_run(fix: str | None, acc_kwargs: dict, clip: float | None = None,
     world = acc.num_processes
     batch = GLOBAL_BATCH // world if per_process else GLOBAL_BATCH
     data = DataLoader(make_data(), batch_size=batch, shuffle=False, drop_last=True)
-    model, optimizer, loader = prepare(acc, module, optimizer, data, fix=fix, cluster="cpu", print_plan=False)
+    model, optimizer, loader = prepare(acc, module, optimizer, data, fix=fix, step_call=step_call, cluster="cpu",
+                                       print_plan=False)
     skip = 0
     if load_from is not None:
         acc.load_state(str(load_from))
@@ -62,13 +68,20 @@ def accelerate_run(fix: str | None, acc_kwargs: dict, clip: float | None = None,
             seen += 1
             if seen <= skip:
                 continue
-            with acc.accumulate(model):
-                loss = lm_loss(model(x), y)
-                acc.backward(loss)
-                if clip is not None and acc.sync_gradients:
+            if step_call:  # the global batch on every rank: its micro-batches' forward and backward
+                loss = model.train_step((x, y), lambda micro: lm_loss(model(micro[0]), micro[1]))
+                if clip is not None:
                     acc.clip_grad_norm_(model.parameters(), clip)
                 optimizer.step()
                 optimizer.zero_grad()
+            else:
+                with acc.accumulate(model):
+                    loss = lm_loss(model(x), y)
+                    acc.backward(loss)
+                    if clip is not None and acc.sync_gradients:
+                        acc.clip_grad_norm_(model.parameters(), clip)
+                    optimizer.step()
+                    optimizer.zero_grad()
             losses.append(acc.reduce(loss.detach(), reduction="mean").item())
             if save_at is not None and load_from is None and len(losses) == save_at:
                 acc.save_state(os.environ["AUTOPAR_ACC_STATE"])
@@ -83,13 +96,13 @@ def run(out: Path, name: str) -> None:
     if name in SCENARIOS:
         fix, acc_kwargs, loop = SCENARIOS[name]
         module, losses, plan = accelerate_run(fix and fix.format(w=world), acc_kwargs, **loop)
-        record(out, name, losses=losses, state=full_state(module), plan=plan)
+        record(out, name, losses=losses, state=gathered_state(module), plan=plan)
     elif name == "acc_resume_zero3_to_tp":  # save_state at zero=3 after 4 batches, load_state at tp=2
         os.environ["AUTOPAR_ACC_STATE"] = str(out / f"{name}_state")
         accelerate_run(f"dp={world},zero=3", {}, steps=4, save_at=4)
         module, losses, plan = accelerate_run(f"tp={world},dp=1", {}, steps=STEPS - 4, save_at=4,
                                               load_from=out / f"{name}_state")
-        record(out, name, losses=losses, state=full_state(module), plan=plan)
+        record(out, name, losses=losses, state=gathered_state(module), plan=plan)
     else:
         raise SystemExit(f"unknown scenario {name}")
 
