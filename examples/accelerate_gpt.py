@@ -28,6 +28,25 @@ from lightning_autopar.data import ByteDataset
 from lightning_autopar.models import GPT, GPTConfig, lm_loss
 
 
+def batch_step(acc, model, optimizer, x, y, clip=None, step_call=False):
+    """One loader batch of the loop (tests/dist/accelerate_scenarios.py runs this loop too); returns its loss."""
+    if step_call:  # every micro-batch's forward and backward (pp > 1: the pipeline schedule), then the step
+        loss = model.train_step((x, y), lambda b: lm_loss(model(b[0]), b[1]))
+        if clip is not None:
+            acc.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+    with acc.accumulate(model):  # Accelerate's own loop: optimizer.step() waits for the gradients to sync
+        loss = lm_loss(model(x), y)
+        acc.backward(loss)
+        if clip is not None and acc.sync_gradients:
+            acc.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss
+
+
 def main() -> None:
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
@@ -59,19 +78,7 @@ def main() -> None:
     step = 0
     while step < args.steps:
         for x, y in loader:  # this rank's rows of each global batch (--step-call: the whole global batch)
-            if args.step_call:  # every micro-batch's forward and backward (pp > 1: the pipeline schedule)
-                loss = model.train_step((x, y), lambda b: lm_loss(model(b[0]), b[1]))
-                acc.clip_grad_norm_(model.parameters(), args.clip)
-                optimizer.step()
-                optimizer.zero_grad()
-            else:
-                with acc.accumulate(model):
-                    loss = lm_loss(model(x), y)
-                    acc.backward(loss)
-                    if acc.sync_gradients:
-                        acc.clip_grad_norm_(model.parameters(), args.clip)
-                    optimizer.step()
-                    optimizer.zero_grad()
+            loss = batch_step(acc, model, optimizer, x, y, args.clip, args.step_call)
             if acc.sync_gradients:
                 step += 1
                 if step % 10 == 0 or step == args.steps:

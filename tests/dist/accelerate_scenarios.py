@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from accelerate_gpt import batch_step  # noqa: E402
 from common import GLOBAL_BATCH, STEPS, make_data, make_module  # noqa: E402
 
 import lightning.pytorch as L  # noqa: E402
@@ -36,16 +38,15 @@ SCENARIOS = {  # name -> (fix, Accelerator kwargs, loop options); the planner's 
 
 
 def accelerate_run(fix: str | None, acc_kwargs: dict, clip: float | None = None, per_process: bool = False,
-                   step_call: bool = False, steps: int = STEPS, save_at: int | None = None,
-                   load_from: Path | None = None):
-    """The user's Accelerate loop (the reference loop of tests/test_accelerate.py) on a model ``prepare``d with
-    ``fix``; ``save_at``: ``accelerator.save_state`` after that many batches into ``load_from``'s folder;
-    ``load_from``: ``accelerator.load_state`` before the first batch, then the batches after the saved ones."""
+                   step_call: bool = False, steps: int = STEPS, state: Path | None = None, save_at: int = 0,
+                   resume: bool = False):
+    """The Accelerate loop of examples/accelerate_gpt.py (``batch_step``) on a model ``prepare``d with ``fix``:
+    the global loss of each of ``steps`` loader batches. ``save_at``: ``accelerator.save_state(state)`` after that
+    many batches; ``resume``: ``accelerator.load_state(state)`` first, then the batches after the saved ones."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
 
     from lightning_autopar.accelerate import prepare
-    from lightning_autopar.models import lm_loss
 
     acc_kwargs = dict(acc_kwargs)
     split = acc_kwargs.pop("split_batches", True)
@@ -58,33 +59,19 @@ def accelerate_run(fix: str | None, acc_kwargs: dict, clip: float | None = None,
     data = DataLoader(make_data(), batch_size=batch, shuffle=False, drop_last=True)
     model, optimizer, loader = prepare(acc, module, optimizer, data, fix=fix, step_call=step_call, cluster="cpu",
                                        print_plan=False)
-    skip = 0
-    if load_from is not None:
-        acc.load_state(str(load_from))
-        skip = save_at or 0
+    skip = save_at if resume else 0
+    if resume:
+        acc.load_state(str(state))
     losses, seen = [], 0
     while len(losses) < steps:
         for x, y in loader:
             seen += 1
             if seen <= skip:
                 continue
-            if step_call:  # the global batch on every rank: its micro-batches' forward and backward
-                loss = model.train_step((x, y), lambda micro: lm_loss(model(micro[0]), micro[1]))
-                if clip is not None:
-                    acc.clip_grad_norm_(model.parameters(), clip)
-                optimizer.step()
-                optimizer.zero_grad()
-            else:
-                with acc.accumulate(model):
-                    loss = lm_loss(model(x), y)
-                    acc.backward(loss)
-                    if clip is not None and acc.sync_gradients:
-                        acc.clip_grad_norm_(model.parameters(), clip)
-                    optimizer.step()
-                    optimizer.zero_grad()
+            loss = batch_step(acc, model, optimizer, x, y, clip, step_call)  # the example's loop
             losses.append(acc.reduce(loss.detach(), reduction="mean").item())
-            if save_at is not None and load_from is None and len(losses) == save_at:
-                acc.save_state(os.environ["AUTOPAR_ACC_STATE"])
+            if save_at and not resume and len(losses) == save_at:
+                acc.save_state(str(state))
             if len(losses) == steps:
                 break
     assert model.autopar.report.global_batch == GLOBAL_BATCH, model.autopar.report.global_batch
@@ -98,10 +85,10 @@ def run(out: Path, name: str) -> None:
         module, losses, plan = accelerate_run(fix and fix.format(w=world), acc_kwargs, **loop)
         record(out, name, losses=losses, state=gathered_state(module), plan=plan)
     elif name == "acc_resume_zero3_to_tp":  # save_state at zero=3 after 4 batches, load_state at tp=2
-        os.environ["AUTOPAR_ACC_STATE"] = str(out / f"{name}_state")
-        accelerate_run(f"dp={world},zero=3", {}, steps=4, save_at=4)
-        module, losses, plan = accelerate_run(f"tp={world},dp=1", {}, steps=STEPS - 4, save_at=4,
-                                              load_from=out / f"{name}_state")
+        state = out / f"{name}_state"
+        accelerate_run(f"dp={world},zero=3", {}, steps=4, state=state, save_at=4)
+        module, losses, plan = accelerate_run(f"tp={world},dp=1", {}, steps=STEPS - 4, state=state, save_at=4,
+                                              resume=True)
         record(out, name, losses=losses, state=gathered_state(module), plan=plan)
     else:
         raise SystemExit(f"unknown scenario {name}")
