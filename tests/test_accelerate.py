@@ -6,6 +6,8 @@ as the single-process loop does: DDP, FSDP2 (zero=3), tp=2 and the planner's own
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import pytest
 import torch
 from common import GLOBAL_BATCH, STEPS, make_data, make_module
@@ -19,6 +21,7 @@ SCENARIOS = ["acc_auto", "acc_tp_clip", "acc_ddp_accum", "acc_zero3_accum_clip",
              "acc_resume_zero3_to_tp", "acc_step_pp2", "acc_step_zero3_accum"]
 
 
+@lru_cache(maxsize=None)
 def accelerate_reference(accumulate: int = 1, clip: float | None = None, steps: int = STEPS):
     """The Accelerate loop on one process: each loader batch (the global batch, unshuffled) one backward of its
     loss / ``accumulate``; every ``accumulate`` batches the gradients clipped to ``clip`` and one SGD step.
