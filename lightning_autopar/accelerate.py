@@ -305,8 +305,10 @@ class AcceleratePlanning(PlanningMixin, _AccelerateBase):
         module.autopar = self  # the plan, report, analysis and mesh of this model (``model.autopar.plan``)
         if self._step_call:
             module.train_step = self.train_step
-        if acc.mixed_precision != "no":  # as Accelerate's prepare_model: the forward under its autocast
-            forward = module.forward
+        if acc.mixed_precision != "no":  # as Accelerate's prepare_model: the forward under its autocast, fp32 out
+            from accelerate.utils import convert_outputs_to_fp32
+
+            forward = convert_outputs_to_fp32(module.forward)
 
             def autocast_forward(_self: Any, *args: Any, **kwargs: Any) -> Any:
                 with acc.autocast():
