@@ -18,20 +18,22 @@ pytest.importorskip("accelerate", reason="extra 'accelerate' not installed")
 
 CLIP = 0.05  # accelerate_scenarios.CLIP
 SCENARIOS = ["acc_auto", "acc_tp_clip", "acc_ddp_accum", "acc_zero3_accum_clip", "acc_zero3_per_process",
-             "acc_resume_zero3_to_tp", "acc_step_pp2", "acc_step_zero3_accum"]
+             "acc_resume_zero3_to_tp", "acc_step_pp2", "acc_step_zero3_accum", "acc_moe_ep2"]
+MOE = (("experts", 4), ("top_k", 2))  # accelerate_scenarios.MOE
 
 
 @lru_cache(maxsize=None)
-def accelerate_reference(accumulate: int = 1, clip: float | None = None, steps: int = STEPS):
+def accelerate_reference(accumulate: int = 1, clip: float | None = None, model: tuple = (), steps: int = STEPS):
     """The Accelerate loop on one process: each loader batch (the global batch, unshuffled) one backward of its
     loss / ``accumulate``; every ``accumulate`` batches the gradients clipped to ``clip`` and one SGD step.
-    Returns (the loss of every batch, the final state dict)."""
+    ``model``: the GPT config's overrides, as (key, value) pairs. Returns (the loss of every batch, the final
+    state dict)."""
     import lightning.pytorch as L
 
     from lightning_autopar.models import lm_loss
 
     L.seed_everything(0, verbose=False)
-    module = make_module()
+    module = make_module(**dict(model))
     opt = module.configure_optimizers()
     data = make_data()
     losses = []
@@ -95,3 +97,11 @@ def test_accelerate_step_call_matches_single_process(world2, name, clip, layout)
     plan = result["plan"]
     assert (plan["pp"], plan["dp"], plan["grad_accum"]) == layout
     assert_equivalent(result, *accelerate_reference(1, clip))
+
+
+def test_accelerate_loop_with_expert_parallelism_matches_single_process(world2):
+    """A MoE GPT (4 experts, top 2) prepared at dp=2, ep=2: each rank holds 2 experts (tokens exchanged by
+    all-to-all) in Accelerate's loop, gradients clipped over both ranks' experts."""
+    result = load(world2, "acc_moe_ep2")
+    assert (result["plan"]["dp"], result["plan"]["ep"]) == (2, 2)
+    assert_equivalent(result, *accelerate_reference(1, CLIP, MOE))

@@ -24,6 +24,7 @@ from pp_scenarios import gathered_state  # noqa: E402
 from scenarios import main, record  # noqa: E402
 
 CLIP = 0.05  # small enough that every step clips
+MOE = {"experts": 4, "top_k": 2}
 SCENARIOS = {  # name -> (fix, Accelerator kwargs, loop options); the planner's own plan here is DDP (dp=2, zero=0)
     "acc_auto": (None, {}, {}),
     "acc_tp_clip": ("tp={w},dp=1", {}, {"clip": CLIP}),
@@ -34,12 +35,14 @@ SCENARIOS = {  # name -> (fix, Accelerator kwargs, loop options); the planner's 
     # model.train_step(batch, loss_fn) (step_call=True): the plan's micro-batches, the pipeline's schedule
     "acc_step_pp2": ("pp={w},dp=1,grad_accum=4", {}, {"step_call": True, "clip": CLIP}),
     "acc_step_zero3_accum": ("dp={w},zero=3,grad_accum=2", {}, {"step_call": True}),
+    # a MoE GPT (4 experts, top 2) with its experts split over 2 expert-parallel ranks
+    "acc_moe_ep2": ("dp={w},ep={w}", {}, {"model": MOE, "clip": CLIP}),
 }
 
 
 def accelerate_run(fix: str | None, acc_kwargs: dict, clip: float | None = None, per_process: bool = False,
-                   step_call: bool = False, steps: int = STEPS, state: Path | None = None, save_at: int = 0,
-                   resume: bool = False):
+                   step_call: bool = False, model: dict | None = None, steps: int = STEPS, state: Path | None = None,
+                   save_at: int = 0, resume: bool = False):
     """The Accelerate loop of examples/accelerate_gpt.py (``batch_step``) on a model ``prepare``d with ``fix``:
     the global loss of each of ``steps`` loader batches. ``save_at``: ``accelerator.save_state(state)`` after that
     many batches; ``resume``: ``accelerator.load_state(state)`` first, then the batches after the saved ones."""
@@ -52,7 +55,7 @@ def accelerate_run(fix: str | None, acc_kwargs: dict, clip: float | None = None,
     split = acc_kwargs.pop("split_batches", True)
     acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=split), **acc_kwargs)
     L.seed_everything(0, verbose=False)
-    module = make_module()
+    module = make_module(**(model or {}))
     optimizer = module.configure_optimizers()
     world = acc.num_processes
     batch = GLOBAL_BATCH // world if per_process else GLOBAL_BATCH
