@@ -18,7 +18,7 @@ pytest.importorskip("accelerate", reason="extra 'accelerate' not installed")
 
 CLIP = 0.05  # accelerate_scenarios.CLIP
 SCENARIOS = ["acc_auto", "acc_tp_clip", "acc_ddp_accum", "acc_zero3_accum_clip", "acc_zero3_per_process",
-             "acc_resume_zero3_to_tp", "acc_step_pp2", "acc_step_zero3_accum", "acc_moe_ep2"]
+             "acc_resume_zero3_to_tp", "acc_step_pp2", "acc_step_zero3_accum", "acc_moe_ep2", "acc_tp_per_process"]
 MOE = (("experts", 4), ("top_k", 2))  # accelerate_scenarios.MOE
 
 
@@ -68,6 +68,7 @@ def load(out, name: str) -> dict:
     ("acc_ddp_accum", 2, None, (2, 1, 0)),
     ("acc_zero3_accum_clip", 2, CLIP, (2, 1, 3)),
     ("acc_zero3_per_process", 1, None, (2, 1, 3)),  # no split_batches: each dp rank its own loader batch of 4
+    ("acc_tp_per_process", 1, None, (1, 2, 0)),  # no split_batches at tp=2: both ranks one loader batch of 8
 ])
 def test_accelerate_loop_matches_single_process(world2, name, accumulate, clip, layout):
     result = load(world2, name)

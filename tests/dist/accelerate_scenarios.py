@@ -32,6 +32,8 @@ SCENARIOS = {  # name -> (fix, Accelerator kwargs, loop options); the planner's 
     "acc_zero3_accum_clip": ("dp={w},zero=3", {"gradient_accumulation_steps": 2}, {"clip": CLIP}),
     # Accelerate's default batches: each data-parallel rank its own loader batch of GLOBAL_BATCH / dp rows
     "acc_zero3_per_process": ("dp={w},zero=3", {"split_batches": False}, {"per_process": True}),
+    # ... and at tp=2 (dp=1) both ranks read the same loader batch of GLOBAL_BATCH rows: the step's global batch
+    "acc_tp_per_process": ("tp={w},dp=1", {"split_batches": False}, {}),
     # model.train_step(batch, loss_fn) (step_call=True): the plan's micro-batches, the pipeline's schedule
     "acc_step_pp2": ("pp={w},dp=1,grad_accum=4", {}, {"step_call": True, "clip": CLIP}),
     "acc_step_zero3_accum": ("dp={w},zero=3,grad_accum=2", {}, {"step_call": True}),
