@@ -31,6 +31,10 @@ Where the plan's inputs come from:
   the single-device one.
 * **accumulation**: the user's loop calls backward, so the plan has one micro-batch per step
   (``grad_accum=1``) and no pipeline (``pp=1``); accumulate across steps with ``fabric.no_backward_sync``.
+* **the step call** (``AutoParallelFabricStrategy(step_call=True)``): the loop calls
+  ``loss = model.train_step(batch, loss_fn)`` on the global batch (the loader is not sliced), which runs every
+  micro-batch's forward and backward (pp > 1: the pipeline schedule) and leaves the reduced gradients in
+  ``.grad``; the planner then offers pp and grad_accum (docs/launching.md "Pipelines in loops you own").
 * **the optimizer**: pass it to ``fabric.setup(model, optimizer)`` as usual; sharding replaces the parameters
   (DTensors), so its parameter groups (and any state) are re-pointed to the new ones by parameter name.
 * **the model** needs no ``configure_model``; the analysis finds the transformer as for the Trainer. Any other
@@ -94,6 +98,19 @@ class _GlobalBatchSlices:
             yield micro_batches(batch, 1, *self.strategy._step_env.group.rank_and_size())[0].batch
 
 
+def first_tensor_call(module: nn.Module, first: Any, where: str, fix: str) -> Any:
+    """The call a model in unit form is traced on: the model itself, on one row of the first tensor of the
+    loader's first batch (the user's loop calls ``model(x)``; Fabric and Accelerate have no training_step to
+    capture). Without such a batch, one ConfigError line naming ``where`` and ``fix``."""
+    from lightning_autopar.profile.units import ModelCall
+
+    x = next((t for t in tree_leaves(first) if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
+    if x is None:
+        raise ConfigError(where, f"{type(module).__name__} has no transformer blocks, so it is analysed by tracing "
+                          "it on a batch, and no DataLoader with tensors was set up before it", fix)
+    return ModelCall("", module, (x[:1],), {})
+
+
 def check_even_rows(rows: int | None, dp: int) -> None:
     """One ConfigError line when a batch of ``rows`` does not split evenly over ``dp`` ranks: the user's loop
     averages its own slice's loss, so unequal slices would weight the ranks unequally (not the single-device
@@ -108,27 +125,17 @@ class _NoBackwardSync:
     on ``replicate`` (DDP) modules (``parallel.fsdp.apply_replicate``), which take the same switch."""
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> Any:
-        from contextlib import contextmanager
+        from lightning_autopar.parallel.fsdp import gradient_sync_off
 
-        from lightning_autopar.parallel.fsdp import set_gradient_sync, synced_modules
-
-        @contextmanager
-        def blocked() -> Iterator[None]:
-            modules = synced_modules(module)
-            set_gradient_sync(modules, not enabled)
-            try:
-                yield
-            finally:
-                set_gradient_sync(modules, True)
-
-        return blocked()
+        return gradient_sync_off(module, enabled)
 
 
 class FabricAutoParallelMixin(PlanningMixin):
     """Fabric's side of the strategy: setup_module plans and applies; the data is sliced per dp rank."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, step_call: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._step_call = step_call  # the loop calls model.train_step(batch, loss_fn): pp, grad_accum offered
         self._autopar_module: nn.Module | None = None
         self._loader: Any = None
         self._batch_assumed = False  # planned at fabric.setup before any DataLoader: mbs not yet settled
@@ -140,7 +147,9 @@ class FabricAutoParallelMixin(PlanningMixin):
         return self._autopar_module
 
     def _automatic_optimization(self) -> bool:
-        return False  # the user's loop runs backward: one micro-batch per step, no pipeline schedule
+        # a loop calling backward: one micro-batch per step, no pipeline schedule; with step_call, the loop calls
+        # model.train_step and the step runs every micro-batch's forward and backward (the pipeline's schedule)
+        return self._step_call
 
     def _plan_loader(self) -> Any:
         return self._loader
@@ -155,18 +164,9 @@ class FabricAutoParallelMixin(PlanningMixin):
         return getattr(self.precision, "scaler", None)
 
     def _model_call(self) -> Any:
-        """The call a model in unit form is traced on: the model itself, on one row of the first tensor of the
-        loader's first batch (the user's loop calls ``model(x)``; Fabric has no training_step to capture)."""
-        from lightning_autopar.profile.units import ModelCall
-
-        module = self._autopar_module
-        first = self._first_batch()
-        x = next((t for t in tree_leaves(first) if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
-        if x is None:
-            raise ConfigError("fabric.setup", f"{type(module).__name__} has no transformer blocks, so it is analysed "
-                              "by tracing it on a batch, and no DataLoader with tensors was set up before it",
-                              "call fabric.setup_dataloaders(...) before fabric.setup(model, ...)")
-        return ModelCall("", module, (x[:1],), {})
+        """The call a model in unit form is traced on (``first_tensor_call``)."""
+        return first_tensor_call(self._autopar_module, self._first_batch(), "fabric.setup",
+                                 "call fabric.setup_dataloaders(...) before fabric.setup(model, ...)")
 
     @override
     def setup_environment(self) -> None:
@@ -183,6 +183,8 @@ class FabricAutoParallelMixin(PlanningMixin):
             self._loader = dataloader
             if self.plan is not None and self._batch_assumed:  # fabric.setup came first: settle the batch now
                 self._settle_batch()
+        if self._step_call:  # model.train_step takes the global batch and slices it itself
+            return dataloader
         if self.plan is not None:  # the last batch fails here, not mid-epoch
             check_even_rows(last_batch_rows(dataloader), self.plan.dp)
         return _GlobalBatchSlices(dataloader, self)
@@ -211,11 +213,18 @@ class FabricAutoParallelMixin(PlanningMixin):
         # Fabric's documented order sets the model up first: plan the layout for an assumed batch (_batch_geometry:
         # one sequence per device) and settle the batch-dependent fields when the loader comes (_settle_batch)
         self._batch_assumed = self._global_batch_arg is None and self._loader is None
+        if self._batch_assumed and self._step_call:
+            raise ConfigError("fabric.setup", "with step_call=True the plan (pp, grad_accum) is for the loader's global "
+                              "batch, and no DataLoader was set up before the model",
+                              "call fabric.setup_dataloaders(...) before fabric.setup(model, ...), or pass global_batch=")
         self._autopar_module = module
         private.materialize_distributed_module(module, self.root_device)
         self._plan_and_apply(self.precision.precision)
         check_even_rows(last_batch_rows(self._loader), self.plan.dp)  # the last batch fails here, not mid-epoch
         module_to_device(module, self.root_device, self.plan.offload)  # offload=params: parameters stay on the host
+        if self._step_call:
+            module.train_step = lambda batch, loss_fn: self._pipeline_steps.loop_step(
+                batch, loss_fn, self.plan.grad_accum, lambda loss: self.backward(loss, module))
         scaler = getattr(self.precision, "scaler", None)
         if scaler is not None and not isinstance(scaler, ShardedGradScaler):
             self.precision.scaler = ShardedGradScaler(device=self.root_device.type)

@@ -306,26 +306,51 @@ class AutoParallelMixin(PlanningMixin):
         """Load a sharded checkpoint (model, flattened optimizer states, metadata) into this rank's parameters."""
         from pathlib import Path
 
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict, set_optimizer_state_dict)
-
-        from lightning_autopar.parallel.tp_placement import plain_shards, restore_layout
-
         path = Path(self.broadcast(checkpoint_path))
         if not private.is_sharded_checkpoint(path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        options = StateDictOptions(flatten_optimizer_state_dict=True)
-        state = {"state_dict": get_model_state_dict(self.model)}
-        for i, optimizer in enumerate(self.optimizers):
-            state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer, options=options)
-        plain = plain_shards(state)  # DCP reads plain shards; then back to the model's own (strided) layout
-        dcp.load(plain, checkpoint_id=path)
-        state = restore_layout(plain, like=state)
-        self.model.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
-        for i, optimizer in enumerate(self.optimizers):
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=options)
+        load_sharded(path, self.model, self.optimizers, strict=self.lightning_module.strict_loading,
+                     keys=("state_dict", "optimizer_{}"))
         return torch.load(path / private.metadata_filename(), weights_only=weights_only)
+
+
+def _sharded_state(model: Any, optimizers: list[Any], keys: tuple[str, str]) -> tuple[dict[str, Any], Any]:
+    """The model's and optimizers' state dicts (optimizer states flattened, keyed by parameter name) under ``keys``
+    (the model's, the optimizers' with ``{}`` for the index), and the options they were read with."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    state = {keys[0]: get_model_state_dict(model)}
+    for i, optimizer in enumerate(optimizers):
+        state[keys[1].format(i)] = get_optimizer_state_dict(model, optimizer, options=options)
+    return state, options
+
+
+def save_sharded(path: Any, model: Any, optimizers: list[Any], keys: tuple[str, str] = ("model", "optimizer_{}")) -> None:
+    """``model`` and ``optimizers`` saved with torch.distributed.checkpoint (every rank), in single-device names
+    (TP-fused projections as plain shards), so the state loads at any plan (``load_sharded``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_autopar.parallel.tp_placement import plain_shards
+
+    dcp.save(plain_shards(_sharded_state(model, optimizers, keys)[0]), checkpoint_id=path)
+
+
+def load_sharded(path: Any, model: Any, optimizers: list[Any], strict: bool = True,
+                 keys: tuple[str, str] = ("model", "optimizer_{}")) -> None:
+    """Load a sharded checkpoint (the model, flattened optimizer states) into this rank's parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    from lightning_autopar.parallel.tp_placement import plain_shards, restore_layout
+
+    state, options = _sharded_state(model, optimizers, keys)
+    plain = plain_shards(state)  # DCP reads plain shards; then back to the model's own (strided) layout
+    dcp.load(plain, checkpoint_id=path)
+    state = restore_layout(plain, like=state)
+    model.load_state_dict(state[keys[0]], strict=strict)
+    for i, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state[keys[1].format(i)], options=options)
 
 
 def _make_strategy_class(base: type, module_name: str) -> type:

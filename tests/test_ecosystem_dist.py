@@ -22,7 +22,7 @@ try:
 except ImportError:
     HAVE_HF = False
 
-FABRIC = ["fabric_dp", "fabric_tp", "fabric_ddp", "fabric_ddp_accum", "fabric_model_first",
+FABRIC = ["fabric_dp", "fabric_tp", "fabric_ddp", "fabric_ddp_accum", "fabric_step_pp2", "fabric_model_first",
           "fabric_model_first_refused", "fabric_checkpoint_zero0", "fabric_checkpoint_zero3"]
 SCENARIOS = FABRIC + (["hf_llama", "hf_llama_tp"] if HAVE_HF else [])
 
@@ -54,6 +54,15 @@ def test_fabric_matches_single_process(world2, reference, name, layout):
     result = load(world2, name)
     plan = result["plan"]
     assert (plan["dp"], plan["tp"], plan["zero"]) == layout and plan["grad_accum"] == 1
+    assert_equivalent(result, *reference)
+
+
+def test_fabric_pipeline_through_the_step_call(world2, reference):
+    """``AutoParallelFabricStrategy(step_call=True)``: the loop calls ``model.train_step(batch, loss_fn)`` on the
+    global batch, which runs the pipeline schedule (pp=2, 4 micro-batches), then ``optimizer.step()``."""
+    result = load(world2, "fabric_step_pp2")
+    plan = result["plan"]
+    assert (plan["pp"], plan["dp"], plan["grad_accum"]) == (2, 1, 4)
     assert_equivalent(result, *reference)
 
 

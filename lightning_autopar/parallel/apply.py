@@ -155,6 +155,13 @@ def check_batch_length(plan: Plan, capabilities: Capabilities, seq: int | None) 
         context.check_length(capabilities.name, seq, plan.cp, bool(capabilities.causal))
 
 
+# why a loop that calls backward itself (manual optimization; Fabric and Accelerate loops) gets neither
+LOOP_BACKWARD_ACCUM = ("the user's loop runs backward once per batch (manual optimization; Fabric / Accelerate: "
+                       "step_call=True and model.train_step(batch, loss_fn) run micro-batches)")
+LOOP_BACKWARD_PP = ("pipeline parallelism runs backward itself and the user's loop calls backward (manual "
+                    "optimization; Fabric / Accelerate: step_call=True and model.train_step(batch, loss_fn))")
+
+
 def model_capabilities(root: nn.Module, transformer: nn.Module | None, analysis: ModelAnalysis,
                        automatic_optimization: bool = True) -> Capabilities:
     """The capabilities of a transformer (``root`` the LightningModule holding it): what each parallelism's check
@@ -180,7 +187,7 @@ def model_capabilities(root: nn.Module, transformer: nn.Module | None, analysis:
     except ConfigError as err:
         caps.exclude("cp", [1], str(err))
     if not automatic_optimization:
-        caps.exclude("grad_accum", [1], "the user's loop runs backward (manual optimization)")
+        caps.exclude("grad_accum", [1], LOOP_BACKWARD_ACCUM)
     for name, (values, reason) in _pipeline_expert_limits(root, analysis, automatic_optimization, caps).items():
         caps.exclude(name, values, reason)
     return caps
@@ -205,7 +212,7 @@ def _pipeline_expert_limits(root: nn.Module, analysis: ModelAnalysis, automatic_
     if not splittable:
         out["pp"] = ([1], pipeline_refusal)
     elif not automatic_optimization:
-        out["pp"] = ([1], "pipeline parallelism runs backward itself; manual optimization cannot")
+        out["pp"] = ([1], LOOP_BACKWARD_PP)
     if not has_moe(analysis):
         out["ep"] = ([1], "no MoE layers found")
     elif not all(supports_ep(m, info) for _, m, info in moe_modules(transformer, analysis)):

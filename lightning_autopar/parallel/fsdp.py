@@ -41,7 +41,8 @@ step on the host.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from torch import nn
 
@@ -188,6 +189,18 @@ def set_gradient_sync(roots: list[nn.Module], enabled: bool) -> None:
         for unit in module.modules():
             if isinstance(unit, FSDPModule) and not _reshards_after_forward(unit):
                 unit.set_reshard_after_backward(enabled, recurse=False)
+
+
+@contextmanager
+def gradient_sync_off(module: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """While active (``enabled``), the FSDP2 / ``replicate`` modules under ``module`` skip their gradient reduction
+    (``set_gradient_sync``): a loop's ``no_sync`` / ``no_backward_sync`` for any plan autopar applied."""
+    modules = synced_modules(module) if enabled else []
+    set_gradient_sync(modules, False)
+    try:
+        yield
+    finally:
+        set_gradient_sync(modules, True)
 
 
 def _reshards_after_forward(unit: nn.Module) -> bool:

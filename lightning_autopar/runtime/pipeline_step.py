@@ -130,6 +130,31 @@ class PipelineSteps:
         step.recorder.flush(module, env.group.reduce, total)
         return torch.tensor(mean, device=env.group.device)
 
+    def loop_step(self, batch: Any, loss_fn: Callable[[Any], torch.Tensor], grad_accum: int,
+                  backward: Callable[[torch.Tensor], Any]) -> torch.Tensor:
+        """``model.train_step(batch, loss_fn)`` for a loop the user owns (Fabric, Accelerate): ``batch`` is the
+        global batch of one step (every rank the same), ``loss_fn(micro_batch)`` computes a micro-batch's loss by
+        calling the model, as a ``training_step`` would. Runs forward and backward of every micro-batch of the
+        plan -- with pp > 1 the pipeline schedule, else the micro-batch loop of ``runtime.step`` with
+        ``backward`` (the framework's: loss scaling) -- and leaves the step's gradients in ``.grad``, reduced over
+        the data-parallel ranks, for ``optimizer.step()``. Returns this rank's mean loss, detached."""
+        from lightning_autopar.runtime.step import Accumulation, training_step
+
+        env = self.env
+        module = env.module
+        module.training_step = lambda micro, *_a, **_k: loss_fn(micro)  # instance attribute: shadows any method
+        try:
+            if self.pipe is not None:
+                loss = self.train(batch, (), {}, grad_accum)
+                restore_gradients(env.hold.take_pipeline() or {})
+                return loss
+            loss = training_step(env, batch, (), {}, Accumulation(grad_accum), backward)
+            env.hold.put_back_held()  # the earlier micro-batches' gradients: reduced with the last one's
+            backward(loss)
+            return loss.detach()
+        finally:
+            del module.training_step
+
     def _shared_signatures(self, inputs: list[tuple[tuple, dict]]) -> list[list[tuple]]:
         """Every rank's micro-batch signatures (one gather per step). Inputs the stages cannot take (a traced
         pipeline's fixed shapes) are refused here with one line on every rank together, before any of them

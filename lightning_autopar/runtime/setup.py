@@ -194,14 +194,14 @@ def _unit_capabilities(module: nn.Module, model: nn.Module | None, analysis: Any
     """The runtime's limits for a model in unit form (the planner itself keeps tp = cp = ep = 1 and, with
     BatchNorm, grad_accum = 1 unless fixed): pp where its stages can be traced (``check_unit_pipeline``, the
     reason in the report otherwise). A grad_accum the user fixes on a BatchNorm model gets one warning."""
-    from lightning_autopar.parallel.apply import check_unit_pipeline
+    from lightning_autopar.parallel.apply import LOOP_BACKWARD_ACCUM, LOOP_BACKWARD_PP, check_unit_pipeline
     from lightning_autopar.parallel.batchnorm import batchnorm_modules
     from lightning_autopar.parallel.capabilities import Capabilities
 
     caps = Capabilities.of(analysis)
     if not automatic:
-        caps.exclude("grad_accum", [1], "the user's loop runs backward (manual optimization)")
-        caps.exclude("pp", [1], "pipeline parallelism runs backward itself; manual optimization cannot")
+        caps.exclude("grad_accum", [1], LOOP_BACKWARD_ACCUM)
+        caps.exclude("pp", [1], LOOP_BACKWARD_PP)
     else:
         # the smallest pipeline this world allows: the check traces the model (torch.export), so a world with
         # no pp > 1 (one process) pays nothing; check_plan reads its outcome for a plan at that degree
@@ -317,9 +317,10 @@ def apply_setup(plan: Plan, analysed: Analysed, capable: Capable, layers_per_sta
         raise ConfigError("save_distributed_checkpoint", "with pp>1 or ep>1 each rank holds different "
                           "parameters, so a single-file checkpoint from rank 0 would miss them",
                           "keep save_distributed_checkpoint=True")
-    if plan.pp > 1 and not module.automatic_optimization:
+    if plan.pp > 1 and not work.automatic:
         raise ConfigError("plan.pp", "pipeline parallelism runs forward and backward itself, which manual "
-                          "optimization cannot do", "use pp=1, or automatic optimization")
+                          "optimization cannot do", "use pp=1, or automatic optimization (Fabric / Accelerate: "
+                          "step_call=True and model.train_step)")
     broadcast_module(module)
     env = StepEnv(module, DataParallelGroup(layout["dp_flat"], device), work.train_context, work.eval_context)
     steps = PipelineSteps(env, work.loss_scaler)

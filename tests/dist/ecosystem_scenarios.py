@@ -18,13 +18,14 @@ import lightning.pytorch as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import lightning_autopar  # noqa: E402,F401
+from pp_scenarios import gathered_state  # noqa: E402
 from scenarios import LossCollector, full_state, main, record  # noqa: E402
 
 FABRIC_FIXES = {"fabric_dp": "dp={w},zero=3", "fabric_tp": "tp={w},dp=1", "fabric_ddp": "dp={w},zero=0"}
 
 
 def fabric_run(fix: str | None, steps: int = STEPS, accumulate: int = 1, model_first: bool = False,
-               batch_size: int = GLOBAL_BATCH):
+               batch_size: int = GLOBAL_BATCH, step_call: bool = False):
     """The reference loop of common.reference_run, written for Fabric with strategy autopar. ``accumulate``:
     each rank's rows in that many backward passes, all but the last under ``fabric.no_backward_sync`` (the
     first step checks that they really stayed local: ranks' gradients differ before the last backward).
@@ -37,7 +38,7 @@ def fabric_run(fix: str | None, steps: int = STEPS, accumulate: int = 1, model_f
 
     world = int(os.environ["WORLD_SIZE"])
     devices = int(os.environ.get("LOCAL_WORLD_SIZE") or world)  # per node; `fabric run --num-nodes 2` gives 2 x 2
-    strategy = AutoParallelFabricStrategy(fix=fix, cluster="cpu", print_plan=False)
+    strategy = AutoParallelFabricStrategy(fix=fix, cluster="cpu", print_plan=False, step_call=step_call)
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=devices, num_nodes=world // devices)
     if not os.environ.get("LT_CLI_USED"):  # `fabric run` made the processes: Fabric refuses a second launch()
         fabric.launch()
@@ -54,6 +55,14 @@ def fabric_run(fix: str | None, steps: int = STEPS, accumulate: int = 1, model_f
     losses, local_grads_differ = [], None
     while len(losses) < steps:
         for x, y in loader:
+            if step_call:  # the global batch: model.train_step runs the plan's micro-batches (pp: the schedule)
+                loss = model.train_step((x, y), lambda micro: lm_loss(model(micro[0]), micro[1]))
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(fabric.all_reduce(loss, reduce_op="mean").item())
+                if len(losses) == steps:
+                    break
+                continue
             assert x.shape[0] == GLOBAL_BATCH // strategy.plan.dp, x.shape  # this rank's slice
             parts = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
             loss = 0.0
@@ -136,6 +145,10 @@ def run(out: Path, name: str) -> None:
     elif name == "fabric_ddp_accum":  # fabric.no_backward_sync on the DDP (replicate) path
         module, losses, plan, local_grads_differ = fabric_run(f"dp={world},zero=0", accumulate=2)
         record(out, name, losses=losses, state=full_state(module), plan=plan, local_grads_differ=local_grads_differ)
+        return
+    elif name == "fabric_step_pp2":  # model.train_step(batch, loss_fn): the pipeline's schedule in Fabric's loop
+        module, losses, plan, _ = fabric_run(f"pp={world},dp=1,grad_accum=4", step_call=True)
+        record(out, name, losses=losses, state=gathered_state(module), plan=plan)
         return
     elif name == "fabric_model_first":  # Fabric's documented order, the layout left to the planner
         module, losses, plan, _ = fabric_run(None, model_first=True)
