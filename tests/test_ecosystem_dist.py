@@ -3,7 +3,6 @@ train exactly like the single-process loop (2 processes), and the Hydra app runs
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys

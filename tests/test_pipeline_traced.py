@@ -38,7 +38,7 @@ def references():
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_traced_pipeline_equals_single_process(name, traced_runs, references):
     result = torch.load(traced_runs / f"{name}.pt", weights_only=False)
-    assert "error" not in result, result.get("error")
+    assert "crash" not in result, result.get("crash")
     losses, state, eval_out = references[SCENARIOS[name][0]]
     assert len(result["losses"]) == STEPS
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=RTOL, atol=ATOL)

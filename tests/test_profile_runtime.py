@@ -136,9 +136,8 @@ def test_budget_zero_measures_nothing(tmp_path):
 
 @pytest.fixture(scope="module")
 def profiled_world4(tmp_path_factory):
-    names = [f"profile_r{rank}" for rank in range(4)]
-    out = run_scenarios(tmp_path_factory, 4, names, script="profile_runtime_scenarios.py")
-    return [torch.load(out / f"{name}.pt", weights_only=False) for name in names]
+    out = run_scenarios(tmp_path_factory, 4, ["profile"], script="profile_runtime_scenarios.py")
+    return [torch.load(out / f"profile_r{rank}.pt", weights_only=False) for rank in range(4)]
 
 
 def test_world4_profile_measures_every_group_kind(profiled_world4):

@@ -6,8 +6,9 @@ Hugging Face BERT (masked LM, decoder tied to the word embeddings) and Hugging F
 Conv2d patch embedding) (tests/dist/third_party_models.py); issue 26: a torchtitan-style Llama and MoE (blocks
 in a ModuleDict, an autocast router), a CIFAR-size BatchNorm ResNet (HF, 32x32, last map 1x1), a two-tower model
 with frozen and unused parameters, and a model whose forward does not run on meta tensors.
-Columns: the planner's own plan, zero=3 (dp=4), tp=2 (dp=2), ep=2 (dp=4, MoE rows) and pp=2 (dp=2). One torchrun
-launch of world 4 runs every cell (tests/dist/third_party_scenarios.py).
+Columns: the planner's own plan, zero=3 (dp=4), tp=2 (dp=2), ep=2 (dp=4, MoE rows) and pp=2 (dp=2). In the suite the
+cells run in the batch of world 4 (tests/conftest.py: one launch per world size); ``--run`` below launches them
+alone (tests/dist/third_party_scenarios.py).
 
 Every cell either trains equal to the plain single-process loop (losses per step and final parameters within
 LOSS_RTOL / PARAM_RTOL + PARAM_ATOL of tests/test_strategy.py, fp32) with the plan it was asked for, or, where the
@@ -35,7 +36,7 @@ DIST = Path(__file__).resolve().parent / "dist"
 sys.path.insert(0, str(DIST))
 
 from common import reference_run  # noqa: E402
-from conftest import ROOT, free_port  # noqa: E402
+from conftest import ROOT, free_port, run_scenarios  # noqa: E402
 from conftest import kill_launch as _kill_launch, last_error_line as _last_error_line  # noqa: E402
 from test_strategy import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL  # noqa: E402
 
@@ -114,9 +115,14 @@ def launch_matrix(out: Path, names: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    out = tmp_path_factory.mktemp("third_party_w4")
-    launch_matrix(out, cells())
+def matrix_out(tmp_path_factory):
+    """The cells' outputs: in the suite's batch of world 4 (conftest.run_scenarios)."""
+    return run_scenarios(tmp_path_factory, WORLD, cells(), script="third_party_scenarios.py")
+
+
+@pytest.fixture(scope="module")
+def matrix(matrix_out):
+    out = matrix_out
     yield out
     # the table for the closing note (shown with -s; also in OUT/table.txt)
     summary = table(out)
@@ -179,7 +185,7 @@ def outcome(out: Path, cell: str) -> tuple[str, str]:
     model, column = cell.split("__")
     result = load_cell(out, cell)
     if "crash" in result:
-        return "FAIL", result.get("first_line", "crashed")
+        return "FAIL", result.get("first_line") or result["crash"][-2000:] or "crashed"
     if "error" in result:
         error = result["error"]
         if "\n" in error or "Traceback" in error or "fix" not in error:

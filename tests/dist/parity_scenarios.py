@@ -3,7 +3,7 @@ file and batch (tests/test_plan_parity.py). Each scenario runs ``Trainer(strateg
 cluster=<file>))`` for one step with nothing fixed and records what it planned (the analysed model spec, the
 batch geometry, the best plan and its prediction, the runtime's exclusions); the test then asks the CLI.
 
-Usage: torchrun --nproc-per-node 4 tests/dist/parity_scenarios.py OUT_DIR name[,name...]
+Usage: torchrun --nproc-per-node 4 tests/dist/parity_scenarios.py OUT_DIR name[,name...]  (or in a batch)
 Scenarios (``SCENARIOS``): a cluster file (``CLUSTERS``, written to OUT_DIR) and our GPT at a sequence length.
 """
 
@@ -33,7 +33,7 @@ SCENARIOS = {
 }
 
 
-def run(out: Path, name: str) -> dict:
+def planned(out: Path, name: str) -> dict:
     from lightning_autopar import AutoParallelStrategy
     from lightning_autopar.models import GPTConfig
     from lightning_autopar.models.lit import LitGPT
@@ -60,17 +60,17 @@ def run(out: Path, name: str) -> dict:
                 excluded=dict(report.excluded), loss=float(trainer.callback_metrics.get("train_loss", float("nan"))))
 
 
-def main() -> None:
-    out, names = Path(sys.argv[1]), sys.argv[2].split(",")
-    rank = int(os.environ["RANK"])
-    for name in names:
-        try:
-            result = run(out, name)
-        except Exception:  # noqa: BLE001 -- recorded for the test to show
-            result = dict(error=traceback.format_exc())
-        if rank == 0:
-            torch.save(result, out / f"{name}.pt")
+def run(out: Path, name: str) -> None:
+    """Scenario ``name``: rank 0 writes OUT/<name>.pt, what the live strategy planned or the traceback."""
+    try:
+        result = planned(out, name)
+    except Exception:  # noqa: BLE001 -- recorded for the test to show
+        result = dict(error=traceback.format_exc())
+    if int(os.environ["RANK"]) == 0:
+        torch.save(result, out / f"{name}.pt")
 
 
 if __name__ == "__main__":
-    main()
+    from scenarios import main
+
+    main(run)

@@ -1,6 +1,6 @@
 """Traced pipeline scenarios (parallel.pipeline.traced), run under torchrun: models that are not a block stack.
 
-Usage: torchrun --nproc-per-node 2 tests/dist/pipeline_traced_scenarios.py OUT_DIR name[,name...]
+Usage: torchrun --nproc-per-node 2 tests/dist/pipeline_traced_scenarios.py OUT_DIR name[,name...]  (or in a batch)
 Each scenario builds a ``TracedPipeline`` (pp = world size) and drives it the way the strategy drives a
 ``Pipeline``: the model call's (args, kwargs) captured per micro-batch, ``train_step`` running the schedule, the
 loss function on the last stage rebuilding the model output and weighting the micro-batch loss, then an SGD step
@@ -13,9 +13,6 @@ compares.
 
 from __future__ import annotations
 
-import os
-import sys
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -150,7 +147,7 @@ def reference(model: str) -> tuple[list[float], dict[str, torch.Tensor], torch.T
     return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}, out
 
 
-def run(name: str) -> dict[str, Any]:
+def pipelined(name: str) -> dict[str, Any]:
     """The pipelined run of scenario ``name`` on this process group, driven like the strategy drives it."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -200,26 +197,20 @@ def run(name: str) -> dict[str, Any]:
             "params_per_rank": [len(p) for p in parts]}
 
 
-def main(out_dir: str, names: str) -> None:
+def run(out_dir: Path, name: str) -> None:
+    """Scenario ``name``: rank 0 writes OUT_DIR/<name>.pt. A rank's error leaves the others waiting in the
+    schedule: it is raised, so the launch ends (a batch records it as the scenario's crash)."""
     import torch.distributed as dist
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    for name in names.split(","):
-        try:
-            result = run(name)
-        except Exception as err:
-            # one rank's error leaves the others waiting in the schedule: record it, then end the launch
-            text = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
-            torch.save({"error": text}, Path(out_dir) / f"{name}.pt")
-            print(f"rank {rank} {name}: {text}", file=sys.stderr, flush=True)
-            os._exit(1)
-        if rank == 0:
-            torch.save(result, Path(out_dir) / f"{name}.pt")
-        dist.barrier()
-    dist.destroy_process_group()
+    if not dist.is_initialized():  # the first scenario of a launch
+        dist.init_process_group("gloo")
+    result = pipelined(name)
+    if dist.get_rank() == 0:
+        torch.save(result, Path(out_dir) / f"{name}.pt")
+    dist.barrier()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    from scenarios import main
+
+    main(run)

@@ -1,7 +1,7 @@
 """Set-up profiling under torchrun (``profile.runtime``): a tiny GPT profiled for three plans on the live group.
 
-Usage: torchrun --nproc-per-node 4 tests/dist/profile_runtime_scenarios.py OUT_DIR [NAMES]
-Each rank writes OUT_DIR/profile_r<rank>.pt (NAMES, from conftest.run_scenarios, lists these): the profile
+Usage: torchrun --nproc-per-node 4 tests/dist/profile_runtime_scenarios.py OUT_DIR profile  (or in a batch)
+Each rank writes OUT_DIR/profile_r<rank>.pt: the profile
 (generous budget) as a dict, the one with budget 0, whether the model's parameters, gradients, RNG streams and
 the world group were as before, and (rank 0) the probe's YAML path; or the traceback."""
 
@@ -64,17 +64,18 @@ def profile_result(out_dir: Path) -> dict:
     return result
 
 
-def main() -> None:
-    out_dir = Path(sys.argv[1])
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+def run(out_dir: Path, name: str) -> None:
+    """Scenario "profile": each rank writes OUT_DIR/profile_r<rank>.pt (its result or the traceback)."""
+    if not dist.is_initialized():  # the first scenario of a launch; a Trainer reuses the group
+        dist.init_process_group("gloo")
     try:
         result = profile_result(out_dir)
     except Exception:  # noqa: BLE001 - the test reports the traceback
         result = {"crash": traceback.format_exc()}
-    torch.save(result, out_dir / f"profile_r{rank}.pt")
-    dist.destroy_process_group()
+    torch.save(result, out_dir / f"{name}_r{dist.get_rank()}.pt")
 
 
 if __name__ == "__main__":
-    main()
+    from scenarios import main
+
+    main(run)

@@ -1,7 +1,7 @@
 """The third-party model matrix (issue 12), run under torchrun at world 4: every model of third_party_models.py
 at every plan column, one process group for all cells.
 
-Usage: torchrun --nproc-per-node 4 tests/dist/third_party_scenarios.py OUT_DIR cell[,cell...]
+Usage: torchrun --nproc-per-node 4 tests/dist/third_party_scenarios.py OUT_DIR cell[,cell...]  (or in the suite's batch)
 A cell is ``f"{model}__{plan}"``. Rank 0 writes OUT_DIR/<cell>.started before it and OUT_DIR/<cell>.pt after it:
 the per-step losses, the full state under the single-device names (gathered over stages and expert ranks), the
 plan and the plan report's ``excluded`` reasons; or the one-line error it was refused with; or, when it crashed,
@@ -84,13 +84,15 @@ def run_cell(out: Path, cell: str) -> None:
     record(out, cell, crash=payload.get("crash", ""), first_line=first, ranks=lines)
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group("gloo")  # before the first Trainer, which then reuses it: run_cell needs the ranks
-    for cell in sys.argv[2].split(","):
-        run_cell(out, cell)
+def run(out: Path, cell: str) -> None:
+    """One cell on the live group (the first cell of a launch starts it: run_cell's ranks need it before the
+    first Trainer, which then reuses it)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    run_cell(out, cell)
 
 
 if __name__ == "__main__":
-    main()
+    from scenarios import main
+
+    main(run)

@@ -62,7 +62,7 @@ def fabric_run() -> dict:
                 loss=float(loss))
 
 
-def run(out: Path, name: str) -> dict:
+def outcome(out: Path, name: str) -> dict:
     if name == "fabric":
         return fabric_run()
     cache = out / "cache"
@@ -111,22 +111,22 @@ def run(out: Path, name: str) -> dict:
                 cache_files=sorted(str(p.relative_to(out)) for p in (out / "default_cache").rglob("*")))
 
 
-def main() -> None:
+def run(out: Path, name: str) -> None:
+    """Scenario ``name``: each rank writes OUT/<name>_r<rank>.pt (its outcome or the traceback)."""
     import torch.distributed as dist
 
-    out = Path(sys.argv[1])
-    os.environ["AUTOPAR_CACHE"] = str(out / "default_cache")  # profile_cache=None resolves here in this launch
+    os.environ["AUTOPAR_CACHE"] = str(out / "default_cache")  # profile_cache=None resolves here (this scenario)
     (out / "default_cache").mkdir(parents=True, exist_ok=True)
-    rank = int(os.environ["RANK"])
-    for name in sys.argv[2].split(","):
-        try:
-            result = run(out, name)
-        except Exception:  # noqa: BLE001 - the test reports the traceback
-            result = {"crash": traceback.format_exc()}
-        torch.save(result, out / f"{name}_r{rank}.pt")
-        if dist.is_initialized():
-            dist.barrier()  # "fixed" reads what rank 0 of "trials" wrote
+    try:
+        result = outcome(out, name)
+    except Exception:  # noqa: BLE001 - the test reports the traceback
+        result = {"crash": traceback.format_exc()}
+    torch.save(result, out / f"{name}_r{os.environ['RANK']}.pt")
+    if dist.is_initialized():
+        dist.barrier()  # "fixed" reads what rank 0 of "trials" wrote
 
 
 if __name__ == "__main__":
-    main()
+    from scenarios import main
+
+    main(run)
