@@ -47,29 +47,43 @@ def check_launch(proc: subprocess.CompletedProcess, what: str) -> None:
     pytest.fail(f"{what} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 
 
-# ------------------------------------------------------------------------- the background lane
+# ------------------------------------------------------------------------- lanes beside the main thread
 #
-# Launches that mostly wait (a collective's timeout and a restart, two torchrun agents' rendezvous, killed and
-# restarted ranks) leave this 2-core machine's cores idle for most of their run. A module fixture whose body is
-# decorated with @background_launch starts on one background thread when collection ends (for the selected tests
-# that use it) and runs beside the main lane's batches and single-process tests; the fixture, when pytest asks
-# for it, waits for that result (its failure, a pytest.fail included, is raised there). The body must only
-# launch and collect (no pytest state besides the tmp_path_factory it gets); launches on the lane start from the
-# environment as the session began, so a main-lane test's monkeypatched variable never leaks into them.
+# This machine has 2 cores, and the main thread's single-process tests use one of them. Two lanes (one thread
+# each) run the launches beside it from the moment collection ends:
+# * "batches": one launch per world size (run_batch, below), in the order the tests first need them;
+# * "waiting": launches that mostly wait (a collective's timeout and a restart, two torchrun agents' rendezvous,
+#   killed and restarted ranks): module fixtures whose body is decorated with @background_launch.
+# Modules that need no launch run first (pytest_collection_modifyitems), so the launches overlap them; a fixture or
+# run_scenarios call that needs a launch's result waits for it there (its failure, a pytest.fail included, is
+# raised there). Lane bodies only launch and collect; they start from the environment as the session began, so a
+# main-thread test's monkeypatched variable never leaks into a launch.
 
-_LANE: ThreadPoolExecutor | None = None
-_STARTED: dict[Callable, Future] = {}
+_LANES: dict[str, ThreadPoolExecutor] = {}
+_STARTED: dict[Callable, Future] = {}  # @background_launch fixture -> its run
+_BATCHES: dict[int, Future] = {}  # world size -> its batch's run
 _SESSION_ENV: dict[str, str] = {}
 _on_lane = threading.local()
 
 
 def launch_environ() -> dict[str, str]:
-    """The environment a launch starts from: the session's first one on the background lane, else the live one."""
+    """The environment a launch starts from: the session's first one on a lane, else the live one."""
     return dict(_SESSION_ENV) if getattr(_on_lane, "active", False) else dict(os.environ)
 
 
+def _submit(lane: str, fn: Callable, *args: Any) -> Future:
+    if lane not in _LANES:
+        _LANES[lane] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lane-{lane}")
+
+    def run():
+        _on_lane.active = True
+        return fn(*args)
+
+    return _LANES[lane].submit(run)
+
+
 def background_launch(body: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Run the module fixture body ``body(tmp_path_factory)`` on the background lane (see above)."""
+    """Run the module fixture body ``body(tmp_path_factory)`` on the "waiting" lane (see above)."""
 
     @functools.wraps(body)
     def fixture(tmp_path_factory):
@@ -80,24 +94,27 @@ def background_launch(body: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return fixture
 
 
-def _start_on_lane(fixture: Callable, tmp_path_factory) -> None:
-    global _LANE
-    if fixture in _STARTED:
-        return
-    if _LANE is None:
-        _LANE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="background-lane")
+def _uses_launch(item) -> bool:
+    """Whether a test's fixtures include a launch (a batch's run_scenarios or a @background_launch body)."""
+    fixtureinfo = getattr(item, "_fixtureinfo", None)
+    for defs in fixtureinfo.name2fixturedefs.values() if fixtureinfo else ():
+        func = defs[-1].func
+        code = getattr(func, "__code__", None)
+        if getattr(func, "background_body", None) is not None or (code is not None and "run_scenarios" in code.co_names):
+            return True
+    return False
 
-    def run():
-        _on_lane.active = True
-        return fixture.background_body(tmp_path_factory)
 
-    _STARTED[fixture] = _LANE.submit(run)
+def pytest_collection_modifyitems(session, config, items):
+    """Test modules that need no launch first (in their order), then the others (in theirs): see the lanes."""
+    launching = {item.path for item in items if _uses_launch(item)}
+    items[:] = sorted(items, key=lambda item: item.path in launching)
 
 
 def pytest_sessionfinish(session, exitstatus):
     """Launches not yet begun are dropped when the session ends early (-x, an interrupt)."""
-    if _LANE is not None:
-        _LANE.shutdown(wait=False, cancel_futures=True)
+    for lane in _LANES.values():
+        lane.shutdown(wait=False, cancel_futures=True)
 
 
 def pytest_addoption(parser):
@@ -110,8 +127,8 @@ def pytest_addoption(parser):
 #
 # Test files ask for their scenarios with run_scenarios(tmp_path_factory, nproc, names, script=...) in a module
 # fixture, as before. Before the first test runs, each such fixture of a selected test is called once in
-# "declare" mode (run_scenarios records its request and stops the fixture), so the first request at world N
-# launches every selected file's scenarios of world N together (tests/dist/batch.py). A scenario that fails, or
+# "declare" mode (run_scenarios records its request and stops the fixture), and every selected file's scenarios
+# of world N are launched together (tests/dist/batch.py) on the "batches" lane; a request waits for its batch. A scenario that fails, or
 # that the launch dies or hangs in, gets <name>.pt = {"crash": why} (its own test fails with it) and the
 # scenarios not yet run are relaunched. Scripts whose __main__ is not ``main(run)`` keep their own launch.
 
@@ -151,11 +168,13 @@ def pytest_collection_finish(session):
     """Collect the scenario requests of the selected tests' fixtures (see above)."""
     global _declaring
     _SESSION_ENV.update(os.environ)
-    for item in session.items:  # the waiting launches first, so the lane runs beside everything else
+    factory = session.config._tmp_path_factory
+    for item in session.items:  # the waiting launches, on their lane from now on
         fixtureinfo = getattr(item, "_fixtureinfo", None)
         for defs in fixtureinfo.name2fixturedefs.values() if fixtureinfo else ():
-            if getattr(defs[-1].func, "background_body", None) is not None:
-                _start_on_lane(defs[-1].func, session.config._tmp_path_factory)
+            func = defs[-1].func
+            if getattr(func, "background_body", None) is not None and func not in _STARTED:
+                _STARTED[func] = _submit("waiting", func.background_body, factory)
     if _launch_each:
         return
     seen = set()
@@ -179,6 +198,10 @@ def pytest_collection_finish(session):
                     todo = _planned.setdefault(nproc, [])
                     todo += [(script, n) for n in names if (script, n) not in todo]
             _declaring = None
+    for nproc, todo in _planned.items():  # in the order the tests first ask for them
+        _launched[nproc] = factory.mktemp(f"batch_w{nproc}")
+        _attempted.update((nproc, *s) for s in todo)
+        _BATCHES[nproc] = _submit("batches", run_batch, _launched[nproc], nproc, list(todo))
 
 
 def run_scenarios(tmp_path_factory, nproc: int, names: list[str], script: str = "scenarios.py") -> Path:
@@ -196,6 +219,8 @@ def run_scenarios(tmp_path_factory, nproc: int, names: list[str], script: str = 
         out = tmp_path_factory.mktemp(f"{Path(script).stem}_w{nproc}")
         run_batch(out, nproc, wanted)
         return out / Path(script).stem
+    if nproc in _BATCHES:
+        _BATCHES[nproc].result()  # the batch started when collection ended
     if nproc not in _launched:
         _launched[nproc] = tmp_path_factory.mktemp(f"batch_w{nproc}")
     todo = [s for s in [*_planned.get(nproc, []), *wanted] if (nproc, *s) not in _attempted]
