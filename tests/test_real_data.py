@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import DIST, run_scenarios, torchrun
+from conftest import DIST, background_launch, run_scenarios, torchrun
 from test_strategy import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL, load
 import real_data_scenarios as R
 
@@ -115,10 +115,16 @@ def test_validation_weights_a_rank_without_rows_zero(world4):
 # ------------------------------------------------------------------------------------------- one line on every rank
 
 
-def test_a_failure_on_one_rank_stops_every_rank_with_its_line(tmp_path):
-    logs = tmp_path / "logs"
-    proc = torchrun(DIST / "real_data_scenarios.py", 2, str(tmp_path), "rank1_fails", timeout=300,
-                    torchrun_args=("--log-dir", str(logs), "--redirects", "3"))
+@pytest.fixture(scope="module")
+@background_launch
+def rank1_fails(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rank1_fails")
+    return out / "logs", torchrun(DIST / "real_data_scenarios.py", 2, str(out), "rank1_fails", timeout=300,
+                                  torchrun_args=("--log-dir", str(out / "logs"), "--redirects", "3"))
+
+
+def test_a_failure_on_one_rank_stops_every_rank_with_its_line(rank1_fails):
+    logs, proc = rank1_fails
     assert proc.returncode != 0
     line = "training batch: rank 1's rows are bad; fix: fix rank 1's data"
     errs = {int(p.parent.name): p.read_text() for p in logs.rglob("stderr.log")}

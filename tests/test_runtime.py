@@ -82,6 +82,7 @@ def test_log_recorder_weights_reduces_and_logs_once():
 
 
 @pytest.fixture(scope="module")
+@background_launch
 def trial_world2(tmp_path_factory):
     out = tmp_path_factory.mktemp("runtime_w2")
     proc = torchrun(DIST / "runtime_scenarios.py", 2, str(out))
