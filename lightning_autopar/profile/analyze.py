@@ -637,6 +637,7 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
         moe_every=moe_every,
         tied_embeddings=tied,
         moe_replay=replayed,
+        frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
     )
     return ModelAnalysis(
         spec=spec,

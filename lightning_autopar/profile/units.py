@@ -104,6 +104,7 @@ class _Structure:
     blocks: set[str]  # repeated blocks (``_repeated``): never split
     ties: list[tuple[str, ...]]
     tie_holders: list[tuple[str, ...]]  # per tie: the modules registering it
+    frozen: frozenset[int] = frozenset()  # ids of the parameters with requires_grad=False
 
     @classmethod
     def of(cls, model: nn.Module) -> _Structure:
@@ -126,7 +127,8 @@ class _Structure:
                 blocks.update(_repeated(name, mod))
         ties = [tuple(ns) for ns in names.values() if len(ns) > 1]
         holders = [tuple(dict.fromkeys(_parent(n) for n in ns)) for ns in ties]
-        return cls(model, modules, children, numel, params, blocks, ties, holders)
+        frozen = frozenset(id(p) for p in model.parameters() if not p.requires_grad)
+        return cls(model, modules, children, numel, params, blocks, ties, holders, frozen)
 
     def count(self, ids: Iterable[int]) -> int:
         return sum(self.numel[i] for i in ids)
@@ -347,23 +349,23 @@ def _specs(s: _Structure, trace: Trace, modules: list[str]) -> list[UnitSpec]:
     specs = []
     for name in modules:
         covered |= s.params[name]
-        specs.append(_unit_spec(name or type(s.model).__name__, s.count(s.params[name]), costs[name],
+        specs.append(_unit_spec(name or type(s.model).__name__, s.params[name], s, costs[name],
                                 trace.outputs.get(name, 0.0), kinds[name], _has_mlp(linears[name]),
                                 batchnorms[name]))
-    rest_params = s.count(s.params[""] - covered)
+    rest_ids = s.params[""] - covered
     rest = costs[REST]
-    if rest_params or rest.ops or rest.flops or rest.saved_bytes:
-        specs.append(_unit_spec(REST, rest_params, rest, 0.0, kinds[REST], _has_mlp(linears[REST]), batchnorms[REST]))
+    if rest_ids or rest.ops or rest.flops or rest.saved_bytes:
+        specs.append(_unit_spec(REST, rest_ids, s, rest, 0.0, kinds[REST], _has_mlp(linears[REST]), batchnorms[REST]))
     return specs
 
 
-def _unit_spec(name: str, params: int, cost: OpCost, output: float, kinds: set[str], mlp: bool,
-               batchnorm_layers: int) -> UnitSpec:
+def _unit_spec(name: str, ids: frozenset[int], s: _Structure, cost: OpCost, output: float, kinds: set[str],
+               mlp: bool, batchnorm_layers: int) -> UnitSpec:
     found = kinds | cost.kinds | ({"mlp"} if mlp else set())
-    return UnitSpec(name=name, params=params, flops=float(cost.flops), conv_flops=float(cost.conv_flops),
+    return UnitSpec(name=name, params=s.count(ids), flops=float(cost.flops), conv_flops=float(cost.conv_flops),
                     activation_bytes=float(cost.saved_bytes), output_bytes=float(output),
                     memory_bytes=float(cost.memory_bytes), ops=cost.ops, batchnorm_layers=batchnorm_layers,
-                    kinds=[k for k in UNIT_KINDS if k in found])
+                    kinds=[k for k in UNIT_KINDS if k in found], frozen_params=s.count(ids & s.frozen))
 
 
 def analyze_units(model: nn.Module, example: tuple[tuple, dict]) -> UnitAnalysis:
