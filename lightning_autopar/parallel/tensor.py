@@ -259,6 +259,8 @@ def join_path(*names: str) -> str:
 def _attention_layout(attn: AttentionInfo, sp: bool = False) -> dict:
     """The attention's projections relative to the block. ``attn.fqn`` is the innermost module holding all of them,
     which need not be their parent: HF BERT's "attention" with q "self.query" and o "output.dense"."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
     flipped = set(attn.transposed)
     if attn.qkv and attn.qkv_layout == "sequential" and len(set(attn.qkv_pieces)) > 1:  # GQA: row-permuted
         layout = {join_path(attn.fqn, attn.qkv): _local_style()(LocalShardSpec("col", attn.qkv in flipped,
@@ -269,6 +271,8 @@ def _attention_layout(attn: AttentionInfo, sp: bool = False) -> dict:
     else:
         layout = {join_path(attn.fqn, name): _style(name, "col", flipped, sp=sp) for name in (attn.q, attn.k, attn.v)}
     layout[join_path(attn.fqn, attn.o)] = _style(attn.o, "row", flipped, sp=sp)
+    for table in attn.head_tables:  # an Embedding [n, heads]: torch's column style shards its heads, output local
+        layout[join_path(attn.fqn, table)] = ColwiseParallel()
     return layout
 
 

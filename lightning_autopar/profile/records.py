@@ -36,6 +36,9 @@ class AttentionInfo:
     tp_attrs: list[str] = field(default_factory=list)
     tp_refusal: str | None = None  # "<path relative to the block>: why TP cannot split it", None when it can
     tp_validated: bool = False  # tp_attrs come from a dry run (else: the head-count attributes, unvalidated)
+    # per-head tables (relative to ``fqn``): an nn.Embedding of [n, heads], T5's relative_attention_bias, whose
+    # output is a value per head: TP shards it along the heads with the projections
+    head_tables: list[str] = field(default_factory=list)
 
     @property
     def fused(self) -> bool:
@@ -85,6 +88,9 @@ class BlockInfo:
     attention: AttentionInfo | None = None
     mlp: MLPInfo | None = None
     moe: MoEInfo | None = None
+    # attention calls in the block outside ``attention`` (relative to the block: an encoder-decoder's
+    # cross-attention), which TP leaves whole
+    other_attention: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
