@@ -654,6 +654,7 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
         flops_total=seen.total_flops,
         unclassified=unclassified,
         unused_params=list(seen.unused),
+        collectives=list(seen.collectives),
         trace_failure=failure if trace and traced is None else None,
     )
 

@@ -116,6 +116,8 @@ class Analysis:
     # trainable parameters the traced forward never touched (LLaVA's vision post_layernorm, an unused head):
     # DDP must be told to expect no gradient for them; frozen parameters (requires_grad=False) are not listed
     unused_params: list[str] = field(default_factory=list)
+    # the model's own torch.distributed calls the trace saw, one line each (``Trace.collectives``)
+    collectives: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         """One line: what was found."""

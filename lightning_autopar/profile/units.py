@@ -280,6 +280,7 @@ class UnitAnalysis:
     ties: list[tuple[str, ...]] = field(default_factory=list)
     failure: str = ""
     unused_params: list[str] = field(default_factory=list)  # trainable parameters the forward never took
+    collectives: list[str] = field(default_factory=list)  # its own torch.distributed calls (Trace.collectives)
 
     def spec(self, name: str) -> ModelSpec:
         """The unit-form ModelSpec. When the trace failed, the units come from structure with an estimate of
@@ -382,7 +383,8 @@ def analyze_units(model: nn.Module, example: tuple[tuple, dict]) -> UnitAnalysis
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) \
         or any("batchnorm" in c.kinds for c in trace.costs.values())
     return UnitAnalysis(units=_specs(s, trace, modules), modules=modules, has_batchnorm=has_bn,
-                        ties=list(s.ties), failure=trace.failure or "", unused_params=trace.unused)
+                        ties=list(s.ties), failure=trace.failure or "", unused_params=trace.unused,
+                        collectives=trace.collectives)
 
 
 # ------------------------------------------------------------------------------------------- front door
@@ -461,7 +463,7 @@ def analyze_model(model: nn.Module, example: tuple[tuple, dict] | None,
         batch=1, seq_len=1,
         unclassified=[f"meta forward failed ({detail.failure}): data parallelism only"] if detail.failure else [],
         flops_total=3 * sum(u.flops for u in detail.units), unused_params=detail.unused_params,
-        trace_failure=detail.failure or None, detail=detail)
+        collectives=detail.collectives, trace_failure=detail.failure or None, detail=detail)
 
 
 def describe_units(what: ModelSpec | UnitAnalysis | Analysis) -> str:

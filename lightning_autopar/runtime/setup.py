@@ -191,7 +191,24 @@ def find_capabilities(module: nn.Module, model: nn.Module | None, analysis: Any,
         caps = model_capabilities(module, model, analysis, automatic)
         if pp > 1:
             check_pipeline_once(module, model, analysis, pp, vpp, caps)
+    if analysis.collectives:
+        _own_collectives(caps, analysis.collectives, rank)
     return _restricted(caps, options.restrict)
+
+
+def _own_collectives(caps: Any, collectives: list[str], rank: int) -> None:
+    """The model calls torch.distributed itself (``Analysis.collectives``): on the default group, which is the
+    data-parallel replicas only when nothing else splits the model, so tp, pp, cp and ep stay 1 (each with this
+    reason); one warning on rank 0, naming the call."""
+    line = f"the model calls {collectives[0]} itself" + (f" (and {len(collectives) - 1} more torch.distributed "
+                                                         "calls)" if len(collectives) > 1 else "")
+    for name in ("tp", "pp", "cp", "ep"):
+        if caps.allowed.get(name) != [1]:
+            caps.exclude(name, [1], f"{line}, on the default group, which holds the data-parallel replicas only "
+                         "when nothing else splits the model")
+    if rank == 0:
+        warnings.warn(f"autopar: {line}: under data parallelism it runs over the data-parallel ranks, where one "
+                      "device runs it alone; tp, pp, cp and ep are not planned", stacklevel=3)
 
 
 def _unit_capabilities(module: nn.Module, model: nn.Module | None, analysis: Any, example: tuple[tuple, dict] | None,
