@@ -59,6 +59,15 @@ def make_llama(**_: object) -> L.LightningModule:
     return _hf_lit(tf.LlamaForCausalLM(config))
 
 
+def make_llama_frozen(**_: object) -> L.LightningModule:
+    """Llama with its token embedding and first decoder layer frozen (requires_grad=False, as a fine-tune keeps
+    the lower layers): no gradient, optimizer state or gradient reduction for them under FSDP, TP and PP."""
+    lit = make_llama()
+    lit.model.model.embed_tokens.requires_grad_(False)
+    lit.model.model.layers[0].requires_grad_(False)
+    return lit
+
+
 def make_mixtral(**_: object) -> L.LightningModule:
     """MixtralForCausalLM: fused 3-D expert weights, balance loss on (weight MOE_AUX_COEF)."""
     import transformers as tf
@@ -542,6 +551,9 @@ class ThirdPartyModel:
 MODELS: dict[str, ThirdPartyModel] = {
     "gpt2": ThirdPartyModel(make_gpt2, tied=True),
     "llama": ThirdPartyModel(make_llama),
+    # frozen parameters (issue 26) where their sharding differs from DDP's: FSDP, TP, and a pipeline whose first
+    # stage trains only part of its layers; auto and ga2 run as llama's
+    "llama_frozen": ThirdPartyModel(make_llama_frozen, not_run=("auto", "ga2")),
     "mixtral": ThirdPartyModel(make_mixtral, moe=True, balance_loss=True),
     "qwen2": ThirdPartyModel(make_qwen2),
     "phi3": ThirdPartyModel(make_phi3),
