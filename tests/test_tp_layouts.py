@@ -188,6 +188,7 @@ def test_t5_relative_bias_is_sharded_with_the_heads_and_cross_attention_refuses_
     # the embedding shared by the encoder, the decoder and the head: no pipeline stage can hold it for all three
     caps = model_capabilities(model, decoder, a, True)
     assert caps.excluded["pp"].startswith("plan.pp: tied parameters 't5.shared.weight' = 't5.encoder.embed_tokens")
+    assert caps.excluded["pp"].endswith("fix: use pp=1")  # shared by both stacks: no config flag unties it
     assert "tp" not in caps.excluded and caps.excluded["sp"].startswith("plan.sp: block.0.layer.1.EncDecAttention")
 
 
