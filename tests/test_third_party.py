@@ -5,8 +5,8 @@ width); litgpt's GPT dense and MoE; a nanoGPT-style model (one fused c_attn, tie
 Hugging Face BERT (masked LM, decoder tied to the word embeddings) and Hugging Face ViT (image classification,
 Conv2d patch embedding) (tests/dist/third_party_models.py); issue 26: a torchtitan-style Llama and MoE (blocks
 in a ModuleDict, an autocast router), a CIFAR-size BatchNorm ResNet (HF, 32x32, last map 1x1), a two-tower model
-with frozen and unused parameters, a Llama with frozen lower layers (zero3, tp2, pp2 only), and a model whose
-forward does not run on meta tensors.
+with frozen and unused parameters, a Llama with frozen lower layers (zero3, tp2, pp2 only), Qwen2-MoE at its default config (no
+router logits; ep2 only), and a model whose forward does not run on meta tensors.
 Columns: the planner's own plan, zero=3 (dp=4), tp=2 (dp=2), ep=2 (dp=4, MoE rows) and pp=2 (dp=2). One torchrun
 launch of world 4 runs every cell (tests/dist/third_party_scenarios.py).
 
