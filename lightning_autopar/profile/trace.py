@@ -243,13 +243,18 @@ class _Done:
 def _collectives_seen(stack: ModuleStack, found: list[str]) -> Iterator[None]:
     """The model's own ``torch.distributed`` collectives (``COLLECTIVES``, called as ``dist.<name>``) during a meta
     forward: recorded in ``found`` with the module calling them, and not run (meta tensors, and no process
-    group needed; the tensors keep their values, which a meta tensor has none of)."""
+    group needed; the tensors keep their values, which a meta tensor has none of). Calls from this package's or
+    torch's own code run as they are."""
     import torch.distributed as dist
 
     saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
     def stand_in(name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
+            import sys
+
+            if sys._getframe(1).f_globals.get("__name__", "").startswith(("lightning_autopar.", "torch.")):
+                return saved[name](*args, **kwargs)  # ours or torch's own (a parallelised module): not the model's
             where = stack.stack[-1] if stack.stack else ""
             line = f"torch.distributed.{name} in '{where or '(the model)'}'"
             if line not in found:
