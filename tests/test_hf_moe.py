@@ -232,3 +232,27 @@ def test_default_configs_are_moe_and_offer_ep(family):
     assert capable.capabilities.moe == "ep" and "ep" not in capable.capabilities.excluded
     planned = plan_model(analysed, capable, load_cluster_spec("cpu", nodes=1, devices_per_node=4), "32-true", options)
     assert planned.report.best.plan.ep == 2
+
+
+def test_torchtitan_moe_layout_is_found_and_its_limits_named():
+    """Issue 26: torchtitan's MoE (a router module holding the gate Linear, GroupedExperts with 3-D w1/w2/w3
+    called with tokens grouped by expert) is found as MoE (experts, top-k, SwiGLU width: priced so); TP and EP,
+    which drive experts called as Hugging Face's are, are refused with that reason in one line."""
+    from third_party_models import EXPERTS, FFN, TOP_K, TitanTransformer
+
+    from lightning_autopar.parallel.apply import model_capabilities
+    from lightning_autopar.profile.analyze import analyze, find_transformer
+
+    torch.manual_seed(0)
+    model = TitanTransformer(moe="grouped")
+    _, transformer = find_transformer(model)
+    analysis = analyze(transformer, trace=True, runner=model)
+    moe = analysis.blocks[0].moe
+    assert (moe.router, moe.experts, moe.fused_params, moe.expert_call) == ("router.gate", "experts",
+                                                                              ["w1", "w2", "w3"], "")
+    assert (analysis.spec.experts, analysis.spec.top_k, analysis.spec.ffn_hidden) == (EXPERTS, TOP_K, FFN)
+    caps = model_capabilities(model, transformer, analysis, True)
+    for field in ("tp", "ep"):
+        assert caps.excluded[field].startswith(f"plan.{field}: layers.0.feed_forward.experts: the fused experts "
+                                               "are not called with (tokens, top-k expert ids, weights)")
+    assert "pp" not in caps.excluded

@@ -240,7 +240,7 @@ def _pipeline_expert_limits(root: nn.Module, analysis: ModelAnalysis, automatic_
     """pp and ep values the runtime can apply to this model: pp needs a splittable stack of blocks and automatic
     optimization; ep needs MoE layers with a route() method, the fused layout of HF Mixtral or the plain layout
     (parallel.experts). Field -> (allowed values, why the others are not). Sets ``caps.moe``."""
-    from lightning_autopar.parallel.experts import moe_modules, supports_ep
+    from lightning_autopar.parallel.experts import check_ep, moe_modules, supports_ep
     from lightning_autopar.profile.analyze import find_transformer
 
     _, transformer = find_transformer(root)
@@ -259,7 +259,12 @@ def _pipeline_expert_limits(root: nn.Module, analysis: ModelAnalysis, automatic_
         out["ep"] = ([1], "no MoE layers found")
     elif not all(supports_ep(m, info) for _, m, info in moe_modules(transformer, analysis)):
         caps.moe = "unsupported"
-        out["ep"] = ([1], "MoE layout not supported by expert parallelism (parallel/experts.py)")
+        try:  # the layer's own reason (one line), as a pinned ep gets it
+            check_ep(analysis, transformer, 2 if has_moe(analysis) else 1)
+            why = "MoE layout not supported by expert parallelism (parallel/experts.py)"
+        except ConfigError as err:
+            why = str(err)
+        out["ep"] = ([1], why)
     else:
         caps.moe = "ep"
     return out

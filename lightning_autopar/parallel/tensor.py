@@ -104,6 +104,9 @@ def _check_fused_experts(fqn: str, moe: MoEInfo, tp: int | None) -> None:
     """Fused 3-D experts are split inside each expert (``FusedExpertsTP``): ``tp`` must divide their FFN width
     (the planner's rules check it for ``ffn_hidden``, so only with ``tp`` given). Their weights' layout is
     checked on the module when applied (``tp_experts.fused_split_dims``, ``tp_experts.probe_fused_split``)."""
+    if moe.expert_call != "indices":
+        raise ConfigError("plan.tp", f"{fqn}.{moe.experts}: the fused experts are not called with (tokens, top-k "
+                          "expert ids, weights) as Hugging Face's are, so TP does not split them", "use tp=1")
     if tp is not None and moe.ffn_hidden % tp:
         raise ConfigError("plan.tp", f"tp={tp} does not divide the experts' ffn width {moe.ffn_hidden} of {fqn}",
                           "choose tp dividing it")

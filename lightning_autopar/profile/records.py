@@ -72,6 +72,10 @@ class MoEInfo:
     fused_params: list[str] = field(default_factory=list)
     ffn_hidden: int = 0  # one expert's FFN width
     gated: bool = False  # SwiGLU-style experts (gate and up projections)
+    # fused layout: how the experts module is called. "indices" (Hugging Face: its tokens, their top-k expert ids
+    # and weights), which expert and tensor parallelism drive; "" another call (torchtitan's GroupedExperts: tokens
+    # grouped by expert and the count per expert), found and priced as MoE but not split
+    expert_call: str = "indices"
 
     @property
     def fused(self) -> bool:

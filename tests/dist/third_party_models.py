@@ -392,11 +392,64 @@ def titan_moe(dim: int, hidden_dim: int, experts: int, top_k: int) -> nn.Module:
     return moe
 
 
+class GroupedExperts(nn.Module):
+    """torchtitan's experts (its for-loop path): 3-D ``w1`` [E, hidden, dim], ``w2`` [E, dim, hidden], ``w3`` like
+    ``w1``, called with the tokens grouped by expert and the count per expert."""
+
+    def __init__(self, dim: int, hidden_dim: int, experts: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.w1 = nn.Parameter(torch.randn(experts, hidden_dim, dim) * dim ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden_dim) * hidden_dim ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(experts, hidden_dim, dim) * dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, rows in enumerate(torch.split(x, num_tokens_per_expert.tolist())):
+            outs.append((F.silu(rows @ self.w1[e].T) * (rows @ self.w3[e].T)) @ self.w2[e].T)
+        return torch.cat(outs)
+
+
+class TokenChoiceTopKRouter(nn.Module):
+    """torchtitan's router: a ``gate`` Linear, softmax scores, top-k experts per token and the count per expert."""
+
+    def __init__(self, dim: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.num_experts, self.top_k = experts, top_k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = torch.softmax(self.gate(x).float(), dim=-1)
+        top_scores, selected = torch.topk(scores, k=self.top_k, dim=1)
+        counts = torch.histc(selected.view(-1).float(), bins=self.num_experts, min=0, max=self.num_experts)
+        return top_scores, selected, counts
+
+
+class TitanGroupedMoE(nn.Module):
+    """torchtitan's ``MoE``: ``router`` (a module holding the gate Linear), ``experts`` (GroupedExperts, 3-D
+    weights), tokens sorted by expert, run, weighted and scattered back."""
+
+    def __init__(self, dim: int, hidden_dim: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.router = TokenChoiceTopKRouter(dim, experts, top_k)
+        self.experts = GroupedExperts(dim, hidden_dim, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seq, dim = x.shape
+        x = x.view(-1, dim)
+        top_scores, selected, counts = self.router(x)
+        order = torch.argsort(selected.view(-1), stable=True)
+        token = order // self.router.top_k
+        out = self.experts(x[token], counts.long()) * top_scores.view(-1)[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add(0, token, out).view(bs, seq, dim)
+
+
 class TitanBlock(nn.Module):
-    def __init__(self, dim: int, moe: bool) -> None:
+    def __init__(self, dim: int, moe: bool | str) -> None:
         super().__init__()
         self.attention = TitanAttention(dim, HEADS, 2)
-        self.feed_forward = titan_moe(dim, FFN, EXPERTS, TOP_K) if moe else TitanFeedForward(dim, FFN)
+        self.feed_forward = (TitanGroupedMoE(dim, FFN, EXPERTS, TOP_K) if moe == "grouped" else
+                             titan_moe(dim, FFN, EXPERTS, TOP_K) if moe else TitanFeedForward(dim, FFN))
         self.attention_norm = nn.RMSNorm(dim, eps=1e-5)
         self.ffn_norm = nn.RMSNorm(dim, eps=1e-5)
 
@@ -410,7 +463,7 @@ class TitanTransformer(nn.Module):
     ``layers`` (keys "0", "1", ...: torchtitan keeps the names stable when pipeline stages delete layers), a
     non-persistent rotary buffer, ``norm``, ``output``; forward runs ``self.layers.values()`` in order."""
 
-    def __init__(self, moe: bool = False) -> None:
+    def __init__(self, moe: bool | str = False) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, HIDDEN)
         # as torchtitan, for a max_seq_len above the training length; the forward takes its first seqlen rows
@@ -442,6 +495,11 @@ def make_titan_llama(**_: object) -> L.LightningModule:
 def make_titan_moe(**_: object) -> L.LightningModule:
     """The torchtitan-style Llama with an MoE feed-forward per block (the autocast router)."""
     return LitLM(TitanTransformer(moe=True))
+
+
+def make_titan_grouped_moe(**_: object) -> L.LightningModule:
+    """The torchtitan-style Llama with torchtitan's own MoE layout: a router module and 3-D GroupedExperts."""
+    return LitLM(TitanTransformer(moe="grouped"))
 
 
 # ------------------------------------------------------------------------------------------- a small-image CNN
@@ -579,6 +637,8 @@ MODELS: dict[str, ThirdPartyModel] = {
     "vit": ThirdPartyModel(make_vit),
     "titan_llama": ThirdPartyModel(make_titan_llama),
     "titan_moe": ThirdPartyModel(make_titan_moe, moe=True),
+    # torchtitan's own MoE layout (issue 26: found as MoE from its router and 3-D experts): ga2 runs as titan_moe's
+    "titan_grouped_moe": ThirdPartyModel(make_titan_grouped_moe, moe=True, not_run=("ga2",)),
     # BatchNorm statistics: per micro-batch. ga2 left out: a pinned grad_accum=2 gives 1 row per rank and
     # micro-batch through the 1x1 map and ends 7e-5 (relative) off one device after one step (issue 26, open);
     # the planner's own plan excludes grad_accum for BatchNorm with its reason
