@@ -73,13 +73,16 @@ class UnitSpec:
     ops: int = 0
     batchnorm_layers: int = 0
     kinds: list[str] = field(default_factory=list)
+    frozen_params: int = 0  # of ``params``, those with requires_grad=False: no gradient, no optimizer state
 
     def validate(self, where: str = "model.units") -> None:
         for name in ("params", "flops", "conv_flops", "activation_bytes", "output_bytes", "memory_bytes", "ops",
-                     "batchnorm_layers"):
+                     "batchnorm_layers", "frozen_params"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{where}.{name}", f"must be a number >= 0, got {value!r}")
+        if self.frozen_params > self.params:
+            raise ConfigError(f"{where}.frozen_params", f"{self.frozen_params} exceeds params={self.params}")
         if self.conv_flops > self.flops:
             raise ConfigError(f"{where}.conv_flops", f"{self.conv_flops:g} exceeds flops={self.flops:g}",
                               "conv_flops is the part of flops spent in convolutions")
@@ -114,11 +117,15 @@ class ModelSpec:
     # unit form from the module structure alone: why the meta trace of the forward failed. Only data
     # parallelism (DP, FSDP: no structure needed) is planned; the rest is excluded with this reason
     trace_failure: str = ""
+    # parameters with requires_grad=False (a frozen vision tower): weights only, no gradient, no optimizer state,
+    # no gradient reduction. Unit form: the units' sum (UnitSpec.frozen_params, which the planner reads per stage)
+    frozen_params: int = 0
 
     def __post_init__(self) -> None:
         if self.units:
             self.units = [UnitSpec(**u) if isinstance(u, Mapping) else u for u in self.units]
             self.layers, self.seq_len, self.experts = len(self.units), 1, 0
+            self.frozen_params = sum(u.frozen_params for u in self.units)
         if self.kv_heads is None:
             self.kv_heads = self.heads
         if self.ffn_hidden is None:
@@ -158,6 +165,8 @@ class ModelSpec:
                               "use 1 <= top_k <= experts (experts=0 means dense)")
         if self.moe_every < 1:
             raise ConfigError("model.moe_every", f"must be >= 1, got {self.moe_every}")
+        if isinstance(self.frozen_params, bool) or not isinstance(self.frozen_params, int) or self.frozen_params < 0:
+            raise ConfigError("model.frozen_params", f"must be an integer >= 0, got {self.frozen_params!r}")
 
     @property
     def head_dim(self) -> int:
@@ -194,6 +203,10 @@ class ModelSpec:
             return int(sum(u.params for u in self.units))
         dense = self.layers - self.moe_layers
         return dense * self.block_params() + self.moe_layers * self.block_params(moe=True) + self.embedding_params()
+
+    def trainable_share(self) -> float:
+        """The share of the parameters that train (1 - frozen_params / total)."""
+        return 1.0 - min(1.0, self.frozen_params / max(self.total_params(), 1))
 
     def active_params(self) -> int:
         """Parameters touched per token (MoE: top_k experts instead of all)."""

@@ -198,3 +198,61 @@ def test_fused_experts_tp_split_checked_on_their_forward():
     with pytest.raises(ConfigError, match=r"^plan.tp: layers.0.mlp.experts: .*not cut \[gate \| up\]"):
         probe_fused_split(experts, moe, dims, 2, "layers.0.mlp.experts")
     assert all(torch.equal(p, before[n]) for n, p in experts.named_parameters())
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "mixtral"])
+def test_default_configs_are_moe_and_offer_ep(family):
+    """Issue 26: with the library's default ``output_router_logits=False`` (no router logits returned, no balance
+    loss) the MoE layers are found from the model's structure (a router [experts, hidden] beside 3-D expert
+    weights), ep=2 is offered and a pinned ep=2 is planned."""
+    from lightning_autopar.models.hf import LitCausalLM
+    from lightning_autopar.runtime.setup import SetupOptions, Workload, analyse_model, find_capabilities, plan_model
+    from lightning_autopar.runtime.trial import SetupSettings
+    from lightning_autopar.specs import load_cluster_spec
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  intermediate_size=64, max_position_embeddings=SEQ, num_experts_per_tok=2, bos_token_id=0,
+                  eos_token_id=1, pad_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if family == "olmoe":
+        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(num_experts=4, **common))
+    elif family == "qwen2_moe":
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            num_experts=4, moe_intermediate_size=64, shared_expert_intermediate_size=64, **common))
+    else:
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, **common))
+    assert model.config.output_router_logits is False
+    module = LitCausalLM(model)
+    ids = torch.randint(0, VOCAB, (4, SEQ + 1))
+    work = Workload(module, first_batch=(ids[:, :-1], ids[:, 1:]), loader_batch_size=4)
+    options = SetupOptions(fix={"ep": 2}, settings=SetupSettings(trials=0, profile=False))
+    analysed = analyse_model(work, lambda: pytest.fail("a transformer needs no model call"), None, 4)
+    assert (analysed.analysis.spec.experts, analysed.analysis.spec.top_k) == (4, 2)
+    capable = find_capabilities(module, analysed.model, analysed.analysis, analysed.example, options, world_size=4)
+    assert capable.capabilities.moe == "ep" and "ep" not in capable.capabilities.excluded
+    planned = plan_model(analysed, capable, load_cluster_spec("cpu", nodes=1, devices_per_node=4), "32-true", options)
+    assert planned.report.best.plan.ep == 2
+
+
+def test_torchtitan_moe_layout_is_found_and_its_limits_named():
+    """Issue 26: torchtitan's MoE (a router module holding the gate Linear, GroupedExperts with 3-D w1/w2/w3
+    called with tokens grouped by expert) is found as MoE (experts, top-k, SwiGLU width: priced so); TP and EP,
+    which drive experts called as Hugging Face's are, are refused with that reason in one line."""
+    from third_party_models import EXPERTS, FFN, TOP_K, TitanTransformer
+
+    from lightning_autopar.parallel.apply import model_capabilities
+    from lightning_autopar.profile.analyze import analyze, find_transformer
+
+    torch.manual_seed(0)
+    model = TitanTransformer(moe="grouped")
+    _, transformer = find_transformer(model)
+    analysis = analyze(transformer, trace=True, runner=model)
+    moe = analysis.blocks[0].moe
+    assert (moe.router, moe.experts, moe.fused_params, moe.expert_call) == ("router.gate", "experts",
+                                                                              ["w1", "w2", "w3"], "")
+    assert (analysis.spec.experts, analysis.spec.top_k, analysis.spec.ffn_hidden) == (EXPERTS, TOP_K, FFN)
+    caps = model_capabilities(model, transformer, analysis, True)
+    for field in ("tp", "ep"):
+        assert caps.excluded[field].startswith(f"plan.{field}: layers.0.feed_forward.experts: the fused experts "
+                                               "are not called with (tokens, top-k expert ids, weights)")
+    assert "pp" not in caps.excluded

@@ -133,3 +133,35 @@ def test_predicted_peak_matches_measured(truth, name):
     by = row["measured"]["by_category"]
     assert by["parameters"] > 0 and by["optimizer"] > 0 and by["activations"] > 0, by
     assert abs(predicted - measured) / measured <= TOLERANCE, (row["plan"], predicted, measured, by)
+
+
+def test_frozen_parameters_priced_without_gradients_or_optimizer_states():
+    """Issue 26: parameters with requires_grad=False (a frozen vision tower) keep their weights but have no
+    gradient, no optimizer state and no gradient reduction, at every plan: the planner counts the trainable ones
+    for those (ModelSpec.frozen_params; in unit form per unit, UnitSpec.frozen_params)."""
+    import dataclasses
+
+    from lightning_autopar.planner.search import estimate
+    from lightning_autopar.specs import ModelSpec, UnitSpec
+
+    spec = ModelSpec(name="m", layers=4, hidden=512, heads=8, vocab=1000, seq_len=256)
+    half = dataclasses.replace(spec, frozen_params=spec.total_params() // 2)
+    units = ModelSpec(name="u", units=[UnitSpec(name=f"u{i}", params=10**7, flops=1e9, output_bytes=1e4)
+                                       for i in range(4)])
+    frozen_units = dataclasses.replace(units, units=[dataclasses.replace(u, frozen_params=u.params if i < 2 else 0)
+                                                     for i, u in enumerate(units.units)])
+    assert frozen_units.frozen_params == 2 * 10**7
+    for full, part in ((spec, half), (units, frozen_units)):
+        for fix in ("dp=8,zero=0", "dp=8,zero=3", "dp=4,pp=2,zero=0,grad_accum=2"):
+            a, b = (estimate(s, "a100-80g-dgx", fix + ",mbs=1,precision=bf16-mixed", global_batch=8)
+                    for s in (full, part))
+            for term in ("gradients", "optimizer"):  # a pipeline: the stage priced may hold no frozen unit
+                bound = 1.0 if "pp" in fix and part.unit_form else 0.75
+                assert b.memory_breakdown[term] <= bound * a.memory_breakdown[term], (fix, term)
+            assert b.memory_breakdown["parameters"] == pytest.approx(a.memory_breakdown["parameters"])
+            assert b.breakdown.comm_exposed_s <= a.breakdown.comm_exposed_s and b.step_time_s <= a.step_time_s
+            assert sum(b.memory_breakdown.values()) == pytest.approx(b.memory_gib_per_device, rel=1e-5)
+        # no pipeline: exactly the trainable share
+        a, b = (estimate(s, "a100-80g-dgx", "dp=8,zero=0,mbs=1,precision=bf16-mixed", global_batch=8)
+                for s in (full, part))
+        assert b.memory_breakdown["optimizer"] == pytest.approx(a.memory_breakdown["optimizer"] / 2, rel=1e-3)

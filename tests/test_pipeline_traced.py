@@ -142,3 +142,63 @@ def test_fixed_dimensions_are_checked():
     flatten_inputs(split, (torch.randn(5, 3, 8, 8),), {})  # the batch dimension is dynamic
     with pytest.raises(ConfigError, match="input 'x' has shape \\(2, 3, 9, 9\\)"):
         flatten_inputs(split, (torch.randn(2, 3, 9, 9),), {})
+
+
+class RowsAfterB(nn.Module):
+    """The row count read from the input and used after unit 'b': an int crosses a split before 'b' (only).
+    Unit 'a' is the heaviest, so a partition by unit time would cut right after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(4, 512), nn.Linear(512, 4))
+        self.b, self.c, self.d = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        rows = x.shape[0]
+        h = self.b(self.a(x)).reshape(rows, 2, 2).reshape(rows, 4)
+        return self.d(self.c(h))
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _unit_plan(module, world, fix):
+    from functools import partial
+
+    from lightning_autopar.profile.units import find_model_call
+    from lightning_autopar.runtime.setup import SetupOptions, Workload, analyse_model, find_capabilities, plan_model
+    from lightning_autopar.runtime.trial import SetupSettings
+    from lightning_autopar.specs import load_cluster_spec
+
+    batch = (torch.randn(8, 4),)
+    work = Workload(module, first_batch=batch, loader_batch_size=8)
+    options = SetupOptions(fix=fix, settings=SetupSettings(trials=0, profile=False))
+    analysed = analyse_model(work, lambda: find_model_call(module, partial(module.training_step, (batch[0][:2],), 0)),
+                             None, world)
+    assert analysed.unit_form
+    capable = find_capabilities(module, analysed.model, analysed.analysis, analysed.example, options,
+                                world_size=world)
+    cluster = load_cluster_spec("cpu", nodes=1, devices_per_node=world)
+    return analysed, capable, plan_model(analysed, capable, cluster, "32-true", options)
+
+
+def test_planner_refuses_a_pipeline_the_runtime_would_refuse():
+    """Issue 26, planner = runtime: a pinned pp=4 cuts before 'b', where an int crosses: the planner refuses it
+    with the runtime's line; pp=2 is offered only at a partition the runtime traces (here the even one, not the
+    cut after the heavy 'a' a partition by unit time would choose)."""
+    from lightning_autopar.parallel.apply import check_unit_pipeline
+
+    torch.manual_seed(0)
+    with pytest.raises(ConfigError) as err:
+        _unit_plan(RowsAfterB(), 4, {"pp": 4})
+    assert str(err.value).count("a SymInt value crosses the split before unit 'b'") == 1, str(err.value)
+    analysed, capable, planned = _unit_plan(RowsAfterB(), 2, {"pp": 2})
+    best = planned.report.best
+    assert best.plan.pp == 2 and best.layers_per_stage == [2, 2]
+    assert "pp" not in capable.capabilities.excluded  # pp=2 itself is offered
+    for priced in planned.report.candidates:
+        check_unit_pipeline(analysed.model, analysed.model, analysed.analysis, analysed.example, priced.plan.pp,
+                            priced.plan.vpp, priced.layers_per_stage)

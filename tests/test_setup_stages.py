@@ -134,3 +134,35 @@ def test_measure_trial_then_apply_on_one_process(single_process_group):
     assert isinstance(set_up, SetUp) and set_up.model is analysed.model
     assert module._device_mesh is set_up.layout.mesh and set_up.steps.pipe is None
     assert set_up.env.group.rank_and_size() == (0, 1) and set_up.env.fsdp_roots == set_up.applied.fsdp_roots
+
+
+class SyncedLM(TinyLM):
+    """A model whose MLP sums its activations over the processes itself (the kind of all_reduce the seed's article
+    found left in a forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        mlp = self.model.blocks[0].mlp
+        forward = mlp.forward
+
+        def synced(x):
+            out = forward(x)
+            torch.distributed.all_reduce(out)
+            return out
+
+        mlp.forward = synced
+
+
+def test_a_collective_in_the_forward_is_seen_reported_and_restricts_the_plan():
+    """Issue 26: the user's own torch.distributed call in forward is seen by the meta trace (it does not run: no
+    process group is needed), named in one line with the module calling it, and the plan keeps to data
+    parallelism (the default group is then the data-parallel replicas); one warning."""
+    module = SyncedLM()
+    with pytest.warns(UserWarning, match=r"calls torch\.distributed\.all_reduce in 'blocks\.0\.mlp' itself"):
+        analysed, capable, planned = _planned(module, SetupOptions(settings=SetupSettings(trials=0, profile=False)))
+    assert analysed.analysis.collectives == ["torch.distributed.all_reduce in 'blocks.0.mlp'"]
+    for field in ("tp", "pp", "cp"):
+        assert capable.restrict[field] == [1]
+        assert "torch.distributed.all_reduce in 'blocks.0.mlp'" in capable.capabilities.excluded[field]
+    assert "\n" not in capable.capabilities.excluded["tp"]
+    assert not _planned(TinyLM(), SetupOptions())[0].analysis.collectives

@@ -168,6 +168,30 @@ def test_olmoe_qk_norm_over_the_full_width_is_refused():
     assert "model.layers.0.self_attn.q_norm is a q/k norm over the full projection width (32)" in reason
 
 
+def test_t5_relative_bias_is_sharded_with_the_heads_and_cross_attention_refuses_sp():
+    """Issue 26: T5's relative position bias (an Embedding [buckets, heads] in each stack's first self-attention)
+    is a per-head table: TP shards it with the heads, so tp=2 runs on the local heads; the decoder's cross-attention
+    is left whole by TP, so SP (which would hand it a split sequence) is refused in one line."""
+    from lightning_autopar.parallel.apply import model_capabilities
+    from lightning_autopar.parallel.sequence import check_sp
+
+    model = S.T5LM()
+    _, decoder = find_transformer(model)
+    a = analyze(decoder, trace=True, runner=model)
+    attn = a.blocks[0].attention
+    assert attn.head_tables == ["relative_attention_bias"] and a.blocks[1].attention.head_tables == []
+    assert attn.tp_refusal is None and a.blocks[0].other_attention == ["layer.1.EncDecAttention"]
+    check_tp(a, 2)
+    assert "layer.0.SelfAttention.relative_attention_bias" in block_layout(a.blocks[0])
+    with pytest.raises(ConfigError, match=r"^plan.sp: block.0.layer.1.EncDecAttention: a second attention"):
+        check_sp(a, decoder, 2, runner=model)
+    # the embedding shared by the encoder, the decoder and the head: no pipeline stage can hold it for all three
+    caps = model_capabilities(model, decoder, a, True)
+    assert caps.excluded["pp"].startswith("plan.pp: tied parameters 't5.shared.weight' = 't5.encoder.embed_tokens")
+    assert caps.excluded["pp"].endswith("fix: use pp=1")  # shared by both stacks: no config flag unties it
+    assert "tp" not in caps.excluded and caps.excluded["sp"].startswith("plan.sp: block.0.layer.1.EncDecAttention")
+
+
 def test_the_planner_is_told_why_tp_is_not_offered():
     from lightning_autopar import AutoParallelStrategy
 

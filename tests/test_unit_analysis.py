@@ -352,3 +352,25 @@ def timing_check() -> None:
 
 if __name__ == "__main__":
     timing_check()
+
+
+def test_frozen_parameters_counted_per_unit_and_in_the_transformer_spec():
+    """Issue 26: parameters with requires_grad=False are counted where they sit (a frozen vision tower: its
+    units), so the planner prices no gradient or optimizer state for them; a transformer's spec counts its own."""
+    from third_party_models import TwoTower
+
+    from lightning_autopar.profile.analyze import model_spec_from_module
+
+    torch.manual_seed(0)
+    model = TwoTower()
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    spec = analyze_model(model, ((torch.randint(0, 64, (2, 16)),), {})).spec
+    assert spec.unit_form and spec.frozen_params == frozen > 0
+    assert all(u.frozen_params in (0, u.params) for u in spec.units)  # the tower's units are frozen whole
+    assert 0 < spec.trainable_share() < 1
+
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=16))
+    llama.model.embed_tokens.requires_grad_(False)
+    assert model_spec_from_module(llama).frozen_params == 64 * 32

@@ -82,9 +82,16 @@ def check_unit_pipeline(root: nn.Module, model: nn.Module, analysis: ModelAnalys
     that call (``example``), every parameter of ``root`` inside ``model``, and no BatchNorm -- a pipeline runs
     micro-batches, and a BatchNorm in a stage would normalise each apart (and not over the data-parallel ranks:
     the traced stages run the graph's batch-norm ops, not the synchronised modules)."""
-    from lightning_autopar.errors import ConfigError
-    from lightning_autopar.parallel.batchnorm import batchnorm_modules
     from lightning_autopar.parallel.pipeline import check_traced_pipeline
+
+    _check_unit_pipeline_inputs(root, model, analysis, example)
+    check_traced_pipeline(model, example, [b.fqn for b in analysis.blocks], pp, vpp, layers_per_stage)
+
+
+def _check_unit_pipeline_inputs(root: nn.Module, model: nn.Module, analysis: ModelAnalysis,
+                                example: tuple[tuple, dict] | None) -> None:
+    """What refuses every pipeline of a model in unit form before its trace (``check_unit_pipeline``)."""
+    from lightning_autopar.parallel.batchnorm import batchnorm_modules
 
     name = analysis.spec.name
     if example is None:
@@ -98,7 +105,49 @@ def check_unit_pipeline(root: nn.Module, model: nn.Module, analysis: ModelAnalys
     if outside is not None:
         raise ConfigError("plan.pp", f"{type(root).__name__}.{outside} is outside the model its step calls "
                           f"({name}), so no pipeline stage would own it", "use pp=1, or move it into the model")
-    check_traced_pipeline(model, example, [b.fqn for b in analysis.blocks], pp, vpp, layers_per_stage)
+
+
+def unit_pipeline_limits(root: nn.Module, model: nn.Module, analysis: ModelAnalysis,
+                         example: tuple[tuple, dict] | None, world_size: int, caps: Capabilities) -> None:
+    """The pp degrees the runtime can apply to a model in unit form, recorded in ``caps`` (``check_plan`` reads
+    each degree's outcome): one trace cut before every unit tells which cuts refuse (``SplitRefusals``: a tie or
+    a non-tensor value across it), so every degree of this world is checked at the partition the runtime would
+    cut, with the runtime's line; where some cut refuses, the planner keeps to even partitions (the ones
+    checked) instead of partitioning by unit time. A world with no pp > 1 pays nothing."""
+    from lightning_autopar.parallel.pipeline import UnitOrderError, chunk_sizes, split_refusals
+
+    degrees = [d for d in range(2, world_size + 1) if world_size % d == 0 and d <= len(analysis.blocks)]
+    if not degrees:
+        return
+    units = [b.fqn for b in analysis.blocks]
+    try:
+        _check_unit_pipeline_inputs(root, model, analysis, example)
+        refusals = split_refusals(model, example, units)
+    except UnitOrderError as err:  # a unit called twice: no cut before every unit; the smallest degree, as traced
+        try:
+            caps.checked("unit pp", (degrees[0], 1), lambda: check_unit_pipeline(root, model, analysis, example,
+                                                                                 degrees[0]))
+            caps.exclude("pp", [1, degrees[0]], str(err))
+            caps.exclude("uneven", [False], str(err))
+        except ConfigError as refused:
+            caps.exclude("pp", [1], str(refused))
+        return
+    except ConfigError as err:
+        caps.exclude("pp", [1], str(err))
+        return
+    allowed, reasons = [1], []
+    for pp in degrees:
+        refused = refusals.of_sizes(chunk_sizes(len(units), pp))
+        caps.record("unit pp", (pp, 1), refused)
+        if refused is None:
+            allowed.append(pp)
+        else:
+            reasons.append(f"pp={pp}: {refused}")
+    if reasons:
+        caps.exclude("pp", allowed, "; ".join(reasons))
+    if refusals.ties or refusals.crossings:
+        caps.exclude("uneven", [False], f"{analysis.spec.name}: a pipeline cuts only where the trace allows "
+                     "(even partitions, each checked)")
 
 
 def present_blocks(analysis: ModelAnalysis, transformer: nn.Module) -> ModelAnalysis:
@@ -198,7 +247,7 @@ def _pipeline_expert_limits(root: nn.Module, analysis: ModelAnalysis, automatic_
     """pp and ep values the runtime can apply to this model: pp needs a splittable stack of blocks and automatic
     optimization; ep needs MoE layers with a route() method, the fused layout of HF Mixtral or the plain layout
     (parallel.experts). Field -> (allowed values, why the others are not). Sets ``caps.moe``."""
-    from lightning_autopar.parallel.experts import moe_modules, supports_ep
+    from lightning_autopar.parallel.experts import check_ep, moe_modules, supports_ep
     from lightning_autopar.profile.analyze import find_transformer
 
     _, transformer = find_transformer(root)
@@ -217,7 +266,12 @@ def _pipeline_expert_limits(root: nn.Module, analysis: ModelAnalysis, automatic_
         out["ep"] = ([1], "no MoE layers found")
     elif not all(supports_ep(m, info) for _, m, info in moe_modules(transformer, analysis)):
         caps.moe = "unsupported"
-        out["ep"] = ([1], "MoE layout not supported by expert parallelism (parallel/experts.py)")
+        try:  # the layer's own reason (one line), as a pinned ep gets it
+            check_ep(analysis, transformer, 2 if has_moe(analysis) else 1)
+            why = "MoE layout not supported by expert parallelism (parallel/experts.py)"
+        except ConfigError as err:
+            why = str(err)
+        out["ep"] = ([1], why)
     else:
         caps.moe = "ep"
     return out

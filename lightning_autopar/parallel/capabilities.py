@@ -70,6 +70,10 @@ class Capabilities:
         if err is not None:
             raise err
 
+    def record(self, kind: str, degree: Hashable, outcome: ConfigError | None) -> None:
+        """The outcome of the check (``kind``, ``degree``) found otherwise (``checked`` then gives it)."""
+        self._checks[(kind, degree)] = outcome
+
     def memo(self, key: str, make: Callable[[], Any]) -> Any:
         """``make()`` once per ``key`` (a trace of the model, the pipeline split's analysis)."""
         if key not in self._memo:

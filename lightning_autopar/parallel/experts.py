@@ -133,9 +133,12 @@ def moe_modules(transformer: nn.Module, analysis: ModelAnalysis) -> list[tuple[s
 
 
 def supports_ep(module: nn.Module, info: Any) -> bool:
-    """Whether EP can shard this MoE module: the fused layout, a ``route`` method holding the routing math, or
+    """Whether EP can shard this MoE module: the fused layout called as Hugging Face's experts are (tokens, top-k
+    ids, weights), a ``route`` method holding the routing math, or
     the plain layout (router Linear + ModuleList of expert MLPs, the loop in ``forward``)."""
-    return info.fused or callable(getattr(module, "route", None)) or plain_layout(module, info)
+    if info.fused:
+        return info.expert_call == "indices"  # the dispatch calls the experts as Hugging Face's are called
+    return callable(getattr(module, "route", None)) or plain_layout(module, info)
 
 
 def replays_forward(transformer: nn.Module, analysis: ModelAnalysis) -> bool:
@@ -162,6 +165,10 @@ def check_ep(analysis: ModelAnalysis, transformer: nn.Module, ep: int) -> None:
         if info.num_experts % ep:
             raise ConfigError("plan.ep", f"ep={ep} does not divide the {info.num_experts} experts of {fqn}",
                               "choose ep dividing the number of experts")
+        if info.fused and not supports_ep(module, info):
+            raise ConfigError("plan.ep", f"{fqn}.{info.experts}: the fused experts are not called with (tokens, "
+                              "top-k expert ids, weights) as Hugging Face's are, so expert parallelism cannot "
+                              "dispatch to them", "use ep=1")
         if not supports_ep(module, info):
             raise ConfigError("plan.ep", f"{fqn} ({type(module).__name__}) has no route(x) -> (weights, expert ids, "
                               "aux loss) method, nor the fused layout (router + 3-D expert weights), nor a router "

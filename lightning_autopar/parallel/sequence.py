@@ -202,7 +202,8 @@ def _regions(block: BlockInfo) -> list[tuple[str, bool]]:
 
 
 def _check_structure(block: BlockInfo) -> None:
-    """Attention and MLP/MoE must be distinct proper submodules of the block, neither inside the other."""
+    """Attention and MLP/MoE must be distinct proper submodules of the block, neither inside the other, and no
+    other attention (cross-attention) in the block."""
     if block.attention is None or (block.mlp is None and block.moe is None):
         raise ConfigError("plan.sp", f"{block.fqn}: attention or MLP not recognised", "use sp=false")
     (attn, _), (ffn, _) = _regions(block)[:2]
@@ -212,6 +213,10 @@ def _check_structure(block: BlockInfo) -> None:
     if attn == ffn or attn.startswith(ffn + ".") or ffn.startswith(attn + "."):
         raise ConfigError("plan.sp", f"{block.fqn}: attention '{attn}' and MLP '{ffn}' are not distinct modules",
                           "use sp=false")
+    if block.other_attention:
+        raise ConfigError("plan.sp", f"{block.fqn}.{block.other_attention[0]}: a second attention in the block (an "
+                          "encoder-decoder's cross-attention), which TP leaves whole, would see the sequence SP "
+                          "splits", "use sp=false")
 
 
 def block_runs(transformer: nn.Module, analysis: ModelAnalysis,

@@ -104,6 +104,9 @@ def _check_fused_experts(fqn: str, moe: MoEInfo, tp: int | None) -> None:
     """Fused 3-D experts are split inside each expert (``FusedExpertsTP``): ``tp`` must divide their FFN width
     (the planner's rules check it for ``ffn_hidden``, so only with ``tp`` given). Their weights' layout is
     checked on the module when applied (``tp_experts.fused_split_dims``, ``tp_experts.probe_fused_split``)."""
+    if moe.expert_call != "indices":
+        raise ConfigError("plan.tp", f"{fqn}.{moe.experts}: the fused experts are not called with (tokens, top-k "
+                          "expert ids, weights) as Hugging Face's are, so TP does not split them", "use tp=1")
     if tp is not None and moe.ffn_hidden % tp:
         raise ConfigError("plan.tp", f"tp={tp} does not divide the experts' ffn width {moe.ffn_hidden} of {fqn}",
                           "choose tp dividing it")
@@ -259,6 +262,8 @@ def join_path(*names: str) -> str:
 def _attention_layout(attn: AttentionInfo, sp: bool = False) -> dict:
     """The attention's projections relative to the block. ``attn.fqn`` is the innermost module holding all of them,
     which need not be their parent: HF BERT's "attention" with q "self.query" and o "output.dense"."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
     flipped = set(attn.transposed)
     if attn.qkv and attn.qkv_layout == "sequential" and len(set(attn.qkv_pieces)) > 1:  # GQA: row-permuted
         layout = {join_path(attn.fqn, attn.qkv): _local_style()(LocalShardSpec("col", attn.qkv in flipped,
@@ -269,6 +274,8 @@ def _attention_layout(attn: AttentionInfo, sp: bool = False) -> dict:
     else:
         layout = {join_path(attn.fqn, name): _style(name, "col", flipped, sp=sp) for name in (attn.q, attn.k, attn.v)}
     layout[join_path(attn.fqn, attn.o)] = _style(attn.o, "row", flipped, sp=sp)
+    for table in attn.head_tables:  # an Embedding [n, heads]: torch's column style shards its heads, output local
+        layout[join_path(attn.fqn, table)] = ColwiseParallel()
     return layout
 
 

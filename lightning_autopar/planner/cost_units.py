@@ -31,6 +31,7 @@ class UnitArrays:
     out: np.ndarray
     inputs: np.ndarray
     params: np.ndarray
+    frozen: np.ndarray  # of params, those with requires_grad=False
     attention: np.ndarray  # bool: the unit holds attention (selective recompute applies)
     batchnorm: np.ndarray  # BatchNorm layers per unit (each synchronises its statistics over dp)
 
@@ -39,7 +40,7 @@ class UnitArrays:
         col = lambda name: np.array([float(getattr(u, name)) for u in m.units])  # noqa: E731
         out = col("output_bytes")
         return UnitArrays(col("flops"), col("conv_flops"), col("memory_bytes"), col("ops"), col("activation_bytes"),
-                          out, np.concatenate([[0.0], out[:-1]]), col("params"),
+                          out, np.concatenate([[0.0], out[:-1]]), col("params"), col("frozen_params"),
                           np.array(["attention" in u.kinds for u in m.units]),
                           np.array([max(u.batchnorm_layers, int("batchnorm" in u.kinds)) for u in m.units]))
 

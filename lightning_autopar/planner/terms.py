@@ -222,7 +222,8 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
         # the last unit's reduction have no compute to hide behind
         edge = he * p_emb + hh * p_head
         tail = np.minimum(1.0, np.where(edge > 0, edge, unit) / np.maximum(p_d + p_e, 1.0))
-        _dp_rank_terms(hw, dpc, zero, prec_d, dp_d, cp_d, tp_d, ep_d, ds, p_d, p_e, unit, tail, pp_d, D["offload"])
+        _dp_rank_terms(hw, dpc, zero, prec_d, dp_d, cp_d, tp_d, ep_d, ds, p_d, p_e, unit, tail, pp_d, D["offload"],
+                       m.trainable_share())
     return mid, dpc
 
 
@@ -291,8 +292,9 @@ def unit_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, measured:
         p_d = w @ u.params
         unit = (w * u.params).max(axis=1)  # the largest FSDP unit: zero-3 gather buffers
         tail = np.minimum(1.0, rows_d[:, r, UnitStage.HEAD_PARAMS] / np.maximum(p_d, 1.0))
+        trains = 1.0 - (w @ u.frozen) / np.maximum(p_d, 1.0)  # the stage's own frozen share
         _dp_rank_terms(hw, dpc, D["zero"], D["precision"], dp_d, cp_d, tp_d, ep_d, ds, p_d, 0.0 * p_d, unit, tail,
-                       f(Lt["pp"][dl]), D["offload"])
+                       f(Lt["pp"][dl]), D["offload"], trains)
     return mid, dpc
 
 
@@ -356,7 +358,8 @@ DPC_TERMS = tuple(term.name.lower() for term in Dpc)  # the keys of the dpc dict
 
 def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d: np.ndarray, dp_d: np.ndarray,
                    cp_d: np.ndarray, tp_d: np.ndarray, ep_d: np.ndarray, ds: np.ndarray, p_d: np.ndarray,
-                   p_e: np.ndarray, unit: np.ndarray, tail: np.ndarray, pp: Any = 1.0, offload: Any = 0) -> None:
+                   p_e: np.ndarray, unit: np.ndarray, tail: np.ndarray, pp: Any = 1.0, offload: Any = 0,
+                   trains: Any = 1.0) -> None:
     """Append one representative rank's data-parallel traffic, parameter work and model-state memory to ``dpc``.
 
     ``p_d`` / ``p_e``: dense / expert parameters on the rank; ``unit``: the largest FSDP unit (zero-3 gather
@@ -364,8 +367,9 @@ def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d:
     ``pp``: the pipeline degree (a pipeline stage keeps its FSDP parameters gathered from one micro-batch's
     backward to the next one's forward: torch.distributed.pipelining turns reshard_after_backward off until the
     step's last); ``offload``: the OFFLOAD_MODES code (model states on the host: cost_memory.offloaded_state_bytes,
-    their copies and the host optimizer step: offload_copy_time, host_optimizer_step_time). What it appends is
-    named by ``Dpc``.
+    their copies and the host optimizer step: offload_copy_time, host_optimizer_step_time); ``trains``: the share of
+    the rank's parameters that train (frozen ones, requires_grad=False, have no gradient to reduce, accumulate or
+    keep and no optimizer state or step: DDP and FSDP2 skip them). What it appends is named by ``Dpc``.
     """
     frag = 1 + FRAGMENTATION
     # context parallelism: FSDP runs over dp x cp (topology/mesh.MeshLayout.dp_mesh, torchtitan's dp_shard_cp); at zero 0
@@ -381,7 +385,7 @@ def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d:
     replicas = dp_d / ds
     stride = dim_strides(replicas, ds, cp_d, tp_d, ep_d)  # the mesh's rank order (dims.py)
     z1, z2, z3 = zero == 1, zero == 2, zero == 3
-    grad_d, grad_e = p_d * gbytes, p_e * gbytes
+    grad_d, grad_e = p_d * trains * gbytes, p_e * trains * gbytes
     shard_s = stride["dp_shard_cp"]  # FSDP's dp_shard x cp group
     edp_s = stride["edp"]  # the expert shards' group (ranks holding the same experts; MoE runs with cp = 1)
     rs = reduce_scatter_time(hw, grad_d, shard, shard_s) + reduce_scatter_time(hw, grad_e, exp_shard, edp_s)
@@ -417,20 +421,21 @@ def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d:
     # reduction's cast and accumulation (zero 1-3) and zero 1/2's one gather copy
     copies = lambda g, red: (shard_copy_time(hw, p_d, shard, prec_d, g, red)  # noqa: E731
                              + shard_copy_time(hw, p_e, exp_shard, prec_d, g, red))
-    dpc["mb"].append(grad_accumulate_time(hw, p_d + p_e, prec_d) + np.where(z3, copies(2.0, 0.0), 0.0))
-    step_on = np.where(np.asarray(offload) > 0, host_optimizer_step_time(hw, local, prec_d),
-                       optimizer_time(hw, local, prec_d))
+    dpc["mb"].append(grad_accumulate_time(hw, (p_d + p_e) * trains, prec_d) + np.where(z3, copies(2.0, 0.0), 0.0))
+    step_on = np.where(np.asarray(offload) > 0, host_optimizer_step_time(hw, local * trains, prec_d),
+                       optimizer_time(hw, local * trains, prec_d))
     dpc["opt"].append(step_on + h2d_step + np.where(zero > 0, copies(np.where(z1 | z2, 1.0, 0.0), 1.0), 0.0))
     # the runtime runs ZeRO-1 as ZeRO-2 (FSDP2 reduce-scatters the gradients; parallel/fsdp.py): priced so
     held = np.where(z1, 2, zero)
     parts = [a + b for a, b in zip(model_state_parts(p_d, held, shard, prec_d),
                                    model_state_parts(p_e, held, exp_shard, prec_d))]
+    parts[1], parts[2] = parts[1] * trains, parts[2] * trains  # gradients and optimizer states: trainable only
     replicated = zero == 0  # zero 0 on FSDP2: a (dp_replicate, dp_shard=1) mesh, the parameters whole
     shard_copy = fsdp_shard_copy_bytes(p_d, zero, np.where(replicated, 1.0, shard), prec_d, fsdp) \
         + fsdp_shard_copy_bytes(p_e, zero, np.where(replicated, 1.0, exp_shard), prec_d, fsdp)
     parts[0] = parts[0] + shard_copy
     moved = offloaded_state_bytes(*parts, shard_copy, zero, offload)
-    copies_w, copies_g = host_step_copy_bytes(local, prec_d, offload)
+    copies_w, copies_g = host_step_copy_bytes(local * trains, prec_d, offload)
     if hw.host_link:  # a host of its own: the moved states leave the device (else they stay: nothing is saved)
         parts = [part - out for part, out in zip(parts, moved)]
         dpc["host"].append(sum(moved) + copies_w + copies_g)

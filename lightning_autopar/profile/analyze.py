@@ -29,6 +29,7 @@ What could not be classified is listed in ``ModelAnalysis.unclassified`` rather 
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -348,16 +349,33 @@ def _top_k(*modules: nn.Module) -> int:
     return 0
 
 
+def _expert_call(experts: nn.Module) -> str:
+    """"indices" when the fused experts' forward takes (tokens, top-k expert ids, top-k weights), as Hugging Face's
+    does, else "" (``MoEInfo.expert_call``)."""
+    try:
+        params = list(inspect.signature(experts.forward).parameters.values())
+    except (TypeError, ValueError):
+        return ""
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return "indices" if len(positional) == 3 else ""
+
+
 def _classify_fused_moe(fqn: str, module: nn.Module, hidden: int) -> MoEInfo | None:
-    """The fused layout: a router child whose ``weight`` is [E, hidden] (not an nn.Linear) and an experts child
+    """The fused layout: a router child whose ``weight`` is [E, hidden] (not an nn.Linear; or a router module
+    holding one gate nn.Linear [E, hidden], as torchtitan's) and an experts child
     whose parameters all have E along dim 0, at least one 3-D. Projections as nn.Linear stores them ([out, in]),
     or transposed when the experts module says ``is_transposed``: inputs read ``hidden``, the output projection
     writes it; one input of width 2*ffn is a fused gate+up."""
     children = dict(module.named_children())
     for r_name, router in children.items():
+        if isinstance(router, nn.Linear):
+            continue
         weight = getattr(router, "weight", None)
-        if isinstance(router, nn.Linear) or not isinstance(weight, torch.Tensor) or weight.dim() != 2 \
-                or weight.shape[1] != hidden or weight.shape[0] < 2:
+        gates = [(n, m) for n, m in router.named_children() if isinstance(m, nn.Linear)]
+        if not isinstance(weight, torch.Tensor) and len(gates) == 1:  # torchtitan: a router module, its gate Linear
+            r_name, weight = f"{r_name}.{gates[0][0]}", gates[0][1].weight
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden \
+                or weight.shape[0] < 2:
             continue
         num = weight.shape[0]
         for e_name, experts in children.items():
@@ -378,7 +396,8 @@ def _classify_fused_moe(fqn: str, module: nn.Module, hidden: int) -> MoEInfo | N
             if widths not in ([ffn], [2 * ffn], [ffn, ffn]):
                 continue
             return MoEInfo(fqn=fqn, router=r_name, experts=e_name, num_experts=num, top_k=_top_k(module, router),
-                           fused_params=list(params), ffn_hidden=ffn, gated=widths != [ffn])
+                           fused_params=list(params), ffn_hidden=ffn, gated=widths != [ffn],
+                           expert_call=_expert_call(experts))
     return None
 
 
@@ -637,6 +656,7 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
         moe_every=moe_every,
         tied_embeddings=tied,
         moe_replay=replayed,
+        frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
     )
     return ModelAnalysis(
         spec=spec,
@@ -653,6 +673,7 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
         flops_total=seen.total_flops,
         unclassified=unclassified,
         unused_params=list(seen.unused),
+        collectives=list(seen.collectives),
         trace_failure=failure if trace and traced is None else None,
     )
 

@@ -36,6 +36,9 @@ class AttentionInfo:
     tp_attrs: list[str] = field(default_factory=list)
     tp_refusal: str | None = None  # "<path relative to the block>: why TP cannot split it", None when it can
     tp_validated: bool = False  # tp_attrs come from a dry run (else: the head-count attributes, unvalidated)
+    # per-head tables (relative to ``fqn``): an nn.Embedding of [n, heads], T5's relative_attention_bias, whose
+    # output is a value per head: TP shards it along the heads with the projections
+    head_tables: list[str] = field(default_factory=list)
 
     @property
     def fused(self) -> bool:
@@ -69,6 +72,10 @@ class MoEInfo:
     fused_params: list[str] = field(default_factory=list)
     ffn_hidden: int = 0  # one expert's FFN width
     gated: bool = False  # SwiGLU-style experts (gate and up projections)
+    # fused layout: how the experts module is called. "indices" (Hugging Face: its tokens, their top-k expert ids
+    # and weights), which expert and tensor parallelism drive; "" another call (torchtitan's GroupedExperts: tokens
+    # grouped by expert and the count per expert), found and priced as MoE but not split
+    expert_call: str = "indices"
 
     @property
     def fused(self) -> bool:
@@ -85,6 +92,9 @@ class BlockInfo:
     attention: AttentionInfo | None = None
     mlp: MLPInfo | None = None
     moe: MoEInfo | None = None
+    # attention calls in the block outside ``attention`` (relative to the block: an encoder-decoder's
+    # cross-attention), which TP leaves whole
+    other_attention: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -110,6 +120,8 @@ class Analysis:
     # trainable parameters the traced forward never touched (LLaVA's vision post_layernorm, an unused head):
     # DDP must be told to expect no gradient for them; frozen parameters (requires_grad=False) are not listed
     unused_params: list[str] = field(default_factory=list)
+    # the model's own torch.distributed calls the trace saw, one line each (``Trace.collectives``)
+    collectives: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         """One line: what was found."""

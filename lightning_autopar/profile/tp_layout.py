@@ -280,6 +280,7 @@ def _attention_tp(block0: str, attn_mod: nn.Module, info: AttentionInfo, traced:
     transposed = set(info.transposed)
     shards: Shards = {p: ("col", p in transposed) for p in projections}
     shards[info.o] = ("row", info.o in transposed)
+    shards.update({table: ("col", True) for table in info.head_tables})  # [n, heads]: the heads are its columns
     expected = [(h // tp, kvh // tp, hd) for s, h, kvh, hd in traced.attention if s == site or s.startswith(site + ".")]
     values = {info.heads, info.kv_heads, q_width, kv_width}
     candidates = _width_attributes(attn_mod, values, {info.head_dim})
@@ -312,6 +313,24 @@ def _mlp_tp(block0: str, mlp_mod: nn.Module, info: MLPInfo, traced: Trace, tp: i
         info.tp_refusal = f"{info.fqn}: its code does not run on a TP rank's local width ({error})"
 
 
+def _other_attention(block: nn.Module, attn_fqn: str, traced: Trace | None, block_fqn: str) -> list[str]:
+    """Attention in ``block`` besides the module at ``attn_fqn``: modules of its class elsewhere in the block (T5,
+    BART, Whisper: the decoder's cross-attention, which a trace on token ids alone does not run) and attention
+    calls the trace saw outside it."""
+    kind = type(block.get_submodule(attn_fqn))
+    found = {n for n, m in block.named_modules() if type(m) is kind}
+    if traced is not None:
+        found |= {s[len(block_fqn) + 1:] for s, *_ in traced.attention if s.startswith(block_fqn + ".")}
+    return sorted(n for n in found if n != attn_fqn and not n.startswith(attn_fqn + ".")
+                  and not attn_fqn.startswith(n + "."))
+
+
+def head_tables(attention: nn.Module, heads: int) -> list[str]:
+    """The per-head tables of an attention module: embeddings of a value per head (T5's relative position bias,
+    [buckets, heads]), sharded along the heads under TP."""
+    return [n for n, m in attention.named_modules() if isinstance(m, nn.Embedding) and m.embedding_dim == heads]
+
+
 def _smallest_split(*sizes: int) -> int:
     """The smallest tp > 1 dividing all ``sizes`` (what the dry run checks), or 0 when none does."""
     return next((t for t in range(2, min(sizes) + 1) if all(s % t == 0 for s in sizes)), 0) if sizes else 0
@@ -323,8 +342,15 @@ def _tp_feasibility(blocks: Sequence[nn.Module], infos: list[BlockInfo], traced:
     by name are used unvalidated, as before."""
     if not infos:
         return
+    for block, info in zip(blocks, infos):
+        if info.attention is not None and info.attention.heads:
+            info.attention.head_tables = head_tables(block.get_submodule(info.attention.fqn), info.attention.heads)
     first, block0 = infos[0], blocks[0]
     attn, mlp = first.attention, first.mlp
+    if attn is not None and attn.fqn:
+        others = _other_attention(block0, attn.fqn, traced, first.fqn)
+        for info in infos:
+            info.other_attention = list(others)
     if traced is None:
         if attn is not None and attn.qkv:
             attn.tp_refusal = f"{_join(attn.fqn, attn.qkv)}: the layout of a fused qkv needs the meta trace, which " \

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -222,6 +222,54 @@ def meta_friendly(model: nn.Module) -> Iterator[None]:
             c._experts_implementation = saved[key]
         torch.autocast, torch.amp.autocast = autocasts
         F.batch_norm = batch_norm
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce", "broadcast", "broadcast_object_list", "all_to_all",
+               "all_to_all_single", "gather", "scatter", "barrier", "send", "recv", "isend", "irecv")
+
+
+class _Done:
+    """What an async collective's stand-in returns: a work already done."""
+
+    def wait(self, *_: Any, **__: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@contextmanager
+def _collectives_seen(stack: ModuleStack, found: list[str]) -> Iterator[None]:
+    """The model's own ``torch.distributed`` collectives (``COLLECTIVES``, called as ``dist.<name>``) during a meta
+    forward: recorded in ``found`` with the module calling them, and not run (meta tensors, and no process
+    group needed; the tensors keep their values, which a meta tensor has none of). Calls from this package's or
+    torch's own code run as they are."""
+    import torch.distributed as dist
+
+    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def stand_in(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            import sys
+
+            if sys._getframe(1).f_globals.get("__name__", "").startswith(("lightning_autopar.", "torch.")):
+                return saved[name](*args, **kwargs)  # ours or torch's own (a parallelised module): not the model's
+            where = stack.stack[-1] if stack.stack else ""
+            line = f"torch.distributed.{name} in '{where or '(the model)'}'"
+            if line not in found:
+                found.append(line)
+            return _Done() if kwargs.get("async_op") or name in ("isend", "irecv") else None
+
+        return call
+
+    try:
+        for name in saved:
+            setattr(dist, name, stand_in(name))
+        yield
+    finally:
+        for name, func in saved.items():
+            setattr(dist, name, func)
 
 
 # ------------------------------------------------------------------------------------------- block 0's probe, stand-ins, the call
@@ -457,6 +505,9 @@ class Trace:
     # AttentionCalls: per block, whether each SDPA call it made was causal by itself; Output: what forward returned
     sdpa: dict[str, list[bool]] = field(default_factory=dict)
     output: Any = field(default=None, repr=False, compare=False)
+    # the model's own torch.distributed calls ("torch.distributed.all_reduce in 'blocks.0.mlp'"), in call order,
+    # once each: seen, not run (``_collectives_seen``)
+    collectives: list[str] = field(default_factory=list)
 
     @property
     def order(self) -> dict[str, int]:
@@ -855,6 +906,7 @@ def meta_forward(model: nn.Module, call: Example, recorders: Sequence[Recorder] 
             for context in contexts:
                 es.enter_context(context)
             es.enter_context(meta_friendly(model))
+            es.enter_context(_collectives_seen(stack, trace.collectives))
             es.enter_context(blocks_stand_in_on_failure(list(stand_in), trace.stood_in))
             out = functional_call(model, meta.tensors(), call[0], call[1], strict=False, tie_weights=True)
             if backward:

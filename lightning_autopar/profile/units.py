@@ -104,6 +104,7 @@ class _Structure:
     blocks: set[str]  # repeated blocks (``_repeated``): never split
     ties: list[tuple[str, ...]]
     tie_holders: list[tuple[str, ...]]  # per tie: the modules registering it
+    frozen: frozenset[int] = frozenset()  # ids of the parameters with requires_grad=False
 
     @classmethod
     def of(cls, model: nn.Module) -> _Structure:
@@ -126,7 +127,8 @@ class _Structure:
                 blocks.update(_repeated(name, mod))
         ties = [tuple(ns) for ns in names.values() if len(ns) > 1]
         holders = [tuple(dict.fromkeys(_parent(n) for n in ns)) for ns in ties]
-        return cls(model, modules, children, numel, params, blocks, ties, holders)
+        frozen = frozenset(id(p) for p in model.parameters() if not p.requires_grad)
+        return cls(model, modules, children, numel, params, blocks, ties, holders, frozen)
 
     def count(self, ids: Iterable[int]) -> int:
         return sum(self.numel[i] for i in ids)
@@ -278,6 +280,7 @@ class UnitAnalysis:
     ties: list[tuple[str, ...]] = field(default_factory=list)
     failure: str = ""
     unused_params: list[str] = field(default_factory=list)  # trainable parameters the forward never took
+    collectives: list[str] = field(default_factory=list)  # its own torch.distributed calls (Trace.collectives)
 
     def spec(self, name: str) -> ModelSpec:
         """The unit-form ModelSpec. When the trace failed, the units come from structure with an estimate of
@@ -347,23 +350,23 @@ def _specs(s: _Structure, trace: Trace, modules: list[str]) -> list[UnitSpec]:
     specs = []
     for name in modules:
         covered |= s.params[name]
-        specs.append(_unit_spec(name or type(s.model).__name__, s.count(s.params[name]), costs[name],
+        specs.append(_unit_spec(name or type(s.model).__name__, s.params[name], s, costs[name],
                                 trace.outputs.get(name, 0.0), kinds[name], _has_mlp(linears[name]),
                                 batchnorms[name]))
-    rest_params = s.count(s.params[""] - covered)
+    rest_ids = s.params[""] - covered
     rest = costs[REST]
-    if rest_params or rest.ops or rest.flops or rest.saved_bytes:
-        specs.append(_unit_spec(REST, rest_params, rest, 0.0, kinds[REST], _has_mlp(linears[REST]), batchnorms[REST]))
+    if rest_ids or rest.ops or rest.flops or rest.saved_bytes:
+        specs.append(_unit_spec(REST, rest_ids, s, rest, 0.0, kinds[REST], _has_mlp(linears[REST]), batchnorms[REST]))
     return specs
 
 
-def _unit_spec(name: str, params: int, cost: OpCost, output: float, kinds: set[str], mlp: bool,
-               batchnorm_layers: int) -> UnitSpec:
+def _unit_spec(name: str, ids: frozenset[int], s: _Structure, cost: OpCost, output: float, kinds: set[str],
+               mlp: bool, batchnorm_layers: int) -> UnitSpec:
     found = kinds | cost.kinds | ({"mlp"} if mlp else set())
-    return UnitSpec(name=name, params=params, flops=float(cost.flops), conv_flops=float(cost.conv_flops),
+    return UnitSpec(name=name, params=s.count(ids), flops=float(cost.flops), conv_flops=float(cost.conv_flops),
                     activation_bytes=float(cost.saved_bytes), output_bytes=float(output),
                     memory_bytes=float(cost.memory_bytes), ops=cost.ops, batchnorm_layers=batchnorm_layers,
-                    kinds=[k for k in UNIT_KINDS if k in found])
+                    kinds=[k for k in UNIT_KINDS if k in found], frozen_params=s.count(ids & s.frozen))
 
 
 def analyze_units(model: nn.Module, example: tuple[tuple, dict]) -> UnitAnalysis:
@@ -380,7 +383,8 @@ def analyze_units(model: nn.Module, example: tuple[tuple, dict]) -> UnitAnalysis
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) \
         or any("batchnorm" in c.kinds for c in trace.costs.values())
     return UnitAnalysis(units=_specs(s, trace, modules), modules=modules, has_batchnorm=has_bn,
-                        ties=list(s.ties), failure=trace.failure or "", unused_params=trace.unused)
+                        ties=list(s.ties), failure=trace.failure or "", unused_params=trace.unused,
+                        collectives=trace.collectives)
 
 
 # ------------------------------------------------------------------------------------------- front door
@@ -459,7 +463,7 @@ def analyze_model(model: nn.Module, example: tuple[tuple, dict] | None,
         batch=1, seq_len=1,
         unclassified=[f"meta forward failed ({detail.failure}): data parallelism only"] if detail.failure else [],
         flops_total=3 * sum(u.flops for u in detail.units), unused_params=detail.unused_params,
-        trace_failure=detail.failure or None, detail=detail)
+        collectives=detail.collectives, trace_failure=detail.failure or None, detail=detail)
 
 
 def describe_units(what: ModelSpec | UnitAnalysis | Analysis) -> str:

@@ -176,17 +176,39 @@ def find_capabilities(module: nn.Module, model: nn.Module | None, analysis: Any,
     """The capabilities stage: a fixed tp checked, then the runtime's limits for a transformer (what each
     parallelism's check refuses for this model's structure, ``parallel.apply.model_capabilities``) or for a model
     in unit form (``_unit_capabilities``), each with its reason in the report."""
-    from lightning_autopar.parallel.apply import model_capabilities
+    from lightning_autopar.parallel.apply import check_pipeline_once, check_unit_pipeline, model_capabilities
     from lightning_autopar.parallel.tensor import check_tp
 
     fix = options.fix
+    pp, vpp = fix.get("pp", 1), fix.get("vpp", 1)
     if analysis.spec.unit_form:
         caps = _unit_capabilities(module, model, analysis, example, fix, automatic, world_size, rank)
+        if pp > 1 and automatic:  # a pinned pipeline the runtime refuses: its line now, not a plan priced
+            caps.checked("unit pp", (pp, vpp), lambda: check_unit_pipeline(module, model, analysis, example, pp, vpp))
     else:
         if "tp" in fix:  # unit form: the planner refuses tp > 1 (check_unit_fix)
             check_tp(analysis, fix["tp"])
         caps = model_capabilities(module, model, analysis, automatic)
+        if pp > 1:
+            check_pipeline_once(module, model, analysis, pp, vpp, caps)
+    if analysis.collectives:
+        _own_collectives(caps, analysis.collectives, rank)
     return _restricted(caps, options.restrict)
+
+
+def _own_collectives(caps: Any, collectives: list[str], rank: int) -> None:
+    """The model calls torch.distributed itself (``Analysis.collectives``): on the default group, which is the
+    data-parallel replicas only when nothing else splits the model, so tp, pp, cp and ep stay 1 (each with this
+    reason); one warning on rank 0, naming the call."""
+    line = f"the model calls {collectives[0]} itself" + (f" (and {len(collectives) - 1} more torch.distributed "
+                                                         "calls)" if len(collectives) > 1 else "")
+    for name in ("tp", "pp", "cp", "ep"):
+        if caps.allowed.get(name) != [1]:
+            caps.exclude(name, [1], f"{line}, on the default group, which holds the data-parallel replicas only "
+                         "when nothing else splits the model")
+    if rank == 0:
+        warnings.warn(f"autopar: {line}: under data parallelism it runs over the data-parallel ranks, where one "
+                      "device runs it alone; tp, pp, cp and ep are not planned", stacklevel=3)
 
 
 def _unit_capabilities(module: nn.Module, model: nn.Module | None, analysis: Any, example: tuple[tuple, dict] | None,
@@ -194,7 +216,7 @@ def _unit_capabilities(module: nn.Module, model: nn.Module | None, analysis: Any
     """The runtime's limits for a model in unit form (the planner itself keeps tp = cp = ep = 1 and, with
     BatchNorm, grad_accum = 1 unless fixed): pp where its stages can be traced (``check_unit_pipeline``, the
     reason in the report otherwise). A grad_accum the user fixes on a BatchNorm model gets one warning."""
-    from lightning_autopar.parallel.apply import LOOP_BACKWARD_ACCUM, LOOP_BACKWARD_PP, check_unit_pipeline
+    from lightning_autopar.parallel.apply import LOOP_BACKWARD_ACCUM, LOOP_BACKWARD_PP, unit_pipeline_limits
     from lightning_autopar.parallel.batchnorm import batchnorm_modules
     from lightning_autopar.parallel.capabilities import Capabilities
 
@@ -203,14 +225,7 @@ def _unit_capabilities(module: nn.Module, model: nn.Module | None, analysis: Any
         caps.exclude("grad_accum", [1], LOOP_BACKWARD_ACCUM)
         caps.exclude("pp", [1], LOOP_BACKWARD_PP)
     else:
-        # the smallest pipeline this world allows: the check traces the model (torch.export), so a world with
-        # no pp > 1 (one process) pays nothing; check_plan reads its outcome for a plan at that degree
-        pp = next((d for d in range(2, world_size + 1) if world_size % d == 0), None)
-        try:
-            if pp is not None:
-                caps.checked("unit pp", (pp, 1), lambda: check_unit_pipeline(module, model, analysis, example, pp))
-        except ConfigError as err:
-            caps.exclude("pp", [1], str(err))
+        unit_pipeline_limits(module, model, analysis, example, world_size, caps)
     fixed = fix.get("grad_accum")
     if batchnorm_modules(model) and fixed is not None and fixed > 1 and rank == 0:
         warnings.warn(f"autopar: grad_accum={fixed} is fixed and {analysis.spec.name} has BatchNorm: its "

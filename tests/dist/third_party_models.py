@@ -59,6 +59,15 @@ def make_llama(**_: object) -> L.LightningModule:
     return _hf_lit(tf.LlamaForCausalLM(config))
 
 
+def make_llama_frozen(**_: object) -> L.LightningModule:
+    """Llama with its token embedding and first decoder layer frozen (requires_grad=False, as a fine-tune keeps
+    the lower layers): no gradient, optimizer state or gradient reduction for them under FSDP, TP and PP."""
+    lit = make_llama()
+    lit.model.model.embed_tokens.requires_grad_(False)
+    lit.model.model.layers[0].requires_grad_(False)
+    return lit
+
+
 def make_mixtral(**_: object) -> L.LightningModule:
     """MixtralForCausalLM: fused 3-D expert weights, balance loss on (weight MOE_AUX_COEF)."""
     import transformers as tf
@@ -97,6 +106,17 @@ def make_olmoe(**_: object) -> L.LightningModule:
                             num_experts_per_tok=TOP_K, output_router_logits=True, router_aux_loss_coef=MOE_AUX_COEF,
                             tie_word_embeddings=False, **_hf_common())
     return _hf_lit(tf.OlmoeForCausalLM(config))
+
+
+def make_qwen2_moe(**_: object) -> L.LightningModule:
+    """Qwen2MoeForCausalLM with the library's defaults for the router (output_router_logits=False: no balance
+    loss, the MoE found from the structure alone): fused 3-D experts beside a shared expert and its gate."""
+    import transformers as tf
+
+    config = tf.Qwen2MoeConfig(num_key_value_heads=HEADS, intermediate_size=FFN, moe_intermediate_size=FFN,
+                               shared_expert_intermediate_size=FFN, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                               tie_word_embeddings=False, **_hf_common())
+    return _hf_lit(tf.Qwen2MoeForCausalLM(config))
 
 
 # ------------------------------------------------------------------------------------------- litgpt
@@ -372,11 +392,64 @@ def titan_moe(dim: int, hidden_dim: int, experts: int, top_k: int) -> nn.Module:
     return moe
 
 
+class GroupedExperts(nn.Module):
+    """torchtitan's experts (its for-loop path): 3-D ``w1`` [E, hidden, dim], ``w2`` [E, dim, hidden], ``w3`` like
+    ``w1``, called with the tokens grouped by expert and the count per expert."""
+
+    def __init__(self, dim: int, hidden_dim: int, experts: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.w1 = nn.Parameter(torch.randn(experts, hidden_dim, dim) * dim ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden_dim) * hidden_dim ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(experts, hidden_dim, dim) * dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, rows in enumerate(torch.split(x, num_tokens_per_expert.tolist())):
+            outs.append((F.silu(rows @ self.w1[e].T) * (rows @ self.w3[e].T)) @ self.w2[e].T)
+        return torch.cat(outs)
+
+
+class TokenChoiceTopKRouter(nn.Module):
+    """torchtitan's router: a ``gate`` Linear, softmax scores, top-k experts per token and the count per expert."""
+
+    def __init__(self, dim: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.num_experts, self.top_k = experts, top_k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = torch.softmax(self.gate(x).float(), dim=-1)
+        top_scores, selected = torch.topk(scores, k=self.top_k, dim=1)
+        counts = torch.histc(selected.view(-1).float(), bins=self.num_experts, min=0, max=self.num_experts)
+        return top_scores, selected, counts
+
+
+class TitanGroupedMoE(nn.Module):
+    """torchtitan's ``MoE``: ``router`` (a module holding the gate Linear), ``experts`` (GroupedExperts, 3-D
+    weights), tokens sorted by expert, run, weighted and scattered back."""
+
+    def __init__(self, dim: int, hidden_dim: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.router = TokenChoiceTopKRouter(dim, experts, top_k)
+        self.experts = GroupedExperts(dim, hidden_dim, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seq, dim = x.shape
+        x = x.view(-1, dim)
+        top_scores, selected, counts = self.router(x)
+        order = torch.argsort(selected.view(-1), stable=True)
+        token = order // self.router.top_k
+        out = self.experts(x[token], counts.long()) * top_scores.view(-1)[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add(0, token, out).view(bs, seq, dim)
+
+
 class TitanBlock(nn.Module):
-    def __init__(self, dim: int, moe: bool) -> None:
+    def __init__(self, dim: int, moe: bool | str) -> None:
         super().__init__()
         self.attention = TitanAttention(dim, HEADS, 2)
-        self.feed_forward = titan_moe(dim, FFN, EXPERTS, TOP_K) if moe else TitanFeedForward(dim, FFN)
+        self.feed_forward = (TitanGroupedMoE(dim, FFN, EXPERTS, TOP_K) if moe == "grouped" else
+                             titan_moe(dim, FFN, EXPERTS, TOP_K) if moe else TitanFeedForward(dim, FFN))
         self.attention_norm = nn.RMSNorm(dim, eps=1e-5)
         self.ffn_norm = nn.RMSNorm(dim, eps=1e-5)
 
@@ -390,7 +463,7 @@ class TitanTransformer(nn.Module):
     ``layers`` (keys "0", "1", ...: torchtitan keeps the names stable when pipeline stages delete layers), a
     non-persistent rotary buffer, ``norm``, ``output``; forward runs ``self.layers.values()`` in order."""
 
-    def __init__(self, moe: bool = False) -> None:
+    def __init__(self, moe: bool | str = False) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, HIDDEN)
         # as torchtitan, for a max_seq_len above the training length; the forward takes its first seqlen rows
@@ -422,6 +495,11 @@ def make_titan_llama(**_: object) -> L.LightningModule:
 def make_titan_moe(**_: object) -> L.LightningModule:
     """The torchtitan-style Llama with an MoE feed-forward per block (the autocast router)."""
     return LitLM(TitanTransformer(moe=True))
+
+
+def make_titan_grouped_moe(**_: object) -> L.LightningModule:
+    """The torchtitan-style Llama with torchtitan's own MoE layout: a router module and 3-D GroupedExperts."""
+    return LitLM(TitanTransformer(moe="grouped"))
 
 
 # ------------------------------------------------------------------------------------------- a small-image CNN
@@ -542,10 +620,15 @@ class ThirdPartyModel:
 MODELS: dict[str, ThirdPartyModel] = {
     "gpt2": ThirdPartyModel(make_gpt2, tied=True),
     "llama": ThirdPartyModel(make_llama),
+    # frozen parameters (issue 26) where their sharding differs from DDP's: FSDP, TP, and a pipeline whose first
+    # stage trains only part of its layers; auto and ga2 run as llama's
+    "llama_frozen": ThirdPartyModel(make_llama_frozen, not_run=("auto", "ga2")),
     "mixtral": ThirdPartyModel(make_mixtral, moe=True, balance_loss=True),
     "qwen2": ThirdPartyModel(make_qwen2),
     "phi3": ThirdPartyModel(make_phi3),
     "olmoe": ThirdPartyModel(make_olmoe, moe=True, balance_loss=True),
+    # issue 26: an HF MoE at its default config (no router logits), where expert parallelism is the point
+    "qwen2_moe": ThirdPartyModel(make_qwen2_moe, moe=True, not_run=("auto", "zero3", "tp2", "pp2", "ga2")),
     "litgpt": ThirdPartyModel(make_litgpt),
     "litgpt_moe": ThirdPartyModel(make_litgpt_moe, moe=True),
     "nanogpt": ThirdPartyModel(make_nanogpt, tied=True),
@@ -554,6 +637,8 @@ MODELS: dict[str, ThirdPartyModel] = {
     "vit": ThirdPartyModel(make_vit),
     "titan_llama": ThirdPartyModel(make_titan_llama),
     "titan_moe": ThirdPartyModel(make_titan_moe, moe=True),
+    # torchtitan's own MoE layout (issue 26: found as MoE from its router and 3-D experts): ga2 runs as titan_moe's
+    "titan_grouped_moe": ThirdPartyModel(make_titan_grouped_moe, moe=True, not_run=("ga2",)),
     # BatchNorm statistics: per micro-batch. ga2 left out: a pinned grad_accum=2 gives 1 row per rank and
     # micro-batch through the 1x1 map and ends 7e-5 (relative) off one device after one step (issue 26, open);
     # the planner's own plan excludes grad_accum for BatchNorm with its reason

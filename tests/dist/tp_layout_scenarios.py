@@ -217,8 +217,28 @@ def phi3_gqa_model() -> nn.Module:
     return phi3_model(kv_heads=2)
 
 
+class T5LM(nn.Module):
+    """Hugging Face T5 (an encoder-decoder) on token ids: the encoder reads the row, the decoder reads it too
+    (teacher forcing on the same ids). Its attention adds a relative position bias, an Embedding
+    [buckets, heads] in each stack's first layer, which TP shards with the heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HEAD_DIM, d_ff=2 * HIDDEN,
+                                    num_layers=LAYERS, num_decoder_layers=LAYERS, num_heads=HIDDEN // HEAD_DIM,
+                                    relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0,
+                                    pad_token_id=0, tie_word_embeddings=False)
+        self.t5 = transformers.T5ForConditionalGeneration(cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.t5(input_ids=idx, decoder_input_ids=idx, use_cache=False).logits
+
+
 MODELS = {"view": view_model, "gpt2": gpt2_model, "litgpt": litgpt_model, "phi3": phi3_model,
-          "litgpt_gqa": litgpt_gqa_model, "phi3_gqa": phi3_gqa_model, "encoder": encoder_model}
+          "litgpt_gqa": litgpt_gqa_model, "phi3_gqa": phi3_gqa_model, "encoder": encoder_model,
+          "t5": T5LM}
 
 
 def make(name: str):

@@ -28,12 +28,13 @@ from lightning_autopar.parallel.pipeline.partition import (check_pipeline, check
                                                            stage_owners)
 from lightning_autopar.parallel.pipeline.runtime import Pipeline, StagedPipeline
 from lightning_autopar.parallel.pipeline.standins import StageBlocks, ZeroEmbedding, stand_in_module
-from lightning_autopar.parallel.pipeline.trace import TracedSplit, check_traced_pipeline, flatten_inputs, trace_split
+from lightning_autopar.parallel.pipeline.trace import (SplitRefusals, TracedSplit, UnitOrderError, check_traced_pipeline,
+                                                       flatten_inputs, split_refusals, trace_split)
 from lightning_autopar.parallel.pipeline.traced import TracedChunk, TracedPipeline
 
 __all__ = [
-    "MoESource", "Pipeline", "PipelineChunk", "StageBlocks", "StagedPipeline", "TracedChunk", "TracedPipeline",
-    "TracedSplit", "ZeroEmbedding", "capture_model_call", "check_pipeline", "check_schedule", "check_traced_pipeline",
+    "MoESource", "Pipeline", "PipelineChunk", "SplitRefusals", "StageBlocks", "StagedPipeline", "TracedChunk", "TracedPipeline",
+    "TracedSplit", "UnitOrderError", "ZeroEmbedding", "capture_model_call", "check_pipeline", "check_schedule", "check_traced_pipeline",
     "chunk_sizes", "flatten_inputs", "model_call_replaced", "moe_sources", "pipeline_root", "router_recorder",
-    "split_model", "stage_owners", "stand_in_module", "trace_split",
+    "split_model", "split_refusals", "stage_owners", "stand_in_module", "trace_split",
 ]

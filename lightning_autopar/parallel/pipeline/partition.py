@@ -91,10 +91,14 @@ def check_pipeline(analysis: ModelAnalysis, transformer: nn.Module, root: nn.Mod
     if len(analysis.blocks) < chunks:
         raise ConfigError("plan.pp", f"pp*vpp={chunks} exceeds the {len(analysis.blocks)} blocks of the model",
                           "use pp*vpp <= number of blocks")
-    ties = "; ".join(t.describe() for t in tie_groups(root))
+    groups = tie_groups(root)
+    ties = "; ".join(t.describe() for t in groups)
     if analysis.tied_embeddings or ties:
+        # more than a pair (T5, BART: one embedding for the encoder, the decoder and the head): no config untie
+        fix = "use pp=1" + (", or untie them (e.g. tie_word_embeddings=False)"
+                            if all(len(t.names) <= 2 for t in groups) else "")
         raise ConfigError("plan.pp", f"tied parameters {ties or 'LM head = token embedding'} are one tensor, which "
-                          "pipeline stages cannot share", "use pp=1, or untie them (e.g. tie_word_embeddings=False)")
+                          "pipeline stages cannot share", fix)
     if analysis.final_norm is None and analysis.lm_head is None:
         raise ConfigError("plan.pp", f"{type(transformer).__name__}: no final norm or LM head after the blocks, "
                           f"so a stage cannot end there; pipeline parallelism needs {need}", "use pp=1")

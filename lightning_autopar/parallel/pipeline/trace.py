@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 Example = tuple[tuple, dict]
 
 
+class UnitOrderError(ConfigError):
+    """The split gave another number of chunks than asked: a unit is called more than once, or out of order."""
+
+
 @dataclass(frozen=True)
 class StageWiring:
     """One stage of the split graph: its graph module's name, the root-graph values it takes (in order), and
@@ -128,9 +132,10 @@ def _groups(unit_fqns: Sequence[str], sizes: Sequence[int]) -> list[list[str]]:
 
 
 def trace_split(module: nn.Module, example: Example, unit_fqns: Sequence[str], sizes: Sequence[int],
-                train: bool = True) -> TracedSplit:
+                train: bool = True, check_cuts: bool = True) -> TracedSplit:
     """Trace ``module`` (in training or eval mode) on one micro-batch and cut it before the first unit of every
-    group of ``sizes`` units. One ConfigError when the model cannot be split so."""
+    group of ``sizes`` units. One ConfigError when the model cannot be split so (``check_cuts=False``: what refuses
+    some cuts only, ``SplitRefusals``, is left to the caller)."""
     name = type(module).__name__
     args, kwargs = tuple(example[0]), dict(example[1])
     for fqn in unit_fqns:
@@ -158,7 +163,10 @@ def trace_split(module: nn.Module, example: Example, unit_fqns: Sequence[str], s
     finally:
         module.train(was_training)
     split = _wire(pipe, name, ep, groups)
-    _check_split(module, split)
+    if check_cuts:
+        _check_split(module, split)
+    else:
+        _check_own_tensors(module, split)
     _check_batch_dynamic(split, args, kwargs)
     return split
 
@@ -225,7 +233,7 @@ def _wire(pipe: Any, name: str, ep: Any, groups: list[list[str]]) -> TracedSplit
             raise ConfigError("plan.pp", f"{name}: unexpected node {node.op} {node.target} in the split graph",
                               "use pp=1")
     if len(stages) != len(groups):
-        raise ConfigError("plan.pp", f"{name}: splitting before units {', '.join(g[0] for g in groups[1:])} gave "
+        raise UnitOrderError("plan.pp", f"{name}: splitting before units {', '.join(g[0] for g in groups[1:])} gave "
                           f"{len(stages)} stages, not {len(groups)} (a unit is called more than once, or not "
                           "where the units' order says)", "use pp=1")
     values = [n.name for n in graph.nodes if n.name in producer and n.name in stages[producer[n.name]].outputs]
@@ -244,28 +252,78 @@ def _fixed_size(dim: Any) -> int | None:
 def _check_split(module: nn.Module, split: TracedSplit) -> None:
     """Refuse what the chunks could not train as one device does: a tensor on both sides of a split (a tie, or
     a module called from two chunks: the splitter copies it) and non-tensor values crossing a split."""
-    name = split.module_name
-    replicated = getattr(split.pipe, "replicated_params", [])
-    if replicated:
-        where = replicated[0]
-        fqn = next(iter(where.values()))
-        raise ConfigError("plan.pp", f"{name}: parameter '{fqn}' is used on both sides of a split (stages "
-                          f"{', '.join(where)}: a tie, or a module called from two chunks), and the split would "
-                          "copy it", "use pp=1, or keep the modules sharing it in one chunk")
+    _check_own_tensors(module, split)
+    refusal = SplitRefusals.of(split).at(range(1, split.num_chunks))
+    if refusal is not None:
+        raise refusal
+
+
+def _check_own_tensors(module: nn.Module, split: TracedSplit) -> None:
+    """Every parameter a stage holds is the model's own, but for the copies of a tie (``SplitRefusals.ties``)."""
     user = {id(t) for t in tensors_by_name(module).values()}
+    copies = {(s, fqn) for where in getattr(split.pipe, "replicated_params", []) for s, fqn in where.items()}
     for k in range(split.num_chunks):
         for fqn, tensor in tensors_by_name(split.stage_module(k)).items():
-            if isinstance(tensor, nn.Parameter) and id(tensor) not in user:
-                raise ConfigError("plan.pp", f"{name}: stage {k} holds '{fqn}', which is not the model's own "
-                                  "tensor, so training it would not update the model", "use pp=1")
-    for k in range(1, split.num_chunks):
-        vals = _output_values(split, k - 1)
-        for value in split.carried[k]:
-            meta = vals.get(value)
-            if meta is not None and not isinstance(meta, torch.Tensor):
-                raise ConfigError("plan.pp", f"{name}: a {type(meta).__name__} value crosses the split before "
-                                  f"unit '{split.units[k][0]}'; stages exchange tensors only", "use pp=1, or "
-                                  "split at other units")
+            if isinstance(tensor, nn.Parameter) and id(tensor) not in user \
+                    and (split.stages[k].submod, fqn) not in copies:
+                raise ConfigError("plan.pp", f"{split.module_name}: stage {k} holds '{fqn}', which is not the "
+                                  "model's own tensor, so training it would not update the model", "use pp=1")
+
+
+@dataclass(frozen=True)
+class SplitRefusals:
+    """Which cuts of one traced split the chunks could not train as one device does, and the runtime's line for
+    each: ``ties`` and ``crossings`` are spans ``(first, last, what)`` of chunk boundaries (a cut before chunk
+    ``k``, ``first <= k <= last``) that a tied parameter (``what``: its name) or a non-tensor value (``what``: its
+    type) crosses. From a trace cut before every unit (``split_refusals``) the planner knows every partition's
+    outcome without tracing it again: ``at(cuts)`` is the refusal ``trace_split`` gives for those cuts."""
+
+    name: str
+    first_units: list[str]  # the first unit of each chunk
+    ties: list[tuple[int, int, str]]
+    crossings: list[tuple[int, int, str]]
+
+    @classmethod
+    def of(cls, split: TracedSplit) -> SplitRefusals:
+        chunk_of = {wiring.submod: k for k, wiring in enumerate(split.stages)}
+        ties = []
+        for where in getattr(split.pipe, "replicated_params", []):
+            chunks = [chunk_of[s] for s in where if s in chunk_of]
+            if len(chunks) > 1:
+                ties.append((min(chunks) + 1, max(chunks), next(iter(where.values()))))
+        crossings, seen = [], set()
+        for k in range(1, split.num_chunks):
+            vals = _output_values(split, k - 1)
+            for value in split.carried[k]:
+                meta = vals.get(value)
+                if value in seen or meta is None or isinstance(meta, torch.Tensor):
+                    continue
+                seen.add(value)
+                last = max(j for j in range(k, split.num_chunks) if value in split.carried[j])
+                crossings.append((k, last, type(meta).__name__))
+        return cls(split.module_name, [u[0] for u in split.units], ties, crossings)
+
+    def of_sizes(self, sizes: Sequence[int]) -> ConfigError | None:
+        """The ConfigError for chunks of ``sizes`` units each (from a trace cut before every unit)."""
+        from itertools import accumulate
+
+        return self.at(list(accumulate(sizes))[:-1])
+
+    def at(self, cuts: Sequence[int]) -> ConfigError | None:
+        """The ConfigError for a split cut before each chunk in ``cuts`` (None: the chunks train as one device)."""
+        cuts = sorted(cuts)
+        for first, last, fqn in self.ties:
+            if any(first <= k <= last for k in cuts):
+                return ConfigError("plan.pp", f"{self.name}: parameter '{fqn}' is used on both sides of a split (a "
+                                   "tie, or a module called from two chunks), and the split would copy it",
+                                   "use pp=1, or keep the modules sharing it in one chunk")
+        for k in cuts:
+            kind = next((kind for first, last, kind in self.crossings if first <= k <= last), None)
+            if kind is not None:
+                return ConfigError("plan.pp", f"{self.name}: a {kind} value crosses the split before unit "
+                                   f"'{self.first_units[k]}'; stages exchange tensors only",
+                                   "use pp=1, or split at other units")
+        return None
 
 
 def _output_values(split: TracedSplit, k: int) -> dict[str, Any]:
@@ -298,6 +356,12 @@ def same_program(a: TracedSplit, b: TracedSplit) -> bool:
 
     return a.num_chunks == b.num_chunks and all(code(a.stage_module(k)) == code(b.stage_module(k))
                                                 for k in range(a.num_chunks))
+
+
+def split_refusals(module: nn.Module, example: Example, unit_fqns: Sequence[str]) -> SplitRefusals:
+    """What refuses each cut of ``module`` at its units, from one trace cut before every unit; raises the
+    ConfigError that refuses every split (export fails, a unit not called where the units' order says, ...)."""
+    return SplitRefusals.of(trace_split(module, example, unit_fqns, [1] * len(unit_fqns), check_cuts=False))
 
 
 def check_unit_count(module: nn.Module, unit_fqns: Sequence[str], chunks: int) -> None:
