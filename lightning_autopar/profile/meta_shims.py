@@ -81,9 +81,9 @@ class _Done:
 @contextmanager
 def collectives_seen(stack: Any, found: list[str]) -> Iterator[None]:
     """The model's own ``torch.distributed`` collectives (``COLLECTIVES``, called as ``dist.<name>``) during a meta
-    forward: recorded in ``found`` with the module calling them (the top of ``stack``, the trace's ModuleStack), and not run (meta tensors, and no process
-    group needed; the tensors keep their values, which a meta tensor has none of). Calls from this package's or
-    torch's own code run as they are."""
+    forward: recorded in ``found`` with the module calling them (the top of ``stack``, the trace's ModuleStack),
+    and not run (meta tensors, and no process group needed; the tensors keep their values, which a meta tensor
+    has none of). Calls from this package's or torch's own code run as they are."""
     import torch.distributed as dist
 
     saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
