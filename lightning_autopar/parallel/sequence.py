@@ -42,7 +42,8 @@ from lightning_autopar.errors import ConfigError
 from lightning_autopar.parallel.capabilities import NOT_CHECKED, Capabilities
 from lightning_autopar.parallel.dtensor_private import own_parameters
 from lightning_autopar.parallel.tensor import join_path
-from lightning_autopar.parallel.tp_comm import CopyToTP, GatherSeq, SeqComm, SplitSeq, row_output_sp
+from lightning_autopar.parallel.recompute import recomputed
+from lightning_autopar.parallel.tp_comm import CopyToTP, GatherSeq, SeqChunk, SeqComm, SplitSeq, row_output_sp
 from lightning_autopar.profile.analyze import BlockInfo, ModelAnalysis
 
 if TYPE_CHECKING:
@@ -141,11 +142,23 @@ def check_length(where: str, seq: int, tp: int, unpaddable: str) -> None:
                           "sp=false")
 
 
-def _gather_hook(state: _SeqState, summed_grad: bool) -> Callable:
+def _gather_hook(state: _SeqState, summed_grad: bool, block: nn.Module | None = None) -> Callable:
     """A module's [B, S/tp, H] inputs gathered to the whole sequence (the attention and dense MLP: gradients
-    reduce-scattered, ``summed_grad``; an MoE module: this rank's chunk of the replicated gradient)."""
-    gather = (lambda t: GatherSeq.apply(t, state.comm, summed_grad))
-    return lambda module, args, kwargs: _map_call(args, kwargs, gather, lambda t: _is_hidden(t, state, state.local))
+    reduce-scattered, ``summed_grad``; an MoE module: this rank's chunk of the replicated gradient). The
+    attention's and dense MLP's gathered input is tagged (``SeqChunk``) so that their column projections keep
+    this rank's chunk for backward and gather it again there (``tp_comm.keep_chunk_forward``), except in a
+    recomputed ``block`` or module, whose recompute gathers it again anyway."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        keep_chunk = summed_grad and not (recomputed(module) or (block is not None and recomputed(block)))
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            whole = GatherSeq.apply(t, state.comm, summed_grad)
+            return SeqChunk.tag(whole, t, state.comm) if keep_chunk else whole
+
+        return _map_call(args, kwargs, gather, lambda t: _is_hidden(t, state, state.local))
+
+    return hook
 
 
 def _gather_output_hook(state: _SeqState) -> Callable:
@@ -258,7 +271,7 @@ def _region_hooks(block: nn.Module, info: BlockInfo, state: _SeqState) -> list[R
     handles = []
     for path, moe in _regions(info):
         module = block.get_submodule(path)
-        handles.append(module.register_forward_pre_hook(_gather_hook(state, summed_grad=not moe), with_kwargs=True))
+        handles.append(module.register_forward_pre_hook(_gather_hook(state, not moe, block), with_kwargs=True))
         if moe:
             handles.append(module.register_forward_hook(_split_output_hook(state)))
     return handles
