@@ -1,17 +1,21 @@
 """Sequence parallelism's saved activations per block against Korthikanti et al. 2022 (issue 29, item 2).
 
-    python benchmarks/sp_memory.py [--nproc 2] [--seq-len 512] [--batch 2]
+    python benchmarks/sp_memory.py [--nproc 2] [--seq-len 512] [--batch 2] [--recompute none,selective]
 
 One launch of ``--nproc`` CPU processes (gloo), our GPT (hidden 256, 4 heads, ffn 1024 GELU, 2 layers, vocab 256,
 fp32, no dropout), one training step per plan, each pinned with ``fix=`` on ``AutoParallelStrategy(cluster="cpu")``:
-tp=1, tp=2, tp=2+sp (dp fills the rest), recompute none. Measured per block: the bytes of the distinct
-non-parameter storages autograd saves for backward while a block's forward runs (counted with
-``torch.autograd.graph.saved_tensors_hooks``; the block's parameters, as FSDP2 has gathered them, left out), the
-mean over the rank's blocks. Against it: the planner's
-``activation_bytes_per_block`` for the same plan, and Korthikanti's per-layer formula, sbh(10 + 24/t) without SP
-and 34sbh/t with SP (2-byte units, so x2 in fp32), less the two dropout masks (2sbh, or 2sbh/t with SP: the model
-has no dropout) -- the s^2 term does not apply: SDPA is fused. Writes OUT/sp_memory.json (default OUT:
-outputs/benchmarks) and prints a table.
+tp=1, tp=2, tp=2+sp (dp fills the rest), per recompute mode. Measured per block, the mean over the rank's blocks:
+
+* saved: the bytes of the distinct non-parameter storages autograd saves for backward while the block's forward
+  runs (``torch.autograd.graph.saved_tensors_hooks``; the block's parameters, as FSDP2 has gathered them, left
+  out). A checkpointed block's saves go to the checkpoint's own hooks, so this is ~0 under recompute;
+* kept: the bytes of the storages the block's forward created that are still alive when the training step's
+  forward ends (a dispatch mode notes them: what autograd or a selective-checkpoint cache keeps for backward).
+
+Against it: the planner's ``activation_bytes_per_block`` for the same plan, and Korthikanti's per-layer formula,
+sbh(10 + 24/t) without SP and 34sbh/t with SP (2-byte units, so x2 in fp32), less the two dropout masks (2sbh, or
+2sbh/t with SP: the model has no dropout) -- the s^2 term does not apply: SDPA is fused. Writes
+OUT/sp_memory.json (default OUT: outputs/benchmarks) and prints a table.
 """
 
 from __future__ import annotations
@@ -33,12 +37,48 @@ def parse_args() -> argparse.Namespace:
     p = common_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=2, help="micro-batch per data-parallel rank")
+    p.add_argument("--recompute", default="none,selective", help="recompute modes, a comma list")
     p.set_defaults(nproc=2)
     return p.parse_args()
 
 
-def lit_module(seq_len: int, per_block: list[int]) -> Any:
-    """Our GPT; ``per_block`` gets the bytes each block's forward saved for backward in the training step."""
+def kept_tracker(inside: list[int], params: set[int]) -> Any:
+    """A dispatch mode noting every storage an op creates while a block's forward runs, and ``kept()``: the bytes
+    per block of those still alive (what the forward leaves for backward whatever keeps it: autograd, a
+    selective-checkpoint cache), parameters left out."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Kept(TorchDispatchMode):
+        created: list[tuple[Any, int]] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if inside:
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        t = getattr(t, "_local_tensor", t)
+                        self.created.append((weakref.ref(t.untyped_storage()), inside[-1]))
+            return out
+
+        def kept(self, blocks: int) -> list[int]:
+            per, seen = [0] * blocks, set()
+            for ref, i in self.created:
+                st = ref()
+                if st is not None and st.data_ptr() not in seen and st.data_ptr() not in params:
+                    seen.add(st.data_ptr())
+                    per[i] += st.nbytes()
+            return per
+
+    return Kept()
+
+
+def lit_module(seq_len: int, per_block: list[int], kept: list[int]) -> Any:
+    """Our GPT; ``per_block`` gets the bytes each block's forward saved for backward in the training step through
+    autograd's saved-tensor hooks, ``kept`` the bytes its forward left alive (``kept_tracker``)."""
     import torch
 
     from lightning_autopar.models import GPTConfig
@@ -68,13 +108,15 @@ def lit_module(seq_len: int, per_block: list[int]) -> Any:
             per_block_bytes = [0] * len(blocks)
             handles = [b.register_forward_pre_hook(lambda m, a, i=i: enter(m, i)) for i, b in enumerate(blocks)]
             handles += [b.register_forward_hook(lambda m, a, o: (inside.pop(), None)[1]) for b in blocks]
+            tracker = kept_tracker(inside, params)
             try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
                     out = super().training_step(batch, batch_idx)
             finally:
                 for h in handles:
                     h.remove()
             per_block.extend(per_block_bytes)
+            kept.extend(tracker.kept(len(blocks)))
             return out
 
     cfg = GPTConfig(vocab=256, seq_len=seq_len, layers=LAYERS, hidden=HIDDEN, heads=HEADS, ffn_hidden=4 * HIDDEN)
@@ -94,31 +136,36 @@ def worker(args: argparse.Namespace) -> None:
 
     from lightning_autopar import AutoParallelStrategy
     from lightning_autopar.planner.cost import activation_bytes_per_block
-    from lightning_autopar.specs import ModelSpec
+    from lightning_autopar.specs import RECOMPUTE_MODES, ModelSpec
 
     warnings.filterwarnings("ignore")
     rank, world = init_workers()
     started = time.perf_counter()
     rows = {}
     for name, fields in PLANS.items():
-        tp, sp = int(fields.split(",")[0].split("=")[1]), fields.endswith("true")
-        per_block: list[int] = []
-        module = lit_module(args.seq_len, per_block)
-        dp = world // tp
-        fix = f"{fields},dp={dp},zero=0,pp=1,cp=1,ep=1,mbs={args.batch},grad_accum=1,recompute=none,precision=fp32"
-        strategy = AutoParallelStrategy(fix=fix, cluster="cpu", print_plan=False, profile=False)
-        loader = token_loader(args.batch * dp, args.seq_len, args.batch * dp)
-        timed_fit(module, strategy, loader, 1, 0)
-        spec: ModelSpec = strategy.report.model
-        measured = sum(per_block) / len(per_block)
-        planner = float(activation_bytes_per_block(spec, args.batch, args.seq_len, tp, sp, 1, 0, 4.0, True))
-        formula = korthikanti(args.seq_len, args.batch, HIDDEN, tp, sp)
-        rows[name] = {"measured_bytes": measured, "planner_bytes": planner, "korthikanti_bytes": formula,
-                      "plan": strategy.report.best.plan.short()}
-        if rank == 0:
-            print(f"{name}: saved per block {measured / 2**20:.2f} MiB, planner {planner / 2**20:.2f} MiB, "
-                  f"Korthikanti {formula / 2**20:.2f} MiB (measured/formula {measured / formula:.3f}) "
-                  f"({rows[name]['plan']})", flush=True)
+        for mode in args.recompute.split(","):
+            tp, sp = int(fields.split(",")[0].split("=")[1]), fields.endswith("true")
+            per_block: list[int] = []
+            kept: list[int] = []
+            module = lit_module(args.seq_len, per_block, kept)
+            dp = world // tp
+            fix = (f"{fields},dp={dp},zero=0,pp=1,cp=1,ep=1,mbs={args.batch},grad_accum=1,recompute={mode},"
+                   "precision=fp32")
+            strategy = AutoParallelStrategy(fix=fix, cluster="cpu", print_plan=False, profile=False)
+            loader = token_loader(args.batch * dp, args.seq_len, args.batch * dp)
+            timed_fit(module, strategy, loader, 1, 0)
+            spec: ModelSpec = strategy.report.model
+            saved, left = sum(per_block) / len(per_block), sum(kept) / len(kept)
+            code = RECOMPUTE_MODES.index(mode)
+            planner = float(activation_bytes_per_block(spec, args.batch, args.seq_len, tp, sp, 1, code, 4.0, True))
+            formula = korthikanti(args.seq_len, args.batch, HIDDEN, tp, sp)
+            row = f"{name} rc={mode}"
+            rows[row] = {"saved_bytes": saved, "kept_bytes": left, "planner_bytes": planner,
+                         "korthikanti_bytes": formula, "plan": strategy.report.best.plan.short()}
+            if rank == 0:
+                print(f"{row}: per block saved {saved / 2**20:.2f} MiB, kept {left / 2**20:.2f} MiB, planner "
+                      f"{planner / 2**20:.2f} MiB, Korthikanti {formula / 2**20:.2f} MiB (kept/formula "
+                      f"{left / formula:.3f}) ({rows[row]['plan']})", flush=True)
     if rank == 0:
         write_result(args, "sp_memory.json", {"world": world, "seq_len": args.seq_len, "batch": args.batch,
                                               "hidden": HIDDEN, "heads": HEADS, "rows": rows},

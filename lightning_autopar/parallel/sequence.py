@@ -9,7 +9,9 @@ states), so the activations of norms, residual adds and dropout are divided by t
   at its last block (backward: this rank's chunk of the TP-replicated gradient). Other block arguments (masks,
   rotary cos/sin, position ids) stay whole;
 * the attention module and a dense MLP module all-gather their hidden-state input (backward: reduce-scatter,
-  summing the column projections' partial input gradients, which then run without Megatron's f); their row
+  summing the column projections' partial input gradients, which then run without Megatron's f). Their column
+  projections save this rank's chunk of it, not the gathered sequence, and gather it again in backward
+  (``tp_comm.ColumnFromChunk``, Megatron's; not in a recomputed block, whose recompute gathers it anyway); their row
   projection reduce-scatters its output along S instead of all-reducing it (``tp_comm.row_output_sp``), its bias
   added on this rank's tokens. Same traffic as TP's two all-reduces (all-reduce = reduce-scatter + all-gather);
 * an MoE module gathers the sequence at entry (backward: this rank's chunk; inside, the experts' TP f/g leave the

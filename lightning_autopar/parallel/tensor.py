@@ -41,7 +41,8 @@ code run on local shapes (nanoGPT's ``view(B, T, n_head, C // n_head)`` with C t
 refuses tp > 1 with that reason.
 
 Sequence parallelism (plan.sp, ``parallel.sequence``): every attention and dense-MLP projection is a ``LocalShard``
-with ``sp`` set -- column projections without f (their module gathers the sequence), row projections reduce-scatter
+with ``sp`` set -- column projections without f (their module gathers the sequence; an nn.Linear or Conv1D one
+computes it with ``tp_comm.ColumnFromChunk``, saving this rank's chunk for backward), row projections reduce-scatter
 along the sequence (``tp_comm.row_output_sp``) instead of g. Experts keep f and g.
 
 Checkpoints and FSDP on top: ``parallel.tp_placement`` (``plain_shards``, ``restore_layout``, ``fsdp_placement``).
