@@ -8,7 +8,9 @@ tp=1, tp=2, tp=2+sp (dp fills the rest), per recompute mode. Measured per block,
 
 * saved: the bytes of the distinct non-parameter storages autograd saves for backward while the block's forward
   runs (``torch.autograd.graph.saved_tensors_hooks``; the block's parameters, as FSDP2 has gathered them, left
-  out). A checkpointed block's saves go to the checkpoint's own hooks, so this is ~0 under recompute;
+  out); recompute none only (a checkpointed block's saves go to the checkpoint's own hooks; and an outer
+  saved-tensor hook makes the checkpoint hand a recomputed block an untagged copy of its input, which SP's
+  scatter hook then splits again);
 * kept: the bytes of the storages the block's forward created that are still alive when the training step's
   forward ends (a dispatch mode notes them: what autograd or a selective-checkpoint cache keeps for backward).
 
@@ -76,9 +78,11 @@ def kept_tracker(inside: list[int], params: set[int]) -> Any:
     return Kept()
 
 
-def lit_module(seq_len: int, per_block: list[int], kept: list[int]) -> Any:
+def lit_module(seq_len: int, per_block: list[int], kept: list[int], count_saved: bool) -> Any:
     """Our GPT; ``per_block`` gets the bytes each block's forward saved for backward in the training step through
-    autograd's saved-tensor hooks, ``kept`` the bytes its forward left alive (``kept_tracker``)."""
+    autograd's saved-tensor hooks (``count_saved``), ``kept`` the bytes its forward left alive (``kept_tracker``)."""
+    import contextlib
+
     import torch
 
     from lightning_autopar.models import GPTConfig
@@ -110,7 +114,9 @@ def lit_module(seq_len: int, per_block: list[int], kept: list[int]) -> Any:
             handles += [b.register_forward_hook(lambda m, a, o: (inside.pop(), None)[1]) for b in blocks]
             tracker = kept_tracker(inside, params)
             try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), tracker:
+                hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count_saved
+                         else contextlib.nullcontext())
+                with hooks, tracker:
                     out = super().training_step(batch, batch_idx)
             finally:
                 for h in handles:
@@ -147,7 +153,7 @@ def worker(args: argparse.Namespace) -> None:
             tp, sp = int(fields.split(",")[0].split("=")[1]), fields.endswith("true")
             per_block: list[int] = []
             kept: list[int] = []
-            module = lit_module(args.seq_len, per_block, kept)
+            module = lit_module(args.seq_len, per_block, kept, mode == "none")
             dp = world // tp
             fix = (f"{fields},dp={dp},zero=0,pp=1,cp=1,ep=1,mbs={args.batch},grad_accum=1,recompute={mode},"
                    "precision=fp32")
