@@ -206,3 +206,27 @@ def test_column_from_chunk_keeps_the_chunk_and_matches_linear(transposed, bias):
     for got, want in zip(fused_grads, plain_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (2, 6, 8) not in saved and (2, 3, 8) in saved, saved
+
+
+def test_chunk_forward_under_autocast_matches_autocast_linear():
+    """``keep_chunk_forward`` under CPU autocast (bf16) casts as autocast's linear does: same output and
+    gradients, and the bf16 chunk is what it saves."""
+    from lightning_autopar.parallel.tp_comm import SeqChunk, SeqComm, keep_chunk_forward
+
+    torch.manual_seed(0)
+    plain, chunked = nn.Linear(8, 6), nn.Linear(8, 6)
+    chunked.load_state_dict(plain.state_dict())
+    keep_chunk_forward(chunked, False)
+    local = torch.randn(2, 3, 8, requires_grad=True)
+    results = []
+    for module, fused in ((plain, False), (chunked, True)):
+        whole = torch.cat([local] * 2, 1)
+        if fused:
+            SeqChunk.tag(whole, local, SeqComm(None, 2))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(whole)
+        assert out.dtype == torch.bfloat16
+        loss = out.float().square().sum()
+        results.append((out, *torch.autograd.grad(loss, [local, module.weight, module.bias])))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
