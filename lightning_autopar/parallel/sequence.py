@@ -149,10 +149,12 @@ def _gather_hook(state: _SeqState, summed_grad: bool, block: nn.Module | None = 
     reduce-scattered, ``summed_grad``; an MoE module: this rank's chunk of the replicated gradient). The
     attention's and dense MLP's gathered input is tagged (``SeqChunk``) so that their column projections keep
     this rank's chunk for backward and gather it again there (``tp_comm.keep_chunk_forward``), except in a
-    recomputed ``block`` or module, whose recompute gathers it again anyway."""
+    recomputed ``block`` or module, whose recompute gathers it again anyway, and in a block torch.compile traces
+    (kept as before: not checked under Dynamo)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        keep_chunk = summed_grad and not (recomputed(module) or (block is not None and recomputed(block)))
+        keep_chunk = summed_grad and not (recomputed(module) or (block is not None and recomputed(block))
+                                          or torch.compiler.is_compiling())
 
         def gather(t: torch.Tensor) -> torch.Tensor:
             whole = GatherSeq.apply(t, state.comm, summed_grad)

@@ -210,7 +210,7 @@ def keep_chunk_forward(module: torch.nn.Module, transposed: bool) -> None:
 
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         chunk = getattr(x, GATHERED, None)
-        if chunk is None or args or kwargs or not torch.is_grad_enabled():
+        if chunk is None or args or kwargs or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return original(x, *args, **kwargs)
         weight, bias = module.weight, module.bias
         local, device = chunk.local, x.device.type
