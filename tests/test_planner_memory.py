@@ -45,10 +45,10 @@ def test_korthikanti_per_layer(t: int) -> None:
     assert act(1, False) == pytest.approx(s * b * h * (10 + 24 / t))
     assert act(2, False) == pytest.approx(2 * s * b * h)
     if t > 1:
-        # SP as autopar runs it (parallel/sequence.py): Megatron's (34 sbh + 5as^2b)/t, except that the attention's
-        # and the MLP's gathered inputs (4 sbh) stay whole (Megatron re-gathers them in backward)
-        assert act(0, True) == pytest.approx(s * b * h * (4 + 30 / t + 5 * a * s / (h * t)))
-        assert act(1, True) == pytest.approx(s * b * h * (4 + 30 / t))
+        # SP (Table 2): sbh(34/t + 5as/(ht)); with selective recompute 34sbh/t. The attention's and the MLP's inputs
+        # are saved as this rank's chunk and gathered again in backward (parallel/tp_comm.ColumnFromChunk)
+        assert act(0, True) == pytest.approx(s * b * h * (34 / t + 5 * a * s / (h * t)))
+        assert act(1, True) == pytest.approx(34 * s * b * h / t)
         assert act(2, True) == pytest.approx(2 * s * b * h / t)
     if t == 1:
         assert act(0, False) == pytest.approx(34 * s * b * h + 5 * a * s * s * b)

@@ -3,19 +3,30 @@ group) share: all-gather and reduce-scatter of a tensor along one dim, the ranks
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 
 def all_gather_along(x: torch.Tensor, dim: int, group: Any, size: int) -> torch.Tensor:
     """The ``size`` ranks' ``x`` concatenated along ``dim``, in rank order."""
+    return start_all_gather_along(x, dim, group, size)()
+
+
+def start_all_gather_along(x: torch.Tensor, dim: int, group: Any, size: int) -> Callable[[], torch.Tensor]:
+    """``all_gather_along`` launched asynchronously: returns the function that waits for it and gives the result
+    (SP's backward re-gather runs it beside the input-gradient matmul)."""
     import torch.distributed as dist
 
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
-    dist.all_gather_into_tensor(out, front, group=group)
-    return out.movedim(0, dim).contiguous()  # model code views the gathered hidden states
+    work = dist.all_gather_into_tensor(out, front, group=group, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return out.movedim(0, dim).contiguous()  # model code views the gathered hidden states
+
+    return wait
 
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group: Any, size: int) -> torch.Tensor:

@@ -88,6 +88,14 @@ def selective_context(alternate: bool = False) -> Any:
     return create_selective_checkpoint_contexts(_policy(alternate))
 
 
+_RECOMPUTED = "_autopar_recomputed"
+
+
+def recomputed(module: nn.Module) -> bool:
+    """``module`` is checkpointed by ``apply_recompute`` (its activations are rebuilt in backward)."""
+    return getattr(module, _RECOMPUTED, False)
+
+
 def apply_recompute(modules: Iterable[nn.Module], mode: str,
                     attention_of: Mapping[nn.Module, nn.Module] | None = None, every: int = 1) -> None:
     """Checkpoint each module (a transformer block) per ``mode``, the ones at index ``i % every == 0`` only; a
@@ -105,11 +113,14 @@ def apply_recompute(modules: Iterable[nn.Module], mode: str,
             continue
         if mode == "full":
             checkpoint(module)
+            setattr(module, _RECOMPUTED, True)
         elif attention_of and module in attention_of:
             if mode == "ops":
                 raise ConfigError("plan.recompute", f"recompute=ops replays each block op by op, which the MoE "
                                   f"block {type(module).__name__}'s experts (own FSDP units) cannot",
                                   "use recompute=full or selective")
             checkpoint(attention_of[module])
+            setattr(attention_of[module], _RECOMPUTED, True)
         else:
             checkpoint(module, context_fn=partial(selective_context, mode == "ops"))
+            setattr(module, _RECOMPUTED, True)

@@ -9,7 +9,9 @@ states), so the activations of norms, residual adds and dropout are divided by t
   at its last block (backward: this rank's chunk of the TP-replicated gradient). Other block arguments (masks,
   rotary cos/sin, position ids) stay whole;
 * the attention module and a dense MLP module all-gather their hidden-state input (backward: reduce-scatter,
-  summing the column projections' partial input gradients, which then run without Megatron's f); their row
+  summing the column projections' partial input gradients, which then run without Megatron's f). Their column
+  projections save this rank's chunk of it, not the gathered sequence, and gather it again in backward
+  (``tp_comm.ColumnFromChunk``, Megatron's; not in a recomputed block, whose recompute gathers it anyway); their row
   projection reduce-scatters its output along S instead of all-reducing it (``tp_comm.row_output_sp``), its bias
   added on this rank's tokens. Same traffic as TP's two all-reduces (all-reduce = reduce-scatter + all-gather);
 * an MoE module gathers the sequence at entry (backward: this rank's chunk; inside, the experts' TP f/g leave the
@@ -42,7 +44,8 @@ from lightning_autopar.errors import ConfigError
 from lightning_autopar.parallel.capabilities import NOT_CHECKED, Capabilities
 from lightning_autopar.parallel.dtensor_private import own_parameters
 from lightning_autopar.parallel.tensor import join_path
-from lightning_autopar.parallel.tp_comm import CopyToTP, GatherSeq, SeqComm, SplitSeq, row_output_sp
+from lightning_autopar.parallel.recompute import recomputed
+from lightning_autopar.parallel.tp_comm import CopyToTP, GatherSeq, SeqChunk, SeqComm, SplitSeq, row_output_sp
 from lightning_autopar.profile.analyze import BlockInfo, ModelAnalysis
 
 if TYPE_CHECKING:
@@ -141,11 +144,25 @@ def check_length(where: str, seq: int, tp: int, unpaddable: str) -> None:
                           "sp=false")
 
 
-def _gather_hook(state: _SeqState, summed_grad: bool) -> Callable:
+def _gather_hook(state: _SeqState, summed_grad: bool, block: nn.Module | None = None) -> Callable:
     """A module's [B, S/tp, H] inputs gathered to the whole sequence (the attention and dense MLP: gradients
-    reduce-scattered, ``summed_grad``; an MoE module: this rank's chunk of the replicated gradient)."""
-    gather = (lambda t: GatherSeq.apply(t, state.comm, summed_grad))
-    return lambda module, args, kwargs: _map_call(args, kwargs, gather, lambda t: _is_hidden(t, state, state.local))
+    reduce-scattered, ``summed_grad``; an MoE module: this rank's chunk of the replicated gradient). The
+    attention's and dense MLP's gathered input is tagged (``SeqChunk``) so that their column projections keep
+    this rank's chunk for backward and gather it again there (``tp_comm.keep_chunk_forward``), except in a
+    recomputed ``block`` or module, whose recompute gathers it again anyway, and in a block torch.compile traces
+    (kept as before: not checked under Dynamo)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        keep_chunk = summed_grad and not (recomputed(module) or (block is not None and recomputed(block))
+                                          or torch.compiler.is_compiling())
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            whole = GatherSeq.apply(t, state.comm, summed_grad)
+            return SeqChunk.tag(whole, t, state.comm) if keep_chunk else whole
+
+        return _map_call(args, kwargs, gather, lambda t: _is_hidden(t, state, state.local))
+
+    return hook
 
 
 def _gather_output_hook(state: _SeqState) -> Callable:
@@ -263,7 +280,7 @@ def _region_hooks(block: nn.Module, info: BlockInfo, state: _SeqState) -> list[R
     handles = []
     for path, moe in _regions(info):
         module = block.get_submodule(path)
-        handles.append(module.register_forward_pre_hook(_gather_hook(state, summed_grad=not moe), with_kwargs=True))
+        handles.append(module.register_forward_pre_hook(_gather_hook(state, not moe, block), with_kwargs=True))
         if moe:
             handles.append(module.register_forward_hook(_split_output_hook(state)))
     return handles

@@ -41,7 +41,8 @@ code run on local shapes (nanoGPT's ``view(B, T, n_head, C // n_head)`` with C t
 refuses tp > 1 with that reason.
 
 Sequence parallelism (plan.sp, ``parallel.sequence``): every attention and dense-MLP projection is a ``LocalShard``
-with ``sp`` set -- column projections without f (their module gathers the sequence), row projections reduce-scatter
+with ``sp`` set -- column projections without f (their module gathers the sequence; an nn.Linear or Conv1D one
+computes it with ``tp_comm.ColumnFromChunk``, saving this rank's chunk for backward), row projections reduce-scatter
 along the sequence (``tp_comm.row_output_sp``) instead of g. Experts keep f and g.
 
 Checkpoints and FSDP on top: ``parallel.tp_placement`` (``plain_shards``, ``restore_layout``, ``fsdp_placement``).
@@ -59,7 +60,8 @@ from lightning_autopar.errors import ConfigError
 from lightning_autopar.parallel.dtensor_private import (own_parameters, parallel_style_base, strided_shard, swap_back,
                                                         swap_in_local)
 from lightning_autopar.parallel.row_order import RowOrder, keep_row_order
-from lightning_autopar.parallel.tp_comm import CopyToTP, ReduceFromTP, SeqComm, SliceOfReplicated, row_output_sp
+from lightning_autopar.parallel.tp_comm import (CopyToTP, ReduceFromTP, SeqComm, SliceOfReplicated, keep_chunk_forward,
+                                                row_output_sp)
 from lightning_autopar.parallel.tp_experts import shard_fused_experts
 from lightning_autopar.profile.analyze import (AttentionInfo, BlockInfo, MLPInfo, ModelAnalysis, MoEInfo,
                                                divide_attributes, leaf_width_attributes)
@@ -186,6 +188,9 @@ def _local_style() -> type:
                 bias_index = order.local_index(rank) if order is not None else \
                     piece_index(out_features, spec.pieces, tp, rank)
             comm = SeqComm(group, tp, device_mesh.get_local_rank()) if spec.sp else None
+            if spec.kind == "col" and spec.sp and (type(module) is nn.Linear or (spec.transposed and
+                                                                               type(module).__name__ == "Conv1D")):
+                keep_chunk_forward(module, spec.transposed)
             module.register_forward_pre_hook(_pre_hook(spec, group, bias_index), with_kwargs=True)
             module.register_forward_hook(_post_hook(spec, group, comm))
             return module

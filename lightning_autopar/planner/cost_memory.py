@@ -51,10 +51,23 @@ def fsdp_buffer_bytes(unit: Any, zero: Any, prec: Any) -> Any:
     return np.where(zero == 3, 2.0 * unit * WEIGHT_BYTES[prec], unit * GRAD_REDUCE_BYTES[prec])
 
 
+def sp_replicated_elements(h: Any, tp: Any, sp: Any, moe: bool = False) -> Any:
+    """2-byte units per token of the activations TP alone leaves whole on every rank: the two LayerNorm inputs 4h,
+    the QKV and MLP inputs 2h + 2h, the two dropout masks 2h; 10h, or 10h/t with sequence parallelism (Korthikanti
+    et al. 2022, s.4.2.2 and Table 2: 34sbh/t per layer with SP and selective recompute). The QKV and MLP inputs
+    are the sequence SP all-gathers; their column projections save this rank's chunk (h/t) and gather it again in
+    backward (parallel/tp_comm.ColumnFromChunk; in a recomputed block the recompute gathers it again). An MoE
+    block's MLP input stays whole (2h): its module gathers the sequence for the router and keeps it
+    (parallel/sequence.py)."""
+    div = np.where(sp, tp, 1)
+    return 10.0 * h / div + (2.0 * h * (1.0 - 1.0 / div) if moe else 0.0)
+
+
 def activation_bytes_per_block(m: ModelSpec, mbs: Any, seq: Any, tp: Any, sp: Any, cp: Any, recompute: Any,
                                elem: Any, fused: bool = True, moe: bool = False) -> Any:
-    """sbh(10 + 24/t) + 5as^2b/t (Korthikanti et al. 2022) [SP as autopar runs it: sbh(4 + 6/t + 24/t) + 5as^2b/t,
-    the attention's and MLP's gathered inputs kept whole]; selective drops the s^2 term; full keeps 2sbh;
+    """sbh(10 + 24/t) + 5as^2b/t (Korthikanti et al. 2022, Table 2), with SP sbh(34/t) + 5as^2b/t
+    (``sp_replicated_elements``: the attention's and MLP's inputs saved as this rank's chunk, gathered again in
+    backward); selective drops the s^2 term (with SP: 34sbh/t); full keeps 2sbh;
     ops (code 3) keeps the block input 2sbh (/t with SP) and the compute-bound ops' outputs (ops_saved_elements).
     cp > 1: s = seq/cp, plus the K and V the attention gathered from the other cp ranks, 2b(seq - s)kvd/t, which
     the attention keeps for backward (all-gather CP, parallel/context.py)."""
@@ -64,13 +77,10 @@ def activation_bytes_per_block(m: ModelSpec, mbs: Any, seq: Any, tp: Any, sp: An
     ffn_elems = (4 if m.ffn_kind == "gelu" else 8) * m.ffn_hidden * (m.top_k if moe else 1)
     # 2-byte activations: replicated = LN inputs 4h, QKV input 2h, MLP input 2h, 2 dropout masks 2h = 10h;
     # TP-split = Q 2h, K,V 2*2kvd, proj input 2h, MLP intermediates (gelu 4f, swiglu 8f) (= 24h for MHA, f=4h gelu)
-    # SP splits the LN inputs and dropout masks (6h); the QKV and MLP inputs (4h) are the sequence the attention /
-    # MLP all-gathers, which autopar's SP keeps whole for backward (parallel/sequence.py; Megatron re-gathers it)
-    on_sequence, gathered_inputs = 6.0 * h, 4.0 * h
     split = 2 * h + 4 * kvd + 2 * h + ffn_elems
     scores = 0.0 if fused else 5.0 * m.heads * seq  # softmax out 2, mask 1, dropout out 2 bytes per score (x s)
     rep_div = np.where(sp, tp, 1)
-    replicated = on_sequence / rep_div + gathered_inputs
+    replicated = sp_replicated_elements(h, tp, sp, moe)
     gathered_kv = (seq - s) * b * 4.0 * kvd / tp  # 2-byte units as above: K and V, 2 bytes each per element
     full_layer = s * b * (replicated + split / tp + scores / tp) + gathered_kv
     selective = s * b * (replicated + split / tp) + gathered_kv
