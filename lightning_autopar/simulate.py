@@ -454,6 +454,6 @@ def simulate(model: Any, cluster: str | ClusterSpec, global_batch: int, seq_len:
     for rank in chosen:
         result = simulate_rank(model, spec, priced, rank, world, global_batch, seq)
         result.predicted, result.predicted_collectives = predicted_rank(planned_spec, clus, priced, result.stage,
-                                                                        global_batch, seq)
+                                                                        seq)
         results.append(result)
     return SimulationReport(world, priced, results, time.perf_counter() - started)

@@ -206,12 +206,7 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     zero, prec_d = D["zero"], D["precision"]
     ds = np.where(D["dp_shard"] > 0, D["dp_shard"], Lt["dp"][dl]).astype(float)
     reps_d = _stage_reps(m, hw, space, seq, fused, Lt["pp"][dl], D["vpp"], D["schedule"])
-    p_dense_blk = m.block_params() / tp_d
-    p_moe_shared = (m.attention_params() + 4 * m.hidden + m.hidden * m.experts) / tp_d
-    p_moe_expert = m.mlp_params() * m.experts / (tp_d * ep_d) if has_moe else 0.0 * tp_d
-    p_emb = m.vocab * m.hidden / tp_d
-    # LM head + final norm; a tied head shares the embedding on one stage, Megatron keeps a copy on the last one
-    p_head = np.where(m.tied_embeddings & (pp_d == 1), 0.0, m.vocab * m.hidden / tp_d) + 2 * m.hidden
+    p_dense_blk, p_moe_shared, p_moe_expert, p_emb, p_head = rank_param_counts(m, tp_d, ep_d, pp_d, has_moe)
     unit = np.maximum(p_dense_blk, p_moe_shared + p_moe_expert if has_moe else 0.0)
     dpc: dict[str, list] = {name: [] for name in DPC_TERMS}
     for r in range(N_REP):
@@ -352,6 +347,20 @@ class Dpc(IntEnum):
 
 
 DPC_TERMS = tuple(term.name.lower() for term in Dpc)  # the keys of the dpc dict, in Dpc order
+
+
+def rank_param_counts(m: ModelSpec, tp: Any, ep: Any, pp: Any, has_moe: bool) -> tuple[Any, Any, Any, Any, Any]:
+    """Parameters a rank holds before data-parallel sharding: (dense block, MoE block's shared part, MoE block's
+    experts, embedding, LM head + final norm), Megatron's layout: everything but the norms split over tp
+    (``autopar simulate`` measures the runtime keeping the embedding, the head and the norms whole on every TP
+    rank: parallel/tensor.py; issue 27). A tied head shares the embedding on one stage; with stages the last one
+    keeps a copy (Megatron)."""
+    dense = m.block_params() / tp
+    shared = (m.attention_params() + 4 * m.hidden + m.hidden * m.experts) / tp
+    expert = m.mlp_params() * m.experts / (tp * ep) if has_moe else 0.0 * tp
+    emb = m.vocab * m.hidden / tp
+    head = np.where(m.tied_embeddings & (np.asarray(pp) == 1), 0.0, m.vocab * m.hidden / tp) + 2 * m.hidden
+    return dense, shared, expert, emb, head
 
 
 def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d: np.ndarray, dp_d: np.ndarray,
