@@ -287,6 +287,7 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from lightning_autopar.parallel.dtensor_private import clear_sharding_caches
     from lightning_autopar.topology.mesh import release_meshes
 
     if dist.is_initialized():
@@ -298,6 +299,7 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
     finally:
         dist.destroy_process_group()
         release_meshes()
+        clear_sharding_caches()
 
 
 def _local_bytes(tensors: Sequence[Any]) -> int:
@@ -417,6 +419,17 @@ def parse_ranks(text: str | Sequence[int] | None, plan: Any, world: int) -> list
     return out
 
 
+def check_simulable(plan: Any, spec: ModelSpec) -> None:
+    """One ConfigError for a plan the simulation cannot run: plain DDP (zero 0, data parallelism alone) builds
+    its C++ reducer's buckets from the parameters' data, which fake tensors do not have."""
+    from lightning_autopar.dims import ParallelDims
+
+    if ParallelDims.from_plan(plan).plain_ddp(spec.experts > 0):
+        raise ConfigError("plan.zero", f"{plan.short()} runs plain DDP, whose C++ reducer needs real parameter "
+                          "data; it cannot run on fake tensors", "simulate zero>=1 (the same states per rank "
+                          "at zero 1-2 bar the sharding), or a plan with tp, pp or cp")
+
+
 def simulate(model: Any, cluster: str | ClusterSpec, global_batch: int, seq_len: int | None = None,
              fix: Any = None, ranks: str | Sequence[int] | None = None, nodes: int | None = None,
              devices_per_node: int | None = None, precision: Any = None,
@@ -449,6 +462,7 @@ def simulate(model: Any, cluster: str | ClusterSpec, global_batch: int, seq_len:
                         explain_choice=False)
     priced = report.best
     world = clus.world_size
+    check_simulable(priced.plan, planned_spec)
     chosen = parse_ranks(ranks, priced.plan, world)
     results = []
     for rank in chosen:

@@ -1,0 +1,120 @@
+"""`autopar simulate` (issue 27): a plan applied at its world size in this one process (fake process group, fake
+tensors), one training step per rank, memory and collectives beside the planner's. Small worlds of the reference
+GPT; each simulation takes a few seconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from lightning_autopar.simulate import simulate
+from lightning_autopar.specs import ModelSpec
+
+GIB = 2**30
+SEQ = 8
+# 2 blocks of hidden 64: the reference GPT adds learned positions (SEQ x hidden, 0.4% here) to the spec's count
+SPEC = ModelSpec(name="sim-tiny", layers=2, hidden=64, heads=4, vocab=128, seq_len=SEQ)
+BASE = "pp=1,cp=1,ep=1,sp=false,compile=false,recompute=none,offload=none,precision=fp32,mbs=1"
+BLOCK = 4 * 64 * 64 + 2 * 64 * 256 + 4 * 64  # attention, MLP, two LayerNorms (weight + bias)
+EDGE = 2 * 128 * 64 + 2 * 64  # embedding, LM head, final norm
+POS = SEQ * 64
+PARAMS = 2 * BLOCK + EDGE + POS  # what the reference GPT holds
+TENSORS = 2 * 10 + 5  # parameter tensors: 10 per block; embeddings, final norm, head
+
+
+def run(fix: str, world: int, global_batch: int, **kwargs):
+    report = simulate(SPEC, "a100-80g-dgx", global_batch=global_batch, fix=f"{BASE},{fix}", nodes=1,
+                      devices_per_node=world, **kwargs)
+    assert not dist.is_initialized()  # the fake group is gone
+    return report
+
+
+def collective(report, group: str, op: str) -> dict:
+    return next(c for c in report.collectives() if c["group"] == group and c["op"] == op)
+
+
+@pytest.fixture(scope="module")
+def zero3():
+    return run("dp=8,dp_shard=8,tp=1,zero=3,grad_accum=2", 8, 16)
+
+
+def test_zero3_states_are_the_planners(zero3):
+    (rank,) = zero3.ranks
+    m, p = rank.measured, rank.predicted
+    # fp32: 4 B of parameters, 4 of gradients, 8 of Adam's m and v per parameter, sharded over the 8 ranks
+    # (FSDP2 pads each tensor's dim 0 to a multiple of 8: none of these needs it)
+    assert m["params_gib"] * GIB == PARAMS * 4 / 8
+    assert m["grads_gib"] * GIB == PARAMS * 4 / 8
+    assert m["optimizer_gib"] * GIB == PARAMS * 8 / 8 + 4 * TENSORS  # + Adam's step count per tensor
+    for key in ("params_gib", "grads_gib", "optimizer_gib"):
+        assert m[key] == pytest.approx(p[key], rel=0.01), key
+    assert 0 < m["activations_gib"] < m["peak_gib"]
+
+
+def test_zero3_collectives(zero3):
+    blocks, units, ga = 2, 3, 2
+    rs = collective(zero3, "fsdp", "reduce_scatter")
+    assert rs["count"] == rs["predicted_count"] == units  # once per step, one per FSDP unit
+    assert rs["bytes"] == PARAMS * 4  # fp32 gradients, whole buffers
+    assert rs["bytes"] == pytest.approx(rs["predicted_bytes"], rel=0.01)
+    ag = collective(zero3, "fsdp", "all_gather")
+    # the runtime keeps the last block and the root unit gathered (parallel/fsdp.py): the first micro-batch
+    # gathers every unit, then each micro-batch's backward re-gathers the other blocks, and the second
+    # micro-batch's forward those blocks again; the planner prices every unit twice per micro-batch
+    assert ag["count"] == units + (blocks - 1) * (2 * ga - 1)
+    assert ag["predicted_count"] == 2 * ga * units
+    loss = collective(zero3, "dp", "all_reduce")  # the logged loss, averaged over the data-parallel ranks
+    assert loss["count"] == 1 and loss["bytes"] == 4
+
+
+def test_json_keys(zero3):
+    out = json.loads(json.dumps(zero3.to_json_dict()))
+    assert set(out) == {"world", "plan", "ranks", "collectives", "seconds"}
+    assert out["world"] == 8 and out["plan"].startswith("dp=8 zero=3")
+    keys = {"params_gib", "grads_gib", "optimizer_gib", "activations_gib", "peak_gib"}
+    assert set(out["ranks"][0]) == {"rank", "stage"} | keys | {f"predicted_{k}" for k in keys}
+    assert all(set(c) == {"group", "op", "count", "bytes", "predicted_count", "predicted_bytes"}
+               for c in out["collectives"])
+
+
+def test_tensor_parallel_layout():
+    report = run("dp=2,tp=2,zero=0,grad_accum=1", 4, 2, ranks="first,last")
+    assert [r.rank for r in report.ranks] == [0, 3]
+    tp_params = 2 * (BLOCK - 4 * 64) // 2 + 2 * 4 * 64 + EDGE + POS  # projections split; norms, embeddings whole
+    for rank in report.ranks:
+        m, p = rank.measured, rank.predicted
+        assert m["params_gib"] * GIB == tp_params * 4  # zero 0: FSDP2 on a replicate mesh keeps them whole
+        # the planner: the embedding and the head split over tp too (Megatron's vocab-parallel layout), and
+        # zero 0 on FSDP2 counts the unsharded compute copy beside the (here whole) shard: twice the weights
+        planner_tp_params = (2 * BLOCK + EDGE - 2 * 64) / 2 + 2 * 64
+        assert p["params_gib"] * GIB == pytest.approx(2 * planner_tp_params * 4)
+    ar = collective(report, "tp", "all_reduce")
+    tokens = 1 * SEQ * 64 * 4  # one micro-batch's hidden states, fp32
+    # per block: o_proj and down_proj forward (g); backward q, k, v and up_proj's inputs (f, one per projection:
+    # the planner prices Megatron's fused QKV, two per block each way)
+    assert ar["count"] == 2 * 6 and ar["bytes"] == 2 * 6 * tokens
+    assert ar["predicted_count"] == 2 * 4 and ar["predicted_bytes"] == 2 * 4 * tokens
+
+
+def test_plain_ddp_is_refused_in_one_line():
+    from lightning_autopar.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="plan.zero.*plain DDP"):
+        run("dp=4,tp=1,zero=0,grad_accum=1", 4, 4)
+    assert not dist.is_initialized()
+
+
+def test_cli_bad_input_exits_2(capsys):
+    from lightning_autopar.cli import main
+
+    assert main(["simulate", "--model", "gpt-tiny", "--cluster", "cpu", "--global-batch", "0"]) == 2
+    assert "--global-batch" in capsys.readouterr().err
+    assert main(["simulate", "--model", "gpt-tiny", "--cluster", "a100-80g-dgx", "--nodes", "1",
+                 "--global-batch", "8", "--ranks", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ranks" in err and "Traceback" not in err
+    assert main(["simulate", "--model", "no_such_pkg.mod:factory", "--cluster", "cpu", "--global-batch", "8"]) == 2
+    assert "factory" in capsys.readouterr().err
+    assert not dist.is_initialized()
