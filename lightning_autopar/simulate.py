@@ -14,9 +14,11 @@ prediction for the same plan (``PricedPlan.memory_breakdown``, and the per-stage
 ``planner.traffic.rank_state_bytes``), and per group kind (dp, fsdp, tp, cp, ep, pp) each collective's count and
 bytes in the step beside ``planner.traffic.step_collectives``.
 
-Pipelines (pp > 1): torch's schedules exchange tensors and objects between stages, which a fake group cannot
-carry; a stage is simulated by running its own chunks forward and backward per micro-batch on stand-in inputs
-of the shape its predecessor sends (``_stage_step``), the sends and receives recorded as the schedule makes them.
+Pipelines (pp > 1) run torch's schedule itself; what its stages tell each other that a fake group cannot carry
+(warm-up votes, stage metadata, the runtime's object gathers) passes inside this process (``StageMailbox``), so
+the stages are simulated in order, and the measured step is the second (the first infers the stages' shapes).
+Not simulated (``check_simulable`` refuses it in one line): plain DDP (its C++ reducer builds buckets from the
+parameters' data).
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ class SimulationReport:
         for key in MEMORY_KEYS:
             table.add_column(key.removesuffix("_gib"), justify="right")
         for r in self.ranks:
-            table.add_row(str(r.rank), str(r.stage), *(f"{r.measured[k]:.3f} / {r.predicted[k]:.3f}"
+            table.add_row(str(r.rank), str(r.stage), *(f"{r.measured[k]:.4g} / {r.predicted[k]:.4g}"
                                                        for k in MEMORY_KEYS))
         console.print(table)
         comm = Table(title="collectives in one step (simulated / predicted)")
@@ -302,6 +304,104 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
         clear_sharding_caches()
 
 
+@dataclass(frozen=True)
+class _Vote:
+    """A stage's warm-up vote as the schedule reads it (``.item()``), outside FakeTensorMode."""
+
+    value: int
+
+    def item(self) -> int:
+        return self.value
+
+
+@dataclass(frozen=True)
+class _MicroIndex:
+    """A micro-batch index where ``PipelineSteps.loss`` reads one from the schedule's target tensor."""
+
+    value: int
+
+    def reshape(self, *shape: int) -> list[int]:
+        return [self.value]
+
+
+class StageMailbox:
+    """What pipeline stages tell each other that a fake group cannot carry, passed inside this process instead
+    (``in_process``): torch 2.13's warm-up vote (each rank's own vote stands: every rank of a simulation runs the
+    same code), the stages' forward metadata (what stage i sends stage i+1, kept from the simulation of stage i; a
+    block stack's stages all exchange the same hidden states, so a chunk whose sender was not simulated takes the
+    last one sent), their backward metadata (the gradients of a stage's outputs: its outputs' metadata), the
+    runtime's gather of micro-batch signatures (every rank holds the same batch) and the last stage's loss
+    broadcast (0 on the other stages: the loss is not what a simulation measures). The last stage's loss finds
+    its micro-batch by the order the schedule calls it in (the micro-batch index the schedule passes is a fake
+    tensor, which has no value)."""
+
+    def __init__(self) -> None:
+        self.forward: dict[tuple[int, int], Any] = {}
+        self.last_forward: Any = None
+
+    @contextlib.contextmanager
+    def in_process(self) -> Iterator[None]:
+        import torch.distributed as dist
+        from torch.distributed.pipelining import stage as torch_stage
+        from torch.distributed.pipelining._utils import InferenceMode, _StageBackwardMeta, _StageForwardMeta
+
+        from lightning_autopar.parallel.pipeline.runtime import StagedPipeline
+        from lightning_autopar.runtime.pipeline_step import PipelineSteps
+
+        box = self
+
+        def vote(stage: Any, has_backward: bool, received_acc: Any = None) -> Any:
+            return _Vote(0 if InferenceMode.needs_dynamic(stage._user_meta, has_backward) else 1)
+
+        def result(stage: Any, received_result: Any = None) -> Any:
+            return received_result if received_result is not None else vote(stage, True)
+
+        def send_meta(stage: Any, meta: Any, dst_stage: int) -> None:
+            if isinstance(meta, _StageForwardMeta):
+                box.forward[(stage.stage_index, dst_stage)] = box.last_forward = meta
+
+        def recv_meta(stage: Any, src_stage: int) -> Any:
+            if src_stage > stage.stage_index:
+                return _StageBackwardMeta(backward_metas=tuple(stage._stage_meta.outputs))
+            meta = box.forward.get((src_stage, stage.stage_index), box.last_forward)
+            if meta is None:
+                raise ConfigError("ranks", f"pipeline stage {stage.stage_index} needs the metadata of stage "
+                                  f"{src_stage}, which was not simulated", "include the first stage's rank")
+            return meta
+
+        def gather_object(out: list, obj: Any, group: Any = None) -> None:
+            out[:] = [obj] * len(out)
+
+        loss, calls = PipelineSteps.loss, [0]
+
+        def counted_loss(steps: Any, output: Any, target: Any) -> Any:
+            if steps.pipe.inferring:  # the shape inference's pass: micro-batch 0
+                return loss(steps, output, _MicroIndex(0))
+            index = calls[0] % len(steps.current.micro)
+            calls[0] += 1
+            out = loss(steps, output, _MicroIndex(index))
+            steps.current.losses[-1] = 0.0  # the value the runtime averages for the log: a fake tensor has none
+            return out
+
+        saved = [(torch_stage.PipelineStage, name, getattr(torch_stage.PipelineStage, name))
+                 for name in ("_warmup_forward_vote", "_warmup_backward_result", "_send_meta", "_recv_meta")]
+        saved += [(dist, "all_gather_object", dist.all_gather_object),
+                  (StagedPipeline, "broadcast_from_last", StagedPipeline.broadcast_from_last),
+                  (PipelineSteps, "loss", loss)]
+        PipelineSteps.loss = counted_loss
+        torch_stage.PipelineStage._warmup_forward_vote = vote
+        torch_stage.PipelineStage._warmup_backward_result = result
+        torch_stage.PipelineStage._send_meta = send_meta
+        torch_stage.PipelineStage._recv_meta = recv_meta
+        dist.all_gather_object = gather_object
+        StagedPipeline.broadcast_from_last = lambda pipe, obj: obj if obj is not None else (0.0, {})
+        try:
+            yield
+        finally:
+            for owner, name, value in saved:
+                setattr(owner, name, value)
+
+
 def _local_bytes(tensors: Sequence[Any]) -> int:
     """Bytes of this rank's part of ``tensors`` (a DTensor's local shard)."""
     total, seen = 0, set()
@@ -336,7 +436,7 @@ def _first_states(module: Any, optimizer: Any) -> None:
 
 
 def simulate_rank(model: Any, spec: ModelSpec | None, priced: PricedPlan, rank: int, world: int,
-                  global_batch: int, seq_len: int) -> RankResult:
+                  global_batch: int, seq_len: int, mailbox: StageMailbox | None = None) -> RankResult:
     """One rank of ``priced.plan`` simulated (module doc)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -350,7 +450,8 @@ def simulate_rank(model: Any, spec: ModelSpec | None, priced: PricedPlan, rank: 
     stage = rank // (world // plan.pp)  # pp is the mesh's outermost dimension (dims.MESH_DIMS)
     device = torch.device("cpu")
     recorder = CollectiveRecorder(group_kinds(plan, rank))
-    with fake_world(rank, world), mesh_outside_fake_mode(), warnings.catch_warnings():
+    mailbox = mailbox or StageMailbox()
+    with fake_world(rank, world), mesh_outside_fake_mode(), mailbox.in_process(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log outside a Trainer, FSDP's meta-device notes
         layout = build_mesh(plan, device.type)
         module = _meta_module(model, spec)
@@ -360,11 +461,15 @@ def simulate_rank(model: Any, spec: ModelSpec | None, priced: PricedPlan, rank: 
             tokens = torch.randint(0, vocab, (global_batch, seq_len + 1), device=device)
             batch = (tokens[:, :-1], tokens[:, 1:])
             trial, applied = _build(module, plan, layout, batch, device, priced.layers_per_stage or None)
-            _first_states(module, trial.optimizer)
+            if plan.pp > 1:  # the schedule's first step also infers the stages' shapes: not a step like the others
+                trial.step(batch)
+            else:
+                _first_states(module, trial.optimizer)
             states: list[tuple[int, int, int]] = []
             handle = trial.optimizer.register_step_pre_hook(
                 lambda opt, args, kwargs: states.append(_states(module, opt)))
-            tracker = _tracker(module, trial.optimizer)
+            # a pipeline stage's backward runs autograd.grad, which MemTracker's backward hooks break (profile.memory)
+            tracker = _tracker(module, trial.optimizer, backward_hooks=plan.pp == 1)
             try:
                 with tracker, recorder.recording():
                     trial.step(batch)
@@ -465,8 +570,9 @@ def simulate(model: Any, cluster: str | ClusterSpec, global_batch: int, seq_len:
     check_simulable(priced.plan, planned_spec)
     chosen = parse_ranks(ranks, priced.plan, world)
     results = []
-    for rank in chosen:
-        result = simulate_rank(model, spec, priced, rank, world, global_batch, seq)
+    mailbox = StageMailbox()
+    for rank in sorted(chosen, key=lambda r: (r * priced.plan.pp // world, r)):  # stages in order (StageMailbox)
+        result = simulate_rank(model, spec, priced, rank, world, global_batch, seq, mailbox)
         result.predicted, result.predicted_collectives = predicted_rank(planned_spec, clus, priced, result.stage,
                                                                         seq)
         results.append(result)

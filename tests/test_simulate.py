@@ -98,6 +98,24 @@ def test_tensor_parallel_layout():
     assert ar["predicted_count"] == 2 * 4 and ar["predicted_bytes"] == 2 * 4 * tokens
 
 
+def test_pipeline_stages():
+    report = run("dp=2,pp=2,tp=1,zero=1,grad_accum=4,schedule=1f1b", 4, 8)
+    assert [(r.rank, r.stage) for r in report.ranks] == [(0, 0), (2, 1)]  # the first rank of each stage
+    for rank in report.ranks:
+        m, p = rank.measured, rank.predicted
+        # zero 1 runs as zero 2 (FSDP2 reduce-scatters): gradients and optimizer states sharded over dp
+        for key in ("grads_gib", "optimizer_gib"):
+            assert m[key] == pytest.approx(p[key], rel=0.01), (rank.stage, key)
+    act = 1 * SEQ * 64 * 4  # one micro-batch's hidden states, fp32
+    for op in ("send", "recv"):  # activations forward, gradients backward: one per micro-batch each way
+        row = collective(report, "pp", op)
+        assert row["count"] == row["predicted_count"] == 4 and row["bytes"] == row["predicted_bytes"] == 4 * act
+    for op in ("all_gather", "reduce_scatter"):  # once per step per unit (zero 1/2), the shape inference apart
+        row = collective(report, "fsdp", op)
+        assert row["count"] == row["predicted_count"] == 2  # a block and the embedding (head) unit
+        assert row["bytes"] == pytest.approx(row["predicted_bytes"], rel=0.01)
+
+
 def test_plain_ddp_is_refused_in_one_line():
     from lightning_autopar.errors import ConfigError
 
