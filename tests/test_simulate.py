@@ -116,6 +116,26 @@ def test_pipeline_stages():
         assert row["bytes"] == pytest.approx(row["predicted_bytes"], rel=0.01)
 
 
+def llama_tiny():
+    """A Hugging Face LlamaForCausalLM (the factory form of ``--model pkg.module:factory``)."""
+    from lightning_autopar.models.hf import causal_lm
+    from lightning_autopar.specs import load_model_spec
+
+    return causal_lm(load_model_spec("llama_tiny"))
+
+
+def test_hugging_face_factory():
+    pytest.importorskip("transformers")
+    report = simulate(llama_tiny, "a100-80g-dgx", global_batch=4, fix=f"{BASE},dp=4,tp=1,zero=3,grad_accum=1",
+                      nodes=1, devices_per_node=4)
+    m, p = report.ranks[0].measured, report.ranks[0].predicted
+    for key in ("params_gib", "grads_gib", "optimizer_gib"):  # RMSNorm has no bias: 0.1% under the spec's count
+        assert m[key] == pytest.approx(p[key], rel=0.01), key
+    rs = collective(report, "fsdp", "reduce_scatter")
+    assert rs["count"] == rs["predicted_count"] == 4 + 1  # four decoder layers and the rest
+    assert not dist.is_initialized()
+
+
 def test_plain_ddp_is_refused_in_one_line():
     from lightning_autopar.errors import ConfigError
 
