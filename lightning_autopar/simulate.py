@@ -469,7 +469,7 @@ def simulate_rank(model: Any, spec: ModelSpec | None, priced: PricedPlan, rank: 
             handle = trial.optimizer.register_step_pre_hook(
                 lambda opt, args, kwargs: states.append(_states(module, opt)))
             # a pipeline stage's backward runs autograd.grad, which MemTracker's backward hooks break (profile.memory)
-            tracker = _tracker(module, trial.optimizer, backward_hooks=plan.pp == 1)
+            tracker = _tracker(module, trial.optimizer, backward_hooks=plan.pp == 1, module_peaks=False)
             try:
                 with tracker, recorder.recording():
                     trial.step(batch)
