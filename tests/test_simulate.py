@@ -62,9 +62,12 @@ def test_zero3_collectives(zero3):
     ag = collective(zero3, "fsdp", "all_gather")
     # the runtime keeps the last block and the root unit gathered (parallel/fsdp.py): the first micro-batch
     # gathers every unit, then each micro-batch's backward re-gathers the other blocks, and the second
-    # micro-batch's forward those blocks again; the planner prices every unit twice per micro-batch
-    assert ag["count"] == units + (blocks - 1) * (2 * ga - 1)
-    assert ag["predicted_count"] == 2 * ga * units
+    # micro-batch's forward those blocks again (the planner priced every unit twice per micro-batch before
+    # issue 27; now the kept ones once per step)
+    assert ag["count"] == units + (blocks - 1) * (2 * ga - 1) == ag["predicted_count"]
+    kept = BLOCK + EDGE + POS
+    assert ag["bytes"] == 4 * (kept + 2 * ga * (PARAMS - kept))
+    assert ag["bytes"] == pytest.approx(ag["predicted_bytes"], rel=0.01)
     loss = collective(zero3, "dp", "all_reduce")  # the logged loss, averaged over the data-parallel ranks
     assert loss["count"] == 1 and loss["bytes"] == 4
 

@@ -217,7 +217,9 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
         # the last unit's reduction have no compute to hide behind
         edge = he * p_emb + hh * p_head
         tail = np.minimum(1.0, np.where(edge > 0, edge, unit) / np.maximum(p_d + p_e, 1.0))
-        _dp_rank_terms(hw, dpc, zero, prec_d, dp_d, cp_d, tp_d, ep_d, ds, p_d, p_e, unit, tail, pp_d, D["offload"])
+        kept = edge + np.where(nd > 0, p_dense_blk, p_moe_shared)  # the root unit and the last block
+        _dp_rank_terms(hw, dpc, zero, prec_d, dp_d, cp_d, tp_d, ep_d, ds, p_d, p_e, unit, tail, pp_d, D["offload"],
+                       kept)
     return mid, dpc
 
 
@@ -365,12 +367,14 @@ def rank_param_counts(m: ModelSpec, tp: Any, ep: Any, pp: Any, has_moe: bool) ->
 
 def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d: np.ndarray, dp_d: np.ndarray,
                    cp_d: np.ndarray, tp_d: np.ndarray, ep_d: np.ndarray, ds: np.ndarray, p_d: np.ndarray,
-                   p_e: np.ndarray, unit: np.ndarray, tail: np.ndarray, pp: Any = 1.0, offload: Any = 0) -> None:
+                   p_e: np.ndarray, unit: np.ndarray, tail: np.ndarray, pp: Any = 1.0, offload: Any = 0,
+                   kept: Any = 0.0) -> None:
     """Append one representative rank's data-parallel traffic, parameter work and model-state memory to ``dpc``.
 
     ``p_d`` / ``p_e``: dense / expert parameters on the rank; ``unit``: the largest FSDP unit (zero-3 gather
     buffers); ``tail``: the share of the rank's gather/reduction that no compute hides (first / last unit);
-    ``pp``: the pipeline degree (a pipeline stage keeps its FSDP parameters gathered from one micro-batch's
+    ``kept``: the parameters of the units zero 3 keeps gathered through the step (the last block and the root
+    unit, outside a pipeline); ``pp``: the pipeline degree (a pipeline stage keeps its FSDP parameters gathered from one micro-batch's
     backward to the next one's forward: torch.distributed.pipelining turns reshard_after_backward off until the
     step's last); ``offload``: the OFFLOAD_MODES code (model states on the host: cost_memory.offloaded_state_bytes,
     their copies and the host optimizer step: offload_copy_time, host_optimizer_step_time). What it appends is
@@ -413,10 +417,17 @@ def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d:
     # (plus the interference share of the hidden part, search.slot_of). zero 3 gathers every unit in forward and
     # again in backward per micro-batch; zero 1/2 gather once per step and keep the parameters until the last
     # micro-batch's backward (set_gradient_sync), priced as one exposed gather per step (c3).
-    dpc["a1"].append(np.where(z3 & ~staged, ag, 0.0))
-    dpc["b1"].append(np.where(z3 & ~staged, ag * tail, 0.0))
-    dpc["a2"].append(np.where(z3, ag, 0.0))
-    dpc["b2"].append(np.where(z3, ag * tail, 0.0))
+    # zero 3 outside a pipeline: the runtime keeps the last block and the root unit (embedding, norm, head)
+    # gathered from forward to backward and from one micro-batch to the next (parallel/fsdp.py, reshard only the
+    # other blocks): ``kept``, gathered once per step; the other units in forward and again in backward per
+    # micro-batch (autopar simulate counts these gathers: issue 27)
+    ag_kept = np.where(z3 & ~staged, allgather_time(hw, np.minimum(kept, p_d) * wbytes, shard, shard_s), 0.0)
+    ag_rest = np.maximum(ag - ag_kept, 0.0)
+    once = once + ag_kept
+    dpc["a1"].append(np.where(z3 & ~staged, ag_rest, 0.0))
+    dpc["b1"].append(np.where(z3 & ~staged, ag_rest * tail, 0.0))
+    dpc["a2"].append(np.where(z3, np.where(staged, ag, ag_rest), 0.0))
+    dpc["b2"].append(np.where(z3, np.where(staged, ag, ag_rest) * tail, 0.0))
     dpc["a3"].append(once)
     dpc["b3"].append(once * tail)
     dpc["c3"].append(np.where(z1 | z2, ag, 0.0))

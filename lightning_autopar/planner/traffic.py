@@ -41,13 +41,17 @@ def stage_blocks(model: ModelSpec, plan: Plan, layers_per_stage: list[int], stag
     return nd, nm, stage == 0, stage == (chunks - 1) % plan.pp
 
 
-def stage_params(model: ModelSpec, plan: Plan, layers_per_stage: list[int], stage: int) -> tuple[float, float, float]:
+def stage_params(model: ModelSpec, plan: Plan, layers_per_stage: list[int], stage: int,
+                 kept: bool = False) -> Any:
     """(dense parameters, expert parameters, the largest FSDP unit) on rank ``stage`` before data-parallel
-    sharding, as the search counts them (``terms.rank_param_counts``)."""
+    sharding, as the search counts them (``terms.rank_param_counts``); ``kept``: the parameters of the root unit
+    and the last block instead (what zero 3 keeps gathered, ``terms._dp_rank_terms``)."""
     nd, nm, he, hh = stage_blocks(model, plan, layers_per_stage, stage)
     has_moe = model.experts > 0
     dense, shared, expert, emb, head = (float(np.asarray(x)) for x in
                                         rank_param_counts(model, plan.tp, plan.ep, plan.pp, has_moe))
+    if kept:
+        return he * emb + hh * head + (dense if nd > 0 else shared)
     p_d = nd * dense + nm * shared + he * emb + hh * head
     unit = max(dense, shared + expert if has_moe else 0.0)
     return p_d, nm * expert, unit
@@ -93,8 +97,12 @@ def step_collectives(model: ModelSpec, plan: Plan, layers_per_stage: list[int], 
         zero = 2 if (plan.zero == 0 and plan.cp > 1) else plan.zero
         shard = (plan.dp_shard or plan.dp) * plan.cp if not (plan.zero == 0 and plan.cp > 1) else plan.cp
         add("fsdp", "reduce_scatter", units, (p_d + p_e) * gbytes)
-        passes = (2 * ga if plan.pp == 1 else 1 + ga) if zero == 3 else 1
-        add("fsdp", "all_gather", units * passes, passes * (p_d + p_e) * wbytes)
+        if zero == 3 and plan.pp == 1:  # the root unit and the last block once, the others twice per micro-batch
+            kept = min(stage_params(model, plan, layers_per_stage, stage, kept=True), p_d)
+            add("fsdp", "all_gather", 2 + 2 * ga * (units - 2), kept * wbytes + 2 * ga * (p_d + p_e - kept) * wbytes)
+        else:
+            passes = 1 + ga if zero == 3 else 1  # zero 3 in a stage: forward once, backward per micro-batch
+            add("fsdp", "all_gather", units * passes, passes * (p_d + p_e) * wbytes)
         replicas = plan.dp / (plan.dp_shard or plan.dp)
         if replicas > 1:
             add("dp", "all_reduce", units, (p_d + p_e) * gbytes / shard)
