@@ -121,10 +121,11 @@ def step_collectives(model: ModelSpec, plan: Plan, layers_per_stage: list[int], 
     if plan.ep > 1 and nm:
         per = tokens / (plan.tp if plan.sp else 1) * model.top_k * model.hidden * elem
         add("ep", "all_to_all", 4 * nm * ga, 4 * nm * ga * per)
-    if plan.pp > 1:
-        act = tokens / (plan.tp if plan.sp else 1) * model.hidden * elem
-        first, last = stage == 0, stage == plan.pp - 1
-        sends = (0 if last else ga) + (0 if first else ga)  # activations forward, gradients backward
+    if plan.pp > 1:  # per chunk of the rank: activations to the next chunk, gradients to the one before
+        act = tokens / (plan.tp if plan.sp else 1) * model.hidden * elem  # SP: Megatron's sequence shard
+        chunks = len(layers_per_stage) or plan.pp
+        mine = [c for c in range(chunks) if c % plan.pp == stage]
+        sends = ga * sum((c < chunks - 1) + (c > 0) for c in mine)
         add("pp", "send", sends, sends * act)
         add("pp", "recv", sends, sends * act)
     return out
