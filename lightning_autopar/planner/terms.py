@@ -168,7 +168,9 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     ep_f, ep_b = ep_comm_per_block(hw, m, mbs, seq, tp, cp, ep, sp, elem) if has_moe else (zero_k, zero_k)
     p2p_inter = np.full(len(tp), hw.nodes > 1)  # pp is the outermost mesh dim: some stage boundary crosses nodes
     p2p = p2p_time(hw, mbs * seq / cp * m.hidden * elem / np.where(sp, tp, 1), p2p_inter)
-    buf_last = logits_bytes(m, mbs, seq, tp, cp, elem)
+    # the LM head stays whole on every TP rank (rank_param_counts' held layout): each holds the whole vocabulary's
+    # logits (autopar simulate, issue 27)
+    buf_last = logits_bytes(m, mbs, seq, 1 + 0 * tp, cp, elem)
     buf_moe = 2 * mbs * seq / cp / np.where(sp, tp, 1) * m.top_k * m.hidden * elem if has_moe else zero_k
     buf_p2p = np.where(pp > 1, 2 * mbs * seq / cp * m.hidden * elem, 0.0)
 
@@ -207,6 +209,7 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     ds = np.where(D["dp_shard"] > 0, D["dp_shard"], Lt["dp"][dl]).astype(float)
     reps_d = _stage_reps(m, hw, space, seq, fused, Lt["pp"][dl], D["vpp"], D["schedule"])
     p_dense_blk, p_moe_shared, p_moe_expert, p_emb, p_head = rank_param_counts(m, tp_d, ep_d, pp_d, has_moe)
+    h_dense, h_shared, _, h_emb, h_head = rank_param_counts(m, tp_d, ep_d, pp_d, has_moe, held=True)
     unit = np.maximum(p_dense_blk, p_moe_shared + p_moe_expert if has_moe else 0.0)
     dpc: dict[str, list] = {name: [] for name in DPC_TERMS}
     for r in range(N_REP):
@@ -218,8 +221,9 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
         edge = he * p_emb + hh * p_head
         tail = np.minimum(1.0, np.where(edge > 0, edge, unit) / np.maximum(p_d + p_e, 1.0))
         kept = edge + np.where(nd > 0, p_dense_blk, p_moe_shared)  # the root unit and the last block
+        held_d = nd * h_dense + nm * h_shared + he * h_emb + hh * h_head
         _dp_rank_terms(hw, dpc, zero, prec_d, dp_d, cp_d, tp_d, ep_d, ds, p_d, p_e, unit, tail, pp_d, D["offload"],
-                       kept)
+                       kept, held_d)
     return mid, dpc
 
 
@@ -351,29 +355,34 @@ class Dpc(IntEnum):
 DPC_TERMS = tuple(term.name.lower() for term in Dpc)  # the keys of the dpc dict, in Dpc order
 
 
-def rank_param_counts(m: ModelSpec, tp: Any, ep: Any, pp: Any, has_moe: bool) -> tuple[Any, Any, Any, Any, Any]:
-    """Parameters a rank holds before data-parallel sharding: (dense block, MoE block's shared part, MoE block's
-    experts, embedding, LM head + final norm), Megatron's layout: everything but the norms split over tp
-    (``autopar simulate`` measures the runtime keeping the embedding, the head and the norms whole on every TP
-    rank: parallel/tensor.py; issue 27). A tied head shares the embedding on one stage; with stages the last one
-    keeps a copy (Megatron)."""
-    dense = m.block_params() / tp
-    shared = (m.attention_params() + 4 * m.hidden + m.hidden * m.experts) / tp
+def rank_param_counts(m: ModelSpec, tp: Any, ep: Any, pp: Any, has_moe: bool,
+                      held: bool = False) -> tuple[Any, Any, Any, Any, Any]:
+    """Parameters on a rank before data-parallel sharding: (dense block, MoE block's shared part, MoE block's
+    experts, embedding, LM head + final norm). Its traffic is priced on Megatron's layout, everything split over tp
+    (the published runs the cost model is checked against are Megatron's); ``held``: what the runtime holds
+    in memory, the embedding, the head and the norms whole on every TP rank (parallel/tensor.py; measured by
+    ``autopar simulate``, issue 27). A tied head shares the embedding on one stage; with stages the last one keeps
+    a copy (Megatron)."""
+    norms = 4 * m.hidden
+    keep = 1.0 if held else tp  # the divisor of what TP leaves whole in the runtime
+    dense = (m.block_params() - norms) / tp + norms / keep
+    shared = (m.attention_params() + m.hidden * m.experts) / tp + norms / keep
     expert = m.mlp_params() * m.experts / (tp * ep) if has_moe else 0.0 * tp
-    emb = m.vocab * m.hidden / tp
-    head = np.where(m.tied_embeddings & (np.asarray(pp) == 1), 0.0, m.vocab * m.hidden / tp) + 2 * m.hidden
+    emb = m.vocab * m.hidden / keep + 0.0 * tp
+    head = np.where(m.tied_embeddings & (np.asarray(pp) == 1), 0.0, m.vocab * m.hidden / keep) + 2 * m.hidden + 0.0 * tp
     return dense, shared, expert, emb, head
 
 
 def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d: np.ndarray, dp_d: np.ndarray,
                    cp_d: np.ndarray, tp_d: np.ndarray, ep_d: np.ndarray, ds: np.ndarray, p_d: np.ndarray,
                    p_e: np.ndarray, unit: np.ndarray, tail: np.ndarray, pp: Any = 1.0, offload: Any = 0,
-                   kept: Any = 0.0) -> None:
+                   kept: Any = 0.0, held_d: Any = None) -> None:
     """Append one representative rank's data-parallel traffic, parameter work and model-state memory to ``dpc``.
 
     ``p_d`` / ``p_e``: dense / expert parameters on the rank; ``unit``: the largest FSDP unit (zero-3 gather
     buffers); ``tail``: the share of the rank's gather/reduction that no compute hides (first / last unit);
-    ``kept``: the parameters of the units zero 3 keeps gathered through the step (the last block and the root
+    ``held_d``: the dense parameters the rank holds in memory when they differ from those its traffic moves
+    (``rank_param_counts(..., held=True)``; None: ``p_d``); ``kept``: the parameters of the units zero 3 keeps gathered through the step (the last block and the root
     unit, outside a pipeline); ``pp``: the pipeline degree (a pipeline stage keeps its FSDP parameters gathered from one micro-batch's
     backward to the next one's forward: torch.distributed.pipelining turns reshard_after_backward off until the
     step's last); ``offload``: the OFFLOAD_MODES code (model states on the host: cost_memory.offloaded_state_bytes,
@@ -442,10 +451,11 @@ def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d:
     dpc["opt"].append(step_on + h2d_step + np.where(zero > 0, copies(np.where(z1 | z2, 1.0, 0.0), 1.0), 0.0))
     # the runtime runs ZeRO-1 as ZeRO-2 (FSDP2 reduce-scatters the gradients; parallel/fsdp.py): priced so
     held = np.where(z1, 2, zero)
-    parts = [a + b for a, b in zip(model_state_parts(p_d, held, shard, prec_d),
+    mem_d = p_d if held_d is None else held_d  # what the rank holds (TP keeps embeddings, head, norms whole)
+    parts = [a + b for a, b in zip(model_state_parts(mem_d, held, shard, prec_d),
                                    model_state_parts(p_e, held, exp_shard, prec_d))]
     replicated = zero == 0  # zero 0 on FSDP2: a (dp_replicate, dp_shard=1) mesh, the parameters whole
-    shard_copy = fsdp_shard_copy_bytes(p_d, zero, np.where(replicated, 1.0, shard), prec_d, fsdp) \
+    shard_copy = fsdp_shard_copy_bytes(mem_d, zero, np.where(replicated, 1.0, shard), prec_d, fsdp) \
         + fsdp_shard_copy_bytes(p_e, zero, np.where(replicated, 1.0, exp_shard), prec_d, fsdp)
     parts[0] = parts[0] + shard_copy
     moved = offloaded_state_bytes(*parts, shard_copy, zero, offload)
@@ -460,7 +470,7 @@ def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d:
     for name, part in zip(("m_params", "m_grads", "m_optim"), parts):
         dpc[name].append(part)
     fsdp_bufs = np.where(fsdp, fsdp_buffer_bytes(unit, zero, prec_d), 0.0)
-    bufs = np.where(ddp, ddp_bucket_bytes(grad_d + grad_e), fsdp_bufs)
+    bufs = np.where(ddp, ddp_bucket_bytes(mem_d * gbytes + grad_e), fsdp_bufs)
     dpc["mem"].append(states + bufs * frag + hw.reserved)
 
 

@@ -42,14 +42,15 @@ def stage_blocks(model: ModelSpec, plan: Plan, layers_per_stage: list[int], stag
 
 
 def stage_params(model: ModelSpec, plan: Plan, layers_per_stage: list[int], stage: int,
-                 kept: bool = False) -> Any:
+                 kept: bool = False, held: bool = False) -> Any:
     """(dense parameters, expert parameters, the largest FSDP unit) on rank ``stage`` before data-parallel
     sharding, as the search counts them (``terms.rank_param_counts``); ``kept``: the parameters of the root unit
-    and the last block instead (what zero 3 keeps gathered, ``terms._dp_rank_terms``)."""
+    and the last block instead (what zero 3 keeps gathered, ``terms._dp_rank_terms``); ``held``: as the rank holds
+    them in memory (``rank_param_counts``)."""
     nd, nm, he, hh = stage_blocks(model, plan, layers_per_stage, stage)
     has_moe = model.experts > 0
     dense, shared, expert, emb, head = (float(np.asarray(x)) for x in
-                                        rank_param_counts(model, plan.tp, plan.ep, plan.pp, has_moe))
+                                        rank_param_counts(model, plan.tp, plan.ep, plan.pp, has_moe, held))
     if kept:
         return he * emb + hh * head + (dense if nd > 0 else shared)
     p_d = nd * dense + nm * shared + he * emb + hh * head
@@ -63,12 +64,13 @@ def predicted_states(model: ModelSpec, cluster: Any, plan: Plan, layers_per_stag
     stage's parameters."""
     hw = Hardware.from_cluster(cluster)
     p_d, p_e, unit = stage_params(model, plan, layers_per_stage, stage)
+    held_d = stage_params(model, plan, layers_per_stage, stage, held=True)[0]
     a = lambda x: np.array([float(x)])  # noqa: E731
     dpc: dict[str, list] = {name: [] for name in DPC_TERMS}
     ds = plan.dp_shard or plan.dp
     _dp_rank_terms(hw, dpc, np.array([plan.zero]), np.array([PRECISIONS.index(plan.precision)]), a(plan.dp),
                    a(plan.cp), a(plan.tp), a(plan.ep), a(ds), a(p_d), a(p_e), a(unit), a(0.0), a(plan.pp),
-                   np.array([OFFLOAD_MODES.index(plan.offload)]))
+                   np.array([OFFLOAD_MODES.index(plan.offload)]), 0.0, a(held_d))
     return tuple(float(dpc[name][0][0]) / GIB for name in ("m_params", "m_grads", "m_optim"))  # type: ignore
 
 
