@@ -17,8 +17,8 @@ bytes in the step beside ``planner.traffic.step_collectives``.
 Pipelines (pp > 1) run torch's schedule itself; what its stages tell each other that a fake group cannot carry
 (warm-up votes, stage metadata, the runtime's object gathers) passes inside this process (``StageMailbox``), so
 the stages are simulated in order, and the measured step is the second (the first infers the stages' shapes).
-Not simulated (``check_simulable`` refuses it in one line): plain DDP (its C++ reducer builds buckets from the
-parameters' data).
+Not simulated (``check_simulable`` refuses them in one line): MoE models (the routing sizes the expert batches
+from the tokens' values) and plain DDP (its C++ reducer builds buckets from the parameters' data).
 """
 
 from __future__ import annotations
@@ -525,10 +525,15 @@ def parse_ranks(text: str | Sequence[int] | None, plan: Any, world: int) -> list
 
 
 def check_simulable(plan: Any, spec: ModelSpec) -> None:
-    """One ConfigError for a plan the simulation cannot run: plain DDP (zero 0, data parallelism alone) builds
-    its C++ reducer's buckets from the parameters' data, which fake tensors do not have."""
+    """One ConfigError for a plan the simulation cannot run: MoE models (data-dependent routing) and plain DDP
+    (zero 0, data parallelism alone: its C++ reducer builds buckets from the parameters' data), neither of which
+    fake tensors can run."""
     from lightning_autopar.dims import ParallelDims
 
+    if spec.experts:
+        raise ConfigError("model.experts", f"{spec.name} routes tokens to experts by their values (which tokens go "
+                          "where sizes the expert batches), which fake tensors do not have",
+                          "simulate a dense model; `autopar plan` prices MoE plans")
     if ParallelDims.from_plan(plan).plain_ddp(spec.experts > 0):
         raise ConfigError("plan.zero", f"{plan.short()} runs plain DDP, whose C++ reducer needs real parameter "
                           "data; it cannot run on fake tensors", "simulate zero>=1 (the same states per rank "

@@ -138,11 +138,13 @@ def test_hugging_face_factory():
     assert not dist.is_initialized()
 
 
-def test_plain_ddp_is_refused_in_one_line():
+def test_plain_ddp_and_moe_are_refused_in_one_line():
     from lightning_autopar.errors import ConfigError
 
     with pytest.raises(ConfigError, match="plan.zero.*plain DDP"):
         run("dp=4,tp=1,zero=0,grad_accum=1", 4, 4)
+    with pytest.raises(ConfigError, match="model.experts"):
+        simulate("mixtral_tiny", "a100-80g-dgx", global_batch=4, fix="dp=4,zero=3", nodes=1, devices_per_node=4)
     assert not dist.is_initialized()
 
 
