@@ -23,25 +23,19 @@ ROOT = Path(__file__).resolve().parent.parent
 # name -> (model, cluster, nodes, global batch, seq, fix, ranks). The plans at their world sizes; global
 # batches are the smallest the plan allows (one micro-batch per data-parallel rank, pp micro-batches with a
 # pipeline): a step of fake tensors costs its ops, so the time grows with micro-batches x layers per rank.
-CASES = {
-    "llama3-8b-dp8": ("llama3-8b", "h100-sxm-dgx", 1, 8, 8192,
-                      "dp=8,zero=3,tp=1,pp=1,cp=1,mbs=1,grad_accum=1,recompute=full,compile=false,"
-                      "precision=bf16-mixed", None),
-    "llama3-8b-128": ("llama3-8b", "h100-sxm-dgx", 16, 16, 8192,
-                      "dp=16,tp=8,sp=true,zero=3,pp=1,cp=1,mbs=1,grad_accum=1,recompute=full,compile=false,"
-                      "precision=bf16-mixed", None),
-    "llama3-70b-512-pp": ("llama3-70b", "h100-sxm-dgx", 64, 64, 8192,
-                          "tp=8,sp=true,pp=4,vpp=2,schedule=interleaved,dp=16,zero=1,mbs=1,grad_accum=4,"
-                          "recompute=full,compile=false,precision=bf16-mixed", "first"),
-    "llama3-70b-512": ("llama3-70b", "h100-sxm-dgx", 64, 64, 8192,
-                       "tp=8,sp=true,pp=1,dp=64,zero=3,cp=1,mbs=1,grad_accum=1,recompute=full,compile=false,"
-                       "precision=bf16-mixed", None),
-    "llama3-405b-cp2-1024": ("llama3-405b", "h100-sxm-dgx", 128, 64, 8192,
-                             "tp=8,sp=true,cp=2,pp=1,dp=64,zero=3,mbs=1,grad_accum=1,recompute=full,compile=false,"
-                             "precision=bf16-mixed", None),
-    "mixtral-ep8-64": ("mixtral-8x7b", "h100-sxm-dgx", 8, 64, 4096,
-                       "ep=8,dp=64,zero=3,tp=1,pp=1,cp=1,mbs=1,grad_accum=1,recompute=full,compile=false,"
-                       "precision=bf16-mixed", None),
+COMMON = "mbs=1,recompute=full,compile=false,precision=bf16-mixed"
+CASES = {  # name -> (model, cluster, nodes, global batch, seq, fix, ranks)
+    name: (model, "h100-sxm-dgx", nodes, batch, seq, f"{fix},{COMMON}", ranks)
+    for name, model, nodes, batch, seq, fix, ranks in [
+        ("llama3-8b-dp8", "llama3-8b", 1, 8, 8192, "dp=8,zero=3,tp=1,pp=1,cp=1,grad_accum=1", None),
+        ("llama3-8b-128", "llama3-8b", 16, 16, 8192, "dp=16,tp=8,sp=true,zero=3,pp=1,cp=1,grad_accum=1", None),
+        ("llama3-70b-512-pp", "llama3-70b", 64, 64, 8192,
+         "tp=8,sp=true,pp=4,vpp=2,schedule=interleaved,dp=16,zero=1,grad_accum=4", "first"),
+        ("llama3-70b-512", "llama3-70b", 64, 64, 8192, "tp=8,sp=true,pp=1,dp=64,zero=3,cp=1,grad_accum=1", None),
+        ("llama3-405b-cp2-1024", "llama3-405b", 128, 64, 8192,
+         "tp=8,sp=true,cp=2,pp=1,dp=64,zero=3,grad_accum=1", None),
+        ("mixtral-ep8-64", "mixtral-8x7b", 8, 64, 4096, "ep=8,dp=64,zero=3,tp=1,pp=1,cp=1,grad_accum=1", None),
+    ]
 }
 
 
