@@ -29,10 +29,11 @@ the planner or the profiler must not load it.
   split, from the ep mesh and the weight's tp mesh (``experts``). Public slicing only takes named dims of one
   existing mesh; no public API joins two meshes.
 * DTensor's caches keyed by DeviceMesh equality (``clear_sharding_caches``): the C++ dispatch fast path's
-  (``torch._C._clear_DTensor_sharding_propagator_cache``), the sharding propagator's ``propagate_op_sharding`` and ``_propagate_tensor_meta_cached``, the redistribution planner's
-  ``_gen_transform_infos``, ``MeshTopoInfo.build_from_mesh`` and the single-dim strategy cache. A mesh of a new
-  process group equals one of a destroyed group when its shape and ranks do, so a cached plan would name groups
-  that no longer resolve; ``autopar simulate`` builds a new fake group per simulated rank and clears them.
+  (``torch._C._clear_DTensor_sharding_propagator_cache``), the sharding propagator's ``propagate_op_sharding`` and
+  ``_propagate_tensor_meta_cached``, the redistribution planner's ``_gen_transform_infos``,
+  ``MeshTopoInfo.build_from_mesh`` and the single-dim strategy cache. A mesh of a new process group equals one of a
+  destroyed group when its shape and ranks do, so a cached plan would name groups that no longer resolve; ``autopar
+  simulate`` builds a new fake group per simulated rank and clears them.
 """
 
 from __future__ import annotations

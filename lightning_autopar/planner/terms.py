@@ -382,12 +382,12 @@ def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d:
     ``p_d`` / ``p_e``: dense / expert parameters on the rank; ``unit``: the largest FSDP unit (zero-3 gather
     buffers); ``tail``: the share of the rank's gather/reduction that no compute hides (first / last unit);
     ``held_d``: the dense parameters the rank holds in memory when they differ from those its traffic moves
-    (``rank_param_counts(..., held=True)``; None: ``p_d``); ``kept``: the parameters of the units zero 3 keeps gathered through the step (the last block and the root
-    unit, outside a pipeline); ``pp``: the pipeline degree (a pipeline stage keeps its FSDP parameters gathered from one micro-batch's
-    backward to the next one's forward: torch.distributed.pipelining turns reshard_after_backward off until the
-    step's last); ``offload``: the OFFLOAD_MODES code (model states on the host: cost_memory.offloaded_state_bytes,
-    their copies and the host optimizer step: offload_copy_time, host_optimizer_step_time). What it appends is
-    named by ``Dpc``.
+    (``rank_param_counts(..., held=True)``; None: ``p_d``); ``kept``: the parameters of the units zero 3 keeps
+    gathered through the step (the last block and the root unit, outside a pipeline); ``pp``: the pipeline degree (a
+    pipeline stage keeps its FSDP parameters gathered from one micro-batch's backward to the next one's forward:
+    torch.distributed.pipelining turns reshard_after_backward off until the step's last); ``offload``: the
+    OFFLOAD_MODES code (model states on the host: cost_memory.offloaded_state_bytes, their copies and the host
+    optimizer step: offload_copy_time, host_optimizer_step_time). What it appends is named by ``Dpc``.
     """
     frag = 1 + FRAGMENTATION
     # context parallelism: FSDP runs over dp x cp (topology/mesh.MeshLayout.dp_mesh, torchtitan's dp_shard_cp); at zero 0

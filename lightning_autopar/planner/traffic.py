@@ -7,8 +7,9 @@ tensor, an all-to-all's input, a send's tensor.
 
 Counts follow the cost model's units: one FSDP unit per block plus one for the stage's embedding / norm / head,
 TP's two collectives per block forward and two backward (Megatron's f and g; with SP an all-gather and a
-reduce-scatter each), CP's K/V all-gather per block forward and reduce-scatter backward, EP's dispatch and
-combine per MoE block each way, one p2p transfer per micro-batch each way between neighbouring stages."""
+reduce-scatter each; full recompute re-runs the forward ones), CP's K/V all-gather per block forward and
+reduce-scatter backward, EP's dispatch and combine per MoE block each way, one p2p transfer per micro-batch each
+way between neighbouring chunks."""
 
 from __future__ import annotations
 
@@ -109,16 +110,19 @@ def step_collectives(model: ModelSpec, plan: Plan, layers_per_stage: list[int], 
         if replicas > 1:
             add("dp", "all_reduce", units, (p_d + p_e) * gbytes / shard)
     tokens = plan.mbs * seq / plan.cp
+    # full recompute re-runs a block's forward, its collectives included, on one block in recompute_every
+    rerun = -(-blocks // max(plan.recompute_every, 1)) if plan.recompute == "full" else 0
     if plan.tp > 1:
         one = tokens * model.hidden * elem
+        n = ga * (4 * blocks + 2 * rerun)  # f and g forward, their transposes backward
         if plan.sp:
-            add("tp", "all_gather", 4 * blocks * ga, 4 * blocks * ga * one)
-            add("tp", "reduce_scatter", 4 * blocks * ga, 4 * blocks * ga * one)
+            add("tp", "all_gather", n, n * one)
+            add("tp", "reduce_scatter", n, n * one)
         else:
-            add("tp", "all_reduce", 4 * blocks * ga, 4 * blocks * ga * one)
+            add("tp", "all_reduce", n, n * one)
     if plan.cp > 1:
         kv = 2 * plan.mbs * seq * model.kv_heads * model.head_dim / plan.tp * elem
-        add("cp", "all_gather", blocks * ga, blocks * ga * kv)
+        add("cp", "all_gather", (blocks + rerun) * ga, (blocks + rerun) * ga * kv)
         add("cp", "reduce_scatter", blocks * ga, blocks * ga * kv)
     if plan.ep > 1 and nm:
         per = tokens / (plan.tp if plan.sp else 1) * model.top_k * model.hidden * elem
