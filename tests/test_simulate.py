@@ -118,6 +118,19 @@ def test_pipeline_stages():
         assert row["bytes"] == pytest.approx(row["predicted_bytes"], rel=0.01)
 
 
+def test_context_parallel():
+    report = run("dp=2,cp=2,tp=1,zero=3,grad_accum=1", 4, 2)
+    for op, units in (("all_gather", 4), ("reduce_scatter", 3)):  # FSDP over dp x cp ranks, labelled fsdp
+        row = collective(report, "fsdp", op)
+        assert row["count"] == row["predicted_count"] == units
+        assert row["bytes"] == pytest.approx(row["predicted_bytes"], rel=0.01)
+    rs = collective(report, "cp", "reduce_scatter")  # K's and V's gradients, each on its own (the planner: one)
+    assert rs["count"] == 2 * 2 and rs["predicted_count"] == 2 and rs["bytes"] == rs["predicted_bytes"]
+    m, p = report.ranks[0].measured, report.ranks[0].predicted
+    for key in ("params_gib", "grads_gib", "optimizer_gib"):
+        assert m[key] == pytest.approx(p[key], rel=0.01), key
+
+
 def llama_tiny():
     """A Hugging Face LlamaForCausalLM (the factory form of ``--model pkg.module:factory``)."""
     from lightning_autopar.models.hf import causal_lm
