@@ -1,4 +1,4 @@
-"""`autopar plan | analyze | ranktable | probe`: thin wiring; each subcommand lives beside its code.
+"""`autopar plan | analyze | ranktable | simulate | probe`: thin wiring; each subcommand lives beside its code.
 
 Exit codes (contract): 0 ok; 2 bad input (one line naming the field and the fix); 3 no feasible plan.
 """
@@ -17,6 +17,8 @@ SUBCOMMANDS = {
     "plan": ("lightning_autopar.planner.cli_plan", "rank parallel plans for a model on a cluster"),
     "analyze": ("lightning_autopar.profile.cli_analyze", "describe a model (any nn.Module) and write its model spec"),
     "ranktable": ("lightning_autopar.topology.cli_ranktable", "build, validate and convert rank tables (HCCL, generic)"),
+    "simulate": ("lightning_autopar.cli_simulate", "apply a plan at its world size on one CPU (fake process group, "
+                 "fake tensors): memory and collectives per rank beside the planner's"),
     "probe": ("lightning_autopar.runtime.probe", "measure collective bandwidth on the live group (torchrun)"),
 }
 

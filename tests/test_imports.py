@@ -113,7 +113,7 @@ LAYERS = (
     ("parallel",),
     ("runtime",),
     ("callbacks",),
-    ("strategy", "fabric", "accelerate", "config", "cli", "cli_*"),
+    ("strategy", "fabric", "accelerate", "config", "cli", "cli_*", "simulate"),
     ("",),
 )
 

@@ -28,6 +28,12 @@ the planner or the profiler must not load it.
 * ``DeviceMesh._concatenate`` (``concatenate_meshes``): the (ep, tp) mesh of a fused expert weight TP already
   split, from the ep mesh and the weight's tp mesh (``experts``). Public slicing only takes named dims of one
   existing mesh; no public API joins two meshes.
+* DTensor's caches keyed by DeviceMesh equality (``clear_sharding_caches``): the C++ dispatch fast path's
+  (``torch._C._clear_DTensor_sharding_propagator_cache``), the sharding propagator's ``propagate_op_sharding`` and
+  ``_propagate_tensor_meta_cached``, the redistribution planner's ``_gen_transform_infos``,
+  ``MeshTopoInfo.build_from_mesh`` and the single-dim strategy cache. A mesh of a new process group equals one of a
+  destroyed group when its shape and ranks do, so a cached plan would name groups that no longer resolve; ``autopar
+  simulate`` builds a new fake group per simulated rank and clears them.
 """
 
 from __future__ import annotations
@@ -130,3 +136,25 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh._concatenate(meshes)
+
+
+def clear_sharding_caches() -> None:
+    """Forget DTensor's cached sharding and redistribution plans (module doc: ``DTensor's caches``); each cache that
+    this torch has is cleared."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _collective_utils, _redistribute
+    from torch.distributed.tensor._ops import single_dim_strategy
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    caches = [getattr(propagator, "propagate_op_sharding", None),
+              getattr(propagator, "_propagate_tensor_meta_cached", None),
+              getattr(_redistribute, "_gen_transform_infos", None),
+              getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None),
+              getattr(single_dim_strategy, "_cached_create_expanded_strategy", None)]
+    for cache in caches:
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:
+        native()

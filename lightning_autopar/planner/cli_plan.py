@@ -49,20 +49,30 @@ def _units_table(model: ModelSpec) -> str:
     return describe_units(model)
 
 
-def run(args: argparse.Namespace) -> int:
-    from lightning_autopar.planner.search import plan
-    from lightning_autopar.specs import load_cluster_spec, load_model_spec
-
+def check_counts(args: argparse.Namespace) -> None:
+    """The positive-integer flags (``autopar plan`` and ``autopar simulate``): one ConfigError naming the flag."""
     for name in ("nodes", "devices_per_node", "global_batch", "seq_len", "top"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')}", f"must be a positive integer, got {value}")
+
+
+def precisions(args: argparse.Namespace) -> list[str] | None:
+    """--precision as the planner takes it: a list, or None for the device's fastest."""
+    return [p for p in args.precision.split(",") if p.strip()] if args.precision else None
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_autopar.planner.search import plan
+    from lightning_autopar.specs import load_cluster_spec, load_model_spec
+
+    check_counts(args)
     model = load_model_spec(args.model)
     form_of(model).check_seq_len(args.model, args.seq_len)
     if args.explain_model:
         print_model(model, sys.stderr if args.json else sys.stdout)
     cluster = load_cluster_spec(args.cluster, nodes=args.nodes, devices_per_node=args.devices_per_node)
-    precision = [p for p in args.precision.split(",") if p.strip()] if args.precision else None
+    precision = precisions(args)
     report = plan(model, cluster, global_batch=args.global_batch, seq_len=args.seq_len, fix=args.fix,
                   top=args.top, precision=precision, memory_fraction=args.memory_fraction,
                   allow_infeasible=bool(args.fix), explain_choice=not args.no_explain)

@@ -168,7 +168,9 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     ep_f, ep_b = ep_comm_per_block(hw, m, mbs, seq, tp, cp, ep, sp, elem) if has_moe else (zero_k, zero_k)
     p2p_inter = np.full(len(tp), hw.nodes > 1)  # pp is the outermost mesh dim: some stage boundary crosses nodes
     p2p = p2p_time(hw, mbs * seq / cp * m.hidden * elem / np.where(sp, tp, 1), p2p_inter)
-    buf_last = logits_bytes(m, mbs, seq, tp, cp, elem)
+    # the LM head stays whole on every TP rank (rank_param_counts' held layout): each holds the whole vocabulary's
+    # logits (autopar simulate, issue 27)
+    buf_last = logits_bytes(m, mbs, seq, 1 + 0 * tp, cp, elem)
     buf_moe = 2 * mbs * seq / cp / np.where(sp, tp, 1) * m.top_k * m.hidden * elem if has_moe else zero_k
     buf_p2p = np.where(pp > 1, 2 * mbs * seq / cp * m.hidden * elem, 0.0)
 
@@ -206,12 +208,8 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     zero, prec_d = D["zero"], D["precision"]
     ds = np.where(D["dp_shard"] > 0, D["dp_shard"], Lt["dp"][dl]).astype(float)
     reps_d = _stage_reps(m, hw, space, seq, fused, Lt["pp"][dl], D["vpp"], D["schedule"])
-    p_dense_blk = m.block_params() / tp_d
-    p_moe_shared = (m.attention_params() + 4 * m.hidden + m.hidden * m.experts) / tp_d
-    p_moe_expert = m.mlp_params() * m.experts / (tp_d * ep_d) if has_moe else 0.0 * tp_d
-    p_emb = m.vocab * m.hidden / tp_d
-    # LM head + final norm; a tied head shares the embedding on one stage, Megatron keeps a copy on the last one
-    p_head = np.where(m.tied_embeddings & (pp_d == 1), 0.0, m.vocab * m.hidden / tp_d) + 2 * m.hidden
+    p_dense_blk, p_moe_shared, p_moe_expert, p_emb, p_head = rank_param_counts(m, tp_d, ep_d, pp_d, has_moe)
+    h_dense, h_shared, _, h_emb, h_head = rank_param_counts(m, tp_d, ep_d, pp_d, has_moe, held=True)
     unit = np.maximum(p_dense_blk, p_moe_shared + p_moe_expert if has_moe else 0.0)
     dpc: dict[str, list] = {name: [] for name in DPC_TERMS}
     for r in range(N_REP):
@@ -222,8 +220,10 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
         # the last unit's reduction have no compute to hide behind
         edge = he * p_emb + hh * p_head
         tail = np.minimum(1.0, np.where(edge > 0, edge, unit) / np.maximum(p_d + p_e, 1.0))
+        kept = edge + np.where(nd > 0, p_dense_blk, p_moe_shared)  # the root unit and the last block
+        held_d = nd * h_dense + nm * h_shared + he * h_emb + hh * h_head
         _dp_rank_terms(hw, dpc, zero, prec_d, dp_d, cp_d, tp_d, ep_d, ds, p_d, p_e, unit, tail, pp_d, D["offload"],
-                       m.trainable_share())
+                       m.trainable_share(), kept, held_d)
     return mid, dpc
 
 
@@ -356,20 +356,41 @@ class Dpc(IntEnum):
 DPC_TERMS = tuple(term.name.lower() for term in Dpc)  # the keys of the dpc dict, in Dpc order
 
 
+def rank_param_counts(m: ModelSpec, tp: Any, ep: Any, pp: Any, has_moe: bool,
+                      held: bool = False) -> tuple[Any, Any, Any, Any, Any]:
+    """Parameters on a rank before data-parallel sharding: (dense block, MoE block's shared part, MoE block's
+    experts, embedding, LM head + final norm). Its traffic is priced on Megatron's layout, everything split over tp
+    (the published runs the cost model is checked against are Megatron's); ``held``: what the runtime holds
+    in memory, the embedding, the head and the norms whole on every TP rank (parallel/tensor.py; measured by
+    ``autopar simulate``, issue 27). A tied head shares the embedding on one stage; with stages the last one keeps
+    a copy (Megatron)."""
+    norms = 4 * m.hidden
+    keep = 1.0 if held else tp  # the divisor of what TP leaves whole in the runtime
+    dense = (m.block_params() - norms) / tp + norms / keep
+    shared = (m.attention_params() + m.hidden * m.experts) / tp + norms / keep
+    expert = m.mlp_params() * m.experts / (tp * ep) if has_moe else 0.0 * tp
+    emb = m.vocab * m.hidden / keep + 0.0 * tp
+    head = np.where(m.tied_embeddings & (np.asarray(pp) == 1), 0.0, m.vocab * m.hidden / keep) + 2 * m.hidden + 0.0 * tp
+    return dense, shared, expert, emb, head
+
+
 def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d: np.ndarray, dp_d: np.ndarray,
                    cp_d: np.ndarray, tp_d: np.ndarray, ep_d: np.ndarray, ds: np.ndarray, p_d: np.ndarray,
                    p_e: np.ndarray, unit: np.ndarray, tail: np.ndarray, pp: Any = 1.0, offload: Any = 0,
-                   trains: Any = 1.0) -> None:
+                   trains: Any = 1.0, kept: Any = 0.0, held_d: Any = None) -> None:
     """Append one representative rank's data-parallel traffic, parameter work and model-state memory to ``dpc``.
 
     ``p_d`` / ``p_e``: dense / expert parameters on the rank; ``unit``: the largest FSDP unit (zero-3 gather
     buffers); ``tail``: the share of the rank's gather/reduction that no compute hides (first / last unit);
-    ``pp``: the pipeline degree (a pipeline stage keeps its FSDP parameters gathered from one micro-batch's
-    backward to the next one's forward: torch.distributed.pipelining turns reshard_after_backward off until the
-    step's last); ``offload``: the OFFLOAD_MODES code (model states on the host: cost_memory.offloaded_state_bytes,
-    their copies and the host optimizer step: offload_copy_time, host_optimizer_step_time); ``trains``: the share of
-    the rank's parameters that train (frozen ones, requires_grad=False, have no gradient to reduce, accumulate or
-    keep and no optimizer state or step: DDP and FSDP2 skip them). What it appends is named by ``Dpc``.
+    ``held_d``: the dense parameters the rank holds in memory when they differ from those its traffic moves
+    (``rank_param_counts(..., held=True)``; None: ``p_d``); ``kept``: the parameters of the units zero 3 keeps
+    gathered through the step (the last block and the root unit, outside a pipeline); ``pp``: the pipeline degree (a
+    pipeline stage keeps its FSDP parameters gathered from one micro-batch's backward to the next one's forward:
+    torch.distributed.pipelining turns reshard_after_backward off until the step's last); ``offload``: the
+    OFFLOAD_MODES code (model states on the host: cost_memory.offloaded_state_bytes, their copies and the host
+    optimizer step: offload_copy_time, host_optimizer_step_time); ``trains``: the share of the rank's parameters
+    that train (frozen ones, requires_grad=False, have no gradient to reduce, accumulate or keep and no optimizer
+    state or step: DDP and FSDP2 skip them). What it appends is named by ``Dpc``.
     """
     frag = 1 + FRAGMENTATION
     # context parallelism: FSDP runs over dp x cp (topology/mesh.MeshLayout.dp_mesh, torchtitan's dp_shard_cp); at zero 0
@@ -409,10 +430,17 @@ def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d:
     # (plus the interference share of the hidden part, search.slot_of). zero 3 gathers every unit in forward and
     # again in backward per micro-batch; zero 1/2 gather once per step and keep the parameters until the last
     # micro-batch's backward (set_gradient_sync), priced as one exposed gather per step (c3).
-    dpc["a1"].append(np.where(z3 & ~staged, ag, 0.0))
-    dpc["b1"].append(np.where(z3 & ~staged, ag * tail, 0.0))
-    dpc["a2"].append(np.where(z3, ag, 0.0))
-    dpc["b2"].append(np.where(z3, ag * tail, 0.0))
+    # zero 3 outside a pipeline: the runtime keeps the last block and the root unit (embedding, norm, head)
+    # gathered from forward to backward and from one micro-batch to the next (parallel/fsdp.py, reshard only the
+    # other blocks): ``kept``, gathered once per step; the other units in forward and again in backward per
+    # micro-batch (autopar simulate counts these gathers: issue 27)
+    ag_kept = np.where(z3 & ~staged, allgather_time(hw, np.minimum(kept, p_d) * wbytes, shard, shard_s), 0.0)
+    ag_rest = np.maximum(ag - ag_kept, 0.0)
+    once = once + ag_kept
+    dpc["a1"].append(np.where(z3 & ~staged, ag_rest, 0.0))
+    dpc["b1"].append(np.where(z3 & ~staged, ag_rest * tail, 0.0))
+    dpc["a2"].append(np.where(z3, np.where(staged, ag, ag_rest), 0.0))
+    dpc["b2"].append(np.where(z3, np.where(staged, ag, ag_rest) * tail, 0.0))
     dpc["a3"].append(once)
     dpc["b3"].append(once * tail)
     dpc["c3"].append(np.where(z1 | z2, ag, 0.0))
@@ -427,11 +455,12 @@ def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d:
     dpc["opt"].append(step_on + h2d_step + np.where(zero > 0, copies(np.where(z1 | z2, 1.0, 0.0), 1.0), 0.0))
     # the runtime runs ZeRO-1 as ZeRO-2 (FSDP2 reduce-scatters the gradients; parallel/fsdp.py): priced so
     held = np.where(z1, 2, zero)
-    parts = [a + b for a, b in zip(model_state_parts(p_d, held, shard, prec_d),
+    mem_d = p_d if held_d is None else held_d  # what the rank holds (TP keeps embeddings, head, norms whole)
+    parts = [a + b for a, b in zip(model_state_parts(mem_d, held, shard, prec_d),
                                    model_state_parts(p_e, held, exp_shard, prec_d))]
     parts[1], parts[2] = parts[1] * trains, parts[2] * trains  # gradients and optimizer states: trainable only
     replicated = zero == 0  # zero 0 on FSDP2: a (dp_replicate, dp_shard=1) mesh, the parameters whole
-    shard_copy = fsdp_shard_copy_bytes(p_d, zero, np.where(replicated, 1.0, shard), prec_d, fsdp) \
+    shard_copy = fsdp_shard_copy_bytes(mem_d, zero, np.where(replicated, 1.0, shard), prec_d, fsdp) \
         + fsdp_shard_copy_bytes(p_e, zero, np.where(replicated, 1.0, exp_shard), prec_d, fsdp)
     parts[0] = parts[0] + shard_copy
     moved = offloaded_state_bytes(*parts, shard_copy, zero, offload)
@@ -446,7 +475,7 @@ def _dp_rank_terms(hw: Hardware, dpc: dict[str, list], zero: np.ndarray, prec_d:
     for name, part in zip(("m_params", "m_grads", "m_optim"), parts):
         dpc[name].append(part)
     fsdp_bufs = np.where(fsdp, fsdp_buffer_bytes(unit, zero, prec_d), 0.0)
-    bufs = np.where(ddp, ddp_bucket_bytes(grad_d + grad_e), fsdp_bufs)
+    bufs = np.where(ddp, ddp_bucket_bytes(mem_d * gbytes + grad_e), fsdp_bufs)
     dpc["mem"].append(states + bufs * frag + hw.reserved)
 
 

@@ -142,16 +142,32 @@ def _forward_only_mod_tracker() -> Any:
     return ForwardOnlyModTracker()
 
 
-def _tracker(module: nn.Module, optimizer: torch.optim.Optimizer | None, backward_hooks: bool = True) -> Any:
+def _tracker(module: nn.Module, optimizer: torch.optim.Optimizer | None, backward_hooks: bool = True,
+             module_peaks: bool = True) -> Any:
     """A MemTracker with the module's parameters / buffers and the optimizer's states registered
-    (``backward_hooks=False``: _forward_only_mod_tracker)."""
+    (``backward_hooks=False``: _forward_only_mod_tracker). ``module_peaks=False``: only the global peak is kept
+    (MemTracker otherwise walks every module's statistics after every op: a cost of ops x modules, minutes for
+    an 80-layer model's step under ``autopar simulate``)."""
     tracker = _tracker_class()()
     if not backward_hooks:
         tracker._mod_tracker = _forward_only_mod_tracker()
+    if not module_peaks:
+        tracker._update_peak_stats = lambda peak_state: _global_peak(tracker)
     tracker.track_external(module, *([optimizer] if optimizer is not None else []))
     if optimizer is not None:
         _track_host_copies(tracker, optimizer)
     return tracker
+
+
+def _global_peak(tracker: Any) -> None:
+    """MemTracker._update_peak_stats without the per-module part (torch 2.13's private fields)."""
+    from copy import deepcopy
+
+    for dev, dev_snap in tracker._curr_mem_snap.items():
+        total = dev_snap["Total"]
+        if tracker._peak_mem.get(dev, 0) < total:
+            tracker._peak_mem[dev] = total
+            tracker._peak_mem_snap[dev] = deepcopy(dev_snap)
 
 
 def _track_host_copies(tracker: Any, optimizer: torch.optim.Optimizer) -> None:

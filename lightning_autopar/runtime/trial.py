@@ -139,7 +139,8 @@ def _build(module: nn.Module, plan: Plan, layout: Any, batch: Any, device: torch
     broadcast_module(module)
     applied = apply_plan(module, model, analysis, plan, layout, dp_mesh(layout, plan), device,
                          loss_fn=pipeline.loss, layers_per_stage=layers_per_stage, example=example)
-    module.to(device)
+    if any(t.device != device for t in (*module.parameters(), *module.buffers())):
+        module.to(device)  # (a simulation's fake tensors are on it: their DDP-wrapped parameters cannot be swapped)
     env.fsdp_roots = applied.fsdp_roots
     pipeline.pipe, pipeline.model = applied.pipeline, applied.pipeline_root or model
     optimizer = first_optimizer(module.configure_optimizers())

@@ -4,16 +4,19 @@
 Every sub-mesh the apply layer uses comes from ``MeshLayout``: the MESH_DIMS, "dp" / "dp_flat", the mesh the
 data-parallel wrapper runs over (``dp_mesh``: with cp, dp_shard x cp flattened), the expert meshes
 (``expert_meshes``). The private DeviceMesh API (``_flatten``, ``_unflatten``, ``_flatten_mapping``, and
-``_pg_registry`` to let the groups go at exit) is used here only.
+``_pg_registry`` to let the groups go at exit) is used here only. ``mesh_outside_fake_mode`` (the simulation,
+``lightning_autopar.simulate``) wraps DeviceMesh's own methods so that its rank arithmetic runs on real tensors
+under FakeTensorMode.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from lightning_autopar.dims import (  # noqa: F401 (nodes_spanned: re-exported, the topology's use)
     EXPERT_DIMS, FLAT_DIMS, GROUP_DIMS, MESH_DIMS, ParallelDims, nodes_spanned)
@@ -176,6 +179,44 @@ def build_mesh(plan: Plan, device_type: str) -> MeshLayout:
             del _MESHES[key]  # layouts of an earlier process group go with it
         _MESHES[(device_type, shape)] = (default, layout)
     return MeshLayout(plan=plan, mesh=layout.mesh, submeshes=dict(layout.submeshes), derived=layout.derived)
+
+
+@contextmanager
+def mesh_outside_fake_mode() -> Iterator[None]:
+    """While inside: every method and property of DeviceMesh runs with FakeTensorMode unset. A DeviceMesh computes
+    its coordinates and sub-meshes with tensor ops on the rank grid (``nonzero``, indexing: torch 2.13), which
+    FakeTensorMode cannot answer (data-dependent shapes); the grid is rank numbers, never model data, so running
+    it for real changes nothing the simulation measures. The class is restored on exit."""
+    import functools
+    import inspect
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def real(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return fn(*args, **kwargs)
+        return wrapped
+
+    saved = dict(vars(DeviceMesh))
+    for name, attr in saved.items():
+        if isinstance(attr, property) and attr.fget is not None:
+            setattr(DeviceMesh, name, property(real(attr.fget), attr.fset, attr.fdel, attr.__doc__))
+        elif isinstance(attr, staticmethod):
+            setattr(DeviceMesh, name, staticmethod(real(attr.__func__)))
+        elif isinstance(attr, classmethod):
+            setattr(DeviceMesh, name, classmethod(real(attr.__func__)))
+        elif inspect.isfunction(attr) and name not in ("__init_subclass__",):
+            setattr(DeviceMesh, name, real(attr))
+    try:
+        yield
+    finally:
+        for name, attr in saved.items():
+            if name in ("__dict__", "__weakref__"):
+                continue
+            setattr(DeviceMesh, name, attr)
 
 
 # --------------------------------------------------------------------------------------------- process group
