@@ -94,15 +94,22 @@ def background_launch(body: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return fixture
 
 
+def _fixture_funcs(item) -> list[Callable]:
+    """The functions of a test's fixtures (the closest definition of each name)."""
+    fixtureinfo = getattr(item, "_fixtureinfo", None)
+    return [defs[-1].func for defs in fixtureinfo.name2fixturedefs.values()] if fixtureinfo else []
+
+
+def _requests_scenarios(func: Callable) -> bool:
+    """Whether a fixture body calls run_scenarios (a batch's launch)."""
+    code = getattr(func, "__code__", None)
+    return code is not None and "run_scenarios" in code.co_names
+
+
 def _uses_launch(item) -> bool:
     """Whether a test's fixtures include a launch (a batch's run_scenarios or a @background_launch body)."""
-    fixtureinfo = getattr(item, "_fixtureinfo", None)
-    for defs in fixtureinfo.name2fixturedefs.values() if fixtureinfo else ():
-        func = defs[-1].func
-        code = getattr(func, "__code__", None)
-        if getattr(func, "background_body", None) is not None or (code is not None and "run_scenarios" in code.co_names):
-            return True
-    return False
+    return any(getattr(func, "background_body", None) is not None or _requests_scenarios(func)
+               for func in _fixture_funcs(item))
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -170,20 +177,15 @@ def pytest_collection_finish(session):
     _SESSION_ENV.update(os.environ)
     factory = session.config._tmp_path_factory
     for item in session.items:  # the waiting launches, on their lane from now on
-        fixtureinfo = getattr(item, "_fixtureinfo", None)
-        for defs in fixtureinfo.name2fixturedefs.values() if fixtureinfo else ():
-            func = defs[-1].func
+        for func in _fixture_funcs(item):
             if getattr(func, "background_body", None) is not None and func not in _STARTED:
                 _STARTED[func] = _submit("waiting", func.background_body, factory)
     if _launch_each:
         return
     seen = set()
     for item in session.items:
-        fixtureinfo = getattr(item, "_fixtureinfo", None)
-        for defs in fixtureinfo.name2fixturedefs.values() if fixtureinfo else ():
-            func = defs[-1].func
-            code = getattr(func, "__code__", None)
-            if func in seen or code is None or "run_scenarios" not in code.co_names:
+        for func in _fixture_funcs(item):
+            if func in seen or not _requests_scenarios(func):
                 continue
             seen.add(func)
             if list(inspect.signature(func).parameters) != ["tmp_path_factory"]:
