@@ -20,6 +20,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ["AUTOPAR_CACHE"] = tempfile.mkdtemp(prefix="autopar_cache")  # tests never read or write a user's cache
+# inductor's compiled kernels: shared by the session's processes (a graph built once is loaded by the next process
+# that compiles it), never by an earlier session's, so a run does not depend on what ran before it
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar_inductor")
 DIST = Path(__file__).resolve().parent / "dist"
 sys.path.insert(0, str(DIST))
 
