@@ -33,8 +33,27 @@ def make_data() -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
+_REFERENCE_RUNS: dict[tuple, tuple[list[float], dict]] = {}
+
+
 def reference_run(steps: int = STEPS, clip: float | None = None, seed: int = 0, micro_batches: int = 1, dp: int = 1,
                   make=None, data=None, **overrides):
+    """``_reference_run`` once per process for each set of arguments (many test files compare with the same plain
+    loop); each caller gets its own copy. A run on caller-given ``data`` is not kept."""
+    key = (steps, clip, seed, micro_batches, dp, make, tuple(sorted(overrides.items())))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable override: run it, unkept
+        data = data if data is not None else make_data()
+    if data is not None:
+        return _reference_run(steps, clip, seed, micro_batches, dp, make, data, **overrides)
+    if key not in _REFERENCE_RUNS:
+        _REFERENCE_RUNS[key] = _reference_run(steps, clip, seed, micro_batches, dp, make, None, **overrides)
+    losses, state = _REFERENCE_RUNS[key]
+    return list(losses), {k: v.clone() for k, v in state.items()}
+
+
+def _reference_run(steps: int, clip: float | None, seed: int, micro_batches: int, dp: int, make, data, **overrides):
     """The plain single-process loop: same model (``make(**overrides)``, default our GPT with ``overrides`` of its
     config), data (``data``, default the token windows of ``make_data``), seed and optimizer. Returns (losses,
     state dict, buffers included).
