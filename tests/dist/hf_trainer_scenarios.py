@@ -1,0 +1,92 @@
+"""Hugging Face Trainer scenarios under torchrun (issue 31): ``lightning_autopar.hf_trainer.AutoparTrainer`` training
+a tiny HF Llama with the Trainer's own loop (``use_cpu=True``: Accelerate's MULTI_CPU on gloo).
+
+Usage: torchrun --nproc-per-node N tests/dist/hf_trainer_scenarios.py OUT_DIR name[,name...]
+Each scenario writes OUT_DIR/<name>.pt on rank 0: the Trainer's logged loss of every optimizer step, the full final
+state dict (single-device names), the plan and the rows one step took, or the traceback it crashed with.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+
+from pp_scenarios import gathered_state  # noqa: E402
+from scenarios import main, record  # noqa: E402
+
+PER_DEVICE = 2  # rows per data-parallel rank and micro-batch
+HF_STEPS = 4
+CLIP = 0.05  # small enough that every step clips
+SCENARIOS = {  # name -> (fix, gradient_accumulation_steps, max_grad_norm)
+    "hft_auto": (None, 2, CLIP),  # the planner's plan, two micro-batches per step, clipped
+    "hft_zero3": ("dp={w},zero=3", 1, 0.0),  # FSDP2 over every rank, no clipping
+}
+
+
+def make_llama() -> torch.nn.Module:
+    """The tiny HF Llama of tests_hf (seeded), without its LightningModule."""
+    import lightning.pytorch as L
+
+    from tests_hf import make_hf_module
+
+    L.seed_everything(0, verbose=False)
+    return make_hf_module().model
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """common.make_data's token windows as the Trainer's dict rows (labels = inputs: the model shifts them)."""
+
+    def __init__(self) -> None:
+        from common import make_data
+
+        self.tokens = make_data().tensors[0]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
+def trainer_run(out: Path, fix: str | None, accumulate: int, clip: float) -> tuple[torch.nn.Module, list, dict]:
+    """AutoparTrainer on the tiny Llama: SGD at a constant rate, the rows in order; (model, losses, plan)."""
+    from transformers import TrainerCallback, TrainingArguments
+
+    from lightning_autopar.hf_trainer import AutoparTrainer
+
+    losses: list[float] = []
+
+    class Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    args = TrainingArguments(output_dir=str(out / "hft"), per_device_train_batch_size=PER_DEVICE,
+                             gradient_accumulation_steps=accumulate, max_steps=HF_STEPS, learning_rate=0.1,
+                             optim="sgd", lr_scheduler_type="constant", max_grad_norm=clip, logging_steps=1,
+                             save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+                             train_sampling_strategy="sequential", dataloader_drop_last=True)
+    model = make_llama()
+    trainer = AutoparTrainer(model, args, train_dataset=TokenRows(), callbacks=[Losses()], fix=fix,
+                             planner_options={"cluster": "cpu", "print_plan": False})
+    trainer.train()
+    return model, losses, trainer.autopar.plan.to_dict()
+
+
+def run(out: Path, name: str) -> None:
+    import os
+
+    world = int(os.environ["WORLD_SIZE"])
+    if name not in SCENARIOS:
+        raise SystemExit(f"unknown scenario {name}")
+    fix, accumulate, clip = SCENARIOS[name]
+    model, losses, plan = trainer_run(out, fix and fix.format(w=world), accumulate, clip)
+    record(out, name, losses=losses, state=gathered_state(model), plan=plan,
+           rows=PER_DEVICE * plan["dp"] * accumulate)
+
+
+if __name__ == "__main__":
+    main(run)
