@@ -1,6 +1,7 @@
 """Hugging Face Trainer (issue 31): ``lightning_autopar.hf_trainer.AutoparTrainer`` runs the Trainer's own loop on
 autopar's plan. At 4 CPU processes (the world-4 batch) it trains a tiny HF Llama as the single-process loop does
-(rtol 1e-5) at the planner's plan (2 micro-batches per step, clipped) and at zero=3; the Trainer options that would
+(rtol 1e-5) at the planner's plan (2 micro-batches per step, clipped) and at zero=3, and ``trainer.evaluate()``
+over the plan's dp ranks gives the single-process loss; the Trainer options that would
 hand a part of the plan to the Trainer are refused in one line."""
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ RTOL = 1e-5  # test_strategy.LOSS_RTOL / PARAM_RTOL
 ATOL = 1e-6  # test_strategy.PARAM_ATOL
 
 
-def llama_reference(rows: int, clip: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+def llama_reference(rows: int, clip: float) -> tuple[list[float], dict[str, torch.Tensor], float]:
     """The single-process loop: the same Llama and rows in order, ``rows`` per step (the loss the model computes
-    from its labels), gradients clipped to ``clip`` (0: not clipped), one SGD step at 0.1."""
+    from its labels), gradients clipped to ``clip`` (0: not clipped), one SGD step at 0.1. Returns the step losses,
+    the final state and the final model's loss over every row."""
     model = S.make_llama()
     tokens = S.TokenRows().tokens
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -35,7 +37,9 @@ def llama_reference(rows: int, clip: float) -> tuple[list[float], dict[str, torc
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        evaluated = model(input_ids=tokens, labels=tokens).loss.item()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, evaluated
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,8 @@ def test_hf_trainer_matches_single_process(world4, name):
     if name == "hft_zero3":
         assert (plan["dp"], plan["zero"]) == (4, 3)
     fix, accumulate, clip = S.SCENARIOS[name]
-    losses, state = llama_reference(result["rows"], clip)
+    losses, state, evaluated = llama_reference(result["rows"], clip)
+    assert result["eval_loss"] == pytest.approx(evaluated, rel=RTOL)
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=RTOL, atol=0)
     assert set(result["state"]) == set(state)
     for key, ref in state.items():

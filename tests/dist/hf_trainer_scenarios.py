@@ -22,7 +22,7 @@ HF_STEPS = 4
 CLIP = 0.05  # small enough that every step clips
 SCENARIOS = {  # name -> (fix, gradient_accumulation_steps, max_grad_norm)
     "hft_auto": (None, 2, CLIP),  # the planner's plan, two micro-batches per step, clipped
-    "hft_zero3": ("dp={w},zero=3", 1, 0.0),  # FSDP2 over every rank, no clipping
+    "hft_zero3": ("dp={w},zero=3", 1, 0.0),  # FSDP2 over every rank, no clipping; then trainer.evaluate()
 }
 
 
@@ -51,8 +51,9 @@ class TokenRows(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
-def trainer_run(out: Path, fix: str | None, accumulate: int, clip: float) -> tuple[torch.nn.Module, list, dict]:
-    """AutoparTrainer on the tiny Llama: SGD at a constant rate, the rows in order; (model, losses, plan)."""
+def trainer_run(out: Path, fix: str | None, accumulate: int, clip: float) -> tuple[torch.nn.Module, list, dict, float]:
+    """AutoparTrainer on the tiny Llama: SGD at a constant rate, the rows in order; (model, losses, plan, the
+    evaluation loss over every row after training)."""
     from transformers import TrainerCallback, TrainingArguments
 
     from lightning_autopar.hf_trainer import AutoparTrainer
@@ -68,12 +69,14 @@ def trainer_run(out: Path, fix: str | None, accumulate: int, clip: float) -> tup
                              gradient_accumulation_steps=accumulate, max_steps=HF_STEPS, learning_rate=0.1,
                              optim="sgd", lr_scheduler_type="constant", max_grad_norm=clip, logging_steps=1,
                              save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
-                             train_sampling_strategy="sequential", dataloader_drop_last=True)
+                             train_sampling_strategy="sequential", dataloader_drop_last=True,
+                             per_device_eval_batch_size=PER_DEVICE)
     model = make_llama()
     trainer = AutoparTrainer(model, args, train_dataset=TokenRows(), callbacks=[Losses()], fix=fix,
                              planner_options={"cluster": "cpu", "print_plan": False})
     trainer.train()
-    return model, losses, trainer.autopar.plan.to_dict()
+    evaluated = trainer.evaluate(eval_dataset=TokenRows())["eval_loss"]  # over the plan's dp ranks
+    return model, losses, trainer.autopar.plan.to_dict(), evaluated
 
 
 def run(out: Path, name: str) -> None:
@@ -83,8 +86,8 @@ def run(out: Path, name: str) -> None:
     if name not in SCENARIOS:
         raise SystemExit(f"unknown scenario {name}")
     fix, accumulate, clip = SCENARIOS[name]
-    model, losses, plan = trainer_run(out, fix and fix.format(w=world), accumulate, clip)
-    record(out, name, losses=losses, state=gathered_state(model), plan=plan,
+    model, losses, plan, evaluated = trainer_run(out, fix and fix.format(w=world), accumulate, clip)
+    record(out, name, losses=losses, state=gathered_state(model), plan=plan, eval_loss=evaluated,
            rows=PER_DEVICE * plan["dp"] * accumulate)
 
 
