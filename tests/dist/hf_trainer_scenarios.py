@@ -22,8 +22,10 @@ HF_STEPS = 4
 CLIP = 0.05  # small enough that every step clips
 SCENARIOS = {  # name -> (fix, gradient_accumulation_steps, max_grad_norm)
     "hft_auto": (None, 2, CLIP),  # the planner's plan, two micro-batches per step, clipped
-    "hft_zero3": ("dp={w},zero=3", 1, 0.0),  # FSDP2 over every rank, no clipping; then trainer.evaluate()
+    # FSDP2 over every rank, no clipping, the user's own optimizer (Trainer(optimizers=...)); then trainer.evaluate()
+    "hft_zero3": ("dp={w},zero=3", 1, 0.0),
 }
+OWN_OPTIMIZER = {"hft_zero3"}
 
 
 def make_llama() -> torch.nn.Module:
@@ -51,9 +53,11 @@ class TokenRows(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
-def trainer_run(out: Path, fix: str | None, accumulate: int, clip: float) -> tuple[torch.nn.Module, list, dict, float]:
-    """AutoparTrainer on the tiny Llama: SGD at a constant rate, the rows in order; (model, losses, plan, the
-    evaluation loss over every row after training)."""
+def trainer_run(out: Path, fix: str | None, accumulate: int, clip: float,
+                own_optimizer: bool = False) -> tuple[torch.nn.Module, list, dict, float]:
+    """AutoparTrainer on the tiny Llama: SGD at a constant rate (the Trainer's, or with ``own_optimizer`` one built
+    on the model before the plan replaced its parameters), the rows in order; (model, losses, plan, the evaluation
+    loss over every row after training)."""
     from transformers import TrainerCallback, TrainingArguments
 
     from lightning_autopar.hf_trainer import AutoparTrainer
@@ -72,8 +76,12 @@ def trainer_run(out: Path, fix: str | None, accumulate: int, clip: float) -> tup
                              train_sampling_strategy="sequential", dataloader_drop_last=True,
                              per_device_eval_batch_size=PER_DEVICE)
     model = make_llama()
-    trainer = AutoparTrainer(model, args, train_dataset=TokenRows(), callbacks=[Losses()], fix=fix,
-                             planner_options={"cluster": "cpu", "print_plan": False})
+    optimizers: tuple = (None, None)
+    if own_optimizer:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizers = (optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
+    trainer = AutoparTrainer(model, args, train_dataset=TokenRows(), callbacks=[Losses()], optimizers=optimizers,
+                             fix=fix, planner_options={"cluster": "cpu", "print_plan": False})
     trainer.train()
     evaluated = trainer.evaluate(eval_dataset=TokenRows())["eval_loss"]  # over the plan's dp ranks
     return model, losses, trainer.autopar.plan.to_dict(), evaluated
@@ -86,7 +94,8 @@ def run(out: Path, name: str) -> None:
     if name not in SCENARIOS:
         raise SystemExit(f"unknown scenario {name}")
     fix, accumulate, clip = SCENARIOS[name]
-    model, losses, plan, evaluated = trainer_run(out, fix and fix.format(w=world), accumulate, clip)
+    model, losses, plan, evaluated = trainer_run(out, fix and fix.format(w=world), accumulate, clip,
+                                                 name in OWN_OPTIMIZER)
     record(out, name, losses=losses, state=gathered_state(model), plan=plan, eval_loss=evaluated,
            rows=PER_DEVICE * plan["dp"] * accumulate)
 
