@@ -21,7 +21,7 @@ Trainer made. The rest is the Trainer's: its loop, accumulation, loss, optimizer
   names, loads at any plan with ``trainer.autopar.load(folder)``).
 * **Public hooks** only, but one: ``get_train_dataloader`` / ``get_eval_dataloader`` (the Trainer's DataLoader,
   sharded over the plan's dp ranks instead of every process), ``create_optimizer`` (the optimizer adopted by the
-  plan), ``get_tp_size`` (the ranks that read one batch, for the Trainer's token count), and Accelerate's
+  plan), ``get_tp_size`` (the ranks that read one batch: the Trainer's total batch and token count), and Accelerate's
   ``prepare_model(..., evaluation_mode=True)`` (autocast only; the model is marked prepared, so the Trainer's
   ``accelerator.prepare`` does not wrap it in DDP a second time). Private, checked against transformers 5.25:
   ``Trainer._mixed_mesh_grads = False``. The Trainer clips DTensor gradients on several meshes with its own
@@ -141,8 +141,9 @@ class AutoparTrainer(Trainer):
         return optimizer
 
     def get_tp_size(self) -> int:
-        """The ranks that read one batch (world / dp): the Trainer divides its token count across processes by
-        this, so each batch's tokens count once."""
+        """The ranks that read one batch (world / dp): the Trainer divides the processes by this for its total
+        batch (``get_total_train_batch_size``: per-device x accumulation x dp) and its token count across
+        processes, so each row counts once."""
         if self.autopar is None or self.autopar.plan is None:
             return super().get_tp_size()
         return self.accelerator.num_processes // self.autopar.plan.dp

@@ -1,8 +1,8 @@
 """Hugging Face Trainer (issue 31): ``lightning_autopar.hf_trainer.AutoparTrainer`` runs the Trainer's own loop on
 autopar's plan. At 4 CPU processes (the world-4 batch) it trains a tiny HF Llama as the single-process loop does
-(rtol 1e-5) at the planner's plan (2 micro-batches per step, clipped) and at zero=3, and ``trainer.evaluate()``
-over the plan's dp ranks gives the single-process loss; the Trainer options that would
-hand a part of the plan to the Trainer are refused in one line."""
+(rtol 1e-5) at the planner's plan (2 micro-batches per step, clipped), at zero=3 (the user's own optimizer) and at
+tp=2 x dp=2 with zero=3 (clipped), and ``trainer.evaluate()`` over the plan's dp ranks gives the single-process
+loss; the Trainer options that would hand a part of the plan to the Trainer are refused in one line."""
 
 from __future__ import annotations
 
@@ -53,8 +53,11 @@ def test_hf_trainer_matches_single_process(world4, name):
     assert "crash" not in result, result.get("crash")
     plan = result["plan"]
     assert plan["pp"] == 1 and plan["grad_accum"] == 1 and plan["mbs"] == S.PER_DEVICE
+    assert result["trainer_rows"] == result["rows"]  # the Trainer's total batch: per-device x accumulation x dp
     if name == "hft_zero3":
         assert (plan["dp"], plan["zero"]) == (4, 3)
+    if name == "hft_tp2_zero3":
+        assert (plan["tp"], plan["dp"], plan["zero"]) == (2, 2, 3)
     fix, accumulate, clip = S.SCENARIOS[name]
     losses, state, evaluated = llama_reference(result["rows"], clip)
     assert result["eval_loss"] == pytest.approx(evaluated, rel=RTOL)

@@ -24,6 +24,8 @@ SCENARIOS = {  # name -> (fix, gradient_accumulation_steps, max_grad_norm)
     "hft_auto": (None, 2, CLIP),  # the planner's plan, two micro-batches per step, clipped
     # FSDP2 over every rank, no clipping, the user's own optimizer (Trainer(optimizers=...)); then trainer.evaluate()
     "hft_zero3": ("dp={w},zero=3", 1, 0.0),
+    # tp=2 x dp=2 with FSDP2: DTensor gradients on two meshes clipped by autopar's clip, the token count per dp rank
+    "hft_tp2_zero3": ("tp=2,dp=2,zero=3", 1, CLIP),
 }
 OWN_OPTIMIZER = {"hft_zero3"}
 
@@ -54,10 +56,10 @@ class TokenRows(torch.utils.data.Dataset):
 
 
 def trainer_run(out: Path, fix: str | None, accumulate: int, clip: float,
-                own_optimizer: bool = False) -> tuple[torch.nn.Module, list, dict, float]:
+                own_optimizer: bool = False) -> tuple[torch.nn.Module, list, dict, float, int]:
     """AutoparTrainer on the tiny Llama: SGD at a constant rate (the Trainer's, or with ``own_optimizer`` one built
     on the model before the plan replaced its parameters), the rows in order; (model, losses, plan, the evaluation
-    loss over every row after training)."""
+    loss over every row after training, the rows of one step as the Trainer counts them)."""
     from transformers import TrainerCallback, TrainingArguments
 
     from lightning_autopar.hf_trainer import AutoparTrainer
@@ -84,7 +86,7 @@ def trainer_run(out: Path, fix: str | None, accumulate: int, clip: float,
                              fix=fix, planner_options={"cluster": "cpu", "print_plan": False})
     trainer.train()
     evaluated = trainer.evaluate(eval_dataset=TokenRows())["eval_loss"]  # over the plan's dp ranks
-    return model, losses, trainer.autopar.plan.to_dict(), evaluated
+    return model, losses, trainer.autopar.plan.to_dict(), evaluated, trainer.get_total_train_batch_size(args)
 
 
 def run(out: Path, name: str) -> None:
@@ -94,10 +96,10 @@ def run(out: Path, name: str) -> None:
     if name not in SCENARIOS:
         raise SystemExit(f"unknown scenario {name}")
     fix, accumulate, clip = SCENARIOS[name]
-    model, losses, plan, evaluated = trainer_run(out, fix and fix.format(w=world), accumulate, clip,
-                                                 name in OWN_OPTIMIZER)
+    model, losses, plan, evaluated, counted = trainer_run(out, fix and fix.format(w=world), accumulate, clip,
+                                                          name in OWN_OPTIMIZER)
     record(out, name, losses=losses, state=gathered_state(model), plan=plan, eval_loss=evaluated,
-           rows=PER_DEVICE * plan["dp"] * accumulate)
+           rows=PER_DEVICE * plan["dp"] * accumulate, trainer_rows=counted)
 
 
 if __name__ == "__main__":
