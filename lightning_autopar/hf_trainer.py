@@ -20,7 +20,8 @@ Trainer made. The rest is the Trainer's: its loop, accumulation, loss, optimizer
   optimizer per rank; save with ``trainer.autopar.save(folder)`` (torch.distributed.checkpoint, single-device
   names, loads at any plan with ``trainer.autopar.load(folder)``).
 * **Public hooks** only, but one: ``get_train_dataloader`` / ``get_eval_dataloader`` (the Trainer's DataLoader,
-  sharded over the plan's dp ranks instead of every process), ``create_optimizer`` (the optimizer adopted by the
+  sharded over the plan's dp ranks instead of every process: Accelerate's ``prepare_data_loader`` passes it through
+  while the Trainer builds it), ``create_optimizer`` (the optimizer adopted by the
   plan), ``get_tp_size`` (the ranks that read one batch: the Trainer's total batch and token count), and Accelerate's
   ``prepare_model(..., evaluation_mode=True)`` (autocast only; the model is marked prepared, so the Trainer's
   ``accelerator.prepare`` does not wrap it in DDP a second time). Private, checked against transformers 5.25:
@@ -32,7 +33,7 @@ Trainer made. The rest is the Trainer's: its loop, accumulation, loss, optimizer
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from torch import nn
 from transformers import Trainer, TrainingArguments
@@ -44,7 +45,8 @@ from lightning_autopar.errors import ConfigError
 REFUSED = (
     ("fsdp", "the plan shards the model (zero, dp_shard)", "leave fsdp unset; pin zero with fix='zero=3'"),
     ("deepspeed", "the plan shards the model (zero, dp_shard)", "leave deepspeed unset; pin zero with fix='zero=3'"),
-    ("torch_compile", "the plan compiles per block (compile)", "leave torch_compile off; pin it with fix='compile=true'"),
+    ("torch_compile", "the plan compiles per block (compile)",
+     "leave torch_compile off; pin it with fix='compile=true'"),
     # transformers 5 folds its deprecated alias gradient_checkpointing into this field
     ("activation_checkpointing", "the plan recomputes (recompute)", "leave it off; pin it with fix='recompute=full'"),
 )
@@ -102,11 +104,13 @@ class AutoparTrainer(Trainer):
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         return self._over_dp_ranks(lambda: super(AutoparTrainer, self).get_eval_dataloader(eval_dataset))
 
-    def _over_dp_ranks(self, build: Any) -> Any:
+    def _over_dp_ranks(self, build: Callable[[], Any]) -> Any:
         """The Trainer's DataLoader (its collator, sampler and workers) before Accelerate shards it over every
-        process, planned on (the first one), then sharded over the plan's data-parallel ranks."""
+        process, planned on (the first one), then sharded over the plan's data-parallel ranks. While ``build`` runs,
+        this Trainer's Accelerator hands DataLoaders back as they are (its public ``prepare_data_loader``, set on
+        the instance and removed after), so the Trainer's own loader construction is reused unchanged."""
         acc = self.accelerator
-        acc.prepare_data_loader = lambda loader, *_, **__: loader  # the Trainer's loader as it built it
+        acc.prepare_data_loader = lambda loader, *_, **__: loader
         try:
             loader = build()
         finally:
