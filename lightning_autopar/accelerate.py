@@ -200,7 +200,8 @@ class AcceleratePlanning(PlanningMixin, _AccelerateBase):
         self._acc = accelerator
         self._module = module
         self._loader = loader
-        self._optimizer: Any = None
+        self._optimizer: Any = None  # the AcceleratedOptimizer prepare returns (None: the Accelerator's own)
+        self._torch_optimizer: Any = None  # the torch optimizer inside it, saved and loaded with the model
         if accelerator.mixed_precision not in ACCELERATE_TO_LIGHTNING:
             raise ConfigError("Accelerator.mixed_precision", f"{accelerator.mixed_precision!r} has no autopar plan",
                               "use mixed_precision 'no', 'bf16' or 'fp16'")
@@ -260,15 +261,32 @@ class AcceleratePlanning(PlanningMixin, _AccelerateBase):
         return self._acc.scaler
 
     # -------------------------------------------------------- set-up
-    def setup(self, module: Any, optimizer: Any) -> tuple[Any, Any]:
+    def setup(self, module: Any, optimizer: Any, autocast: bool = True) -> tuple[Any, Any]:
         """Plan and apply (as ``fabric.setup`` does), re-point the optimizer, and hook the model, the optimizer and
-        the Accelerator's clip, no_sync, autocast and save/load to the applied plan."""
-        from types import MethodType
-
-        from accelerate.optimizer import AcceleratedOptimizer
-
-        from lightning_autopar.fabric import check_even_rows, rebind_optimizer, settle_global_batch
+        the Accelerator's clip, no_sync, autocast and save/load to the applied plan. ``optimizer`` None: none yet
+        (the HF Trainer creates its own after the plan; it hands it to ``adopt_optimizer``). ``autocast=False``:
+        the forward is left as it is (the caller has Accelerate's ``prepare_model`` wrap it instead)."""
         from lightning_autopar.parallel.fsdp import gradient_sync_off
+
+        names = {id(p): name for name, p in module.named_parameters()}
+        self._plan_and_apply_here(module)
+        if optimizer is not None:
+            optimizer = self.adopt_optimizer(optimizer, names)
+            # not registered in the Accelerator's optimizers: save_state would pickle its shards on rank 0 alone
+            optimizer = self._optimizer = self._accelerated(optimizer)
+        module.no_sync = lambda: gradient_sync_off(module)  # what accelerator.no_sync / accumulate call
+        module.autopar = self  # the plan, report, analysis and mesh of this model (``model.autopar.plan``)
+        if self._step_call:
+            module.train_step = self.train_step
+        if autocast and self._acc.mixed_precision != "no":
+            self._autocast_forward(module)
+        self._hook_accelerator(module)
+        return module, optimizer
+
+    def _plan_and_apply_here(self, module: Any) -> None:
+        """The set-up stages on this process group, the batch settled by the Accelerator's convention, the model
+        on the device and the loss scaler one that sees sharded gradients."""
+        from lightning_autopar.fabric import check_even_rows, settle_global_batch
         from lightning_autopar.parallel.offload import module_to_device
         from lightning_autopar.parallel.precision import ShardedGradScaler
         from lightning_autopar.runtime import lightning_private as private
@@ -283,7 +301,6 @@ class AcceleratePlanning(PlanningMixin, _AccelerateBase):
                               "Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True))")
         if not split and rows:  # planned for one loader batch per process, settled below for the plan's dp
             self._global_batch_arg = rows * self.world_size
-        names = {id(p): name for name, p in module.named_parameters()}
         private.materialize_distributed_module(module, self.root_device)
         self._plan_and_apply(ACCELERATE_TO_LIGHTNING[acc.mixed_precision])
         plan = self.plan
@@ -296,27 +313,38 @@ class AcceleratePlanning(PlanningMixin, _AccelerateBase):
         module_to_device(module, self.root_device, plan.offload)
         if acc.scaler is not None and not isinstance(acc.scaler, ShardedGradScaler):
             acc.scaler = ShardedGradScaler(device=self.root_device.type)
-        rebind_optimizer(optimizer, names, dict(module.named_parameters()))
-        self._keep_optimizer_layouts([optimizer], module)
+
+    def adopt_optimizer(self, optimizer: Any, names: dict[int, str] | None = None) -> Any:
+        """``optimizer`` on the applied model: re-pointed from the parameters named ``names`` (the ones it was built
+        on, before the plan replaced them), its TP states kept in single-device row order and offloaded as the plan
+        says; kept for ``save`` / ``load``."""
+        from lightning_autopar.fabric import rebind_optimizer
+
+        if names is not None:
+            rebind_optimizer(optimizer, names, dict(self._module.named_parameters()))
+        self._keep_optimizer_layouts([optimizer], self._module)
         self._offload_optimizers([optimizer])
-        # not registered in the Accelerator's optimizers: save_state would pickle its shards on rank 0 alone
-        self._optimizer = AcceleratedOptimizer(optimizer, device_placement=False, scaler=acc.scaler)
-        module.no_sync = lambda: gradient_sync_off(module)  # what accelerator.no_sync / accumulate call
-        module.autopar = self  # the plan, report, analysis and mesh of this model (``model.autopar.plan``)
-        if self._step_call:
-            module.train_step = self.train_step
-        if acc.mixed_precision != "no":  # as Accelerate's prepare_model: the forward under its autocast, fp32 out
-            from accelerate.utils import convert_outputs_to_fp32
+        self._torch_optimizer = optimizer
+        return optimizer
 
-            forward = convert_outputs_to_fp32(module.forward)
+    def _accelerated(self, optimizer: Any) -> Any:
+        from accelerate.optimizer import AcceleratedOptimizer
 
-            def autocast_forward(_self: Any, *args: Any, **kwargs: Any) -> Any:
-                with acc.autocast():
-                    return forward(*args, **kwargs)
+        return AcceleratedOptimizer(optimizer, device_placement=False, scaler=self._acc.scaler)
 
-            module.forward = MethodType(autocast_forward, module)
-        self._hook_accelerator(module)
-        return module, self._optimizer
+    def _autocast_forward(self, module: Any) -> None:
+        """As Accelerate's prepare_model: the forward under the Accelerator's autocast, its outputs in fp32."""
+        from types import MethodType
+
+        from accelerate.utils import convert_outputs_to_fp32
+
+        acc, forward = self._acc, convert_outputs_to_fp32(module.forward)
+
+        def autocast_forward(_self: Any, *args: Any, **kwargs: Any) -> Any:
+            with acc.autocast():
+                return forward(*args, **kwargs)
+
+        module.forward = MethodType(autocast_forward, module)
 
     def train_step(self, batch: Any, loss_fn: Any) -> Any:
         """``model.train_step(batch, loss_fn)`` (``step_call=True``): forward and backward of every micro-batch of
@@ -366,14 +394,14 @@ class AcceleratePlanning(PlanningMixin, _AccelerateBase):
 
         from lightning_autopar.strategy import save_sharded
 
-        save_sharded(Path(folder) / "autopar", self._module, [self._optimizer.optimizer])
+        save_sharded(Path(folder) / "autopar", self._module, [self._torch_optimizer])
 
     def load(self, folder: str) -> None:
         from pathlib import Path
 
         from lightning_autopar.strategy import load_sharded
 
-        load_sharded(Path(folder) / "autopar", self._module, [self._optimizer.optimizer])
+        load_sharded(Path(folder) / "autopar", self._module, [self._torch_optimizer])
 
     def prepare_loader(self, loader: Any) -> Any:
         """The user's DataLoader as Accelerate's ``DataLoaderShard`` over the plan's data-parallel ranks (not the

@@ -21,8 +21,9 @@ try:
 except ImportError:
     HAVE_HF = False
 
-FABRIC = ["fabric_dp", "fabric_tp", "fabric_ddp", "fabric_ddp_accum", "fabric_step_pp2", "fabric_model_first",
+FABRIC = ["fabric_dp", "fabric_tp", "fabric_ddp", "fabric_ddp_accum", "fabric_model_first",
           "fabric_model_first_refused", "fabric_checkpoint_zero0", "fabric_checkpoint_zero3"]
+WORLD4 = ["fabric_step_pp2"]  # issue 31's cell: Fabric's pipeline through the step call at 4 processes
 SCENARIOS = FABRIC + (["hf_llama", "hf_llama_tp"] if HAVE_HF else [])
 
 
@@ -34,6 +35,11 @@ def reference():
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     return run_scenarios(tmp_path_factory, 2, SCENARIOS, script="ecosystem_scenarios.py")
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return run_scenarios(tmp_path_factory, 4, WORLD4, script="ecosystem_scenarios.py")
 
 
 def without_thread_env() -> dict[str, str]:
@@ -56,12 +62,13 @@ def test_fabric_matches_single_process(world2, reference, name, layout):
     assert_equivalent(result, *reference)
 
 
-def test_fabric_pipeline_through_the_step_call(world2, reference):
-    """``AutoParallelFabricStrategy(step_call=True)``: the loop calls ``model.train_step(batch, loss_fn)`` on the
-    global batch, which runs the pipeline schedule (pp=2, 4 micro-batches), then ``optimizer.step()``."""
-    result = load(world2, "fabric_step_pp2")
+def test_fabric_pipeline_through_the_step_call(world4, reference):
+    """``AutoParallelFabricStrategy(step_call=True)`` at 4 processes: the loop calls ``model.train_step(batch,
+    loss_fn)`` on the global batch, which runs the pipeline schedule (pp=2 x dp=2, 2 micro-batches per data-parallel
+    rank), then ``optimizer.step()``."""
+    result = load(world4, "fabric_step_pp2")
     plan = result["plan"]
-    assert (plan["pp"], plan["dp"], plan["grad_accum"]) == (2, 1, 4)
+    assert (plan["pp"], plan["dp"], plan["grad_accum"]) == (2, 2, 2)
     assert_equivalent(result, *reference)
 
 

@@ -113,7 +113,7 @@ LAYERS = (
     ("parallel",),
     ("runtime",),
     ("callbacks",),
-    ("strategy", "fabric", "accelerate", "config", "cli", "cli_*", "simulate"),
+    ("strategy", "fabric", "accelerate", "hf_trainer", "config", "cli", "cli_*", "simulate"),
     ("",),
 )
 

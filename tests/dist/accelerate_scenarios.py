@@ -22,32 +22,38 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from pp_scenarios import gathered_state  # noqa: E402
 from scenarios import main, record  # noqa: E402
+from tests_hf import make_hf_module  # noqa: E402
 
 CLIP = 0.05  # small enough that every step clips
 MOE = {"experts": 4, "top_k": 2}
-SCENARIOS = {  # name -> (fix, Accelerator kwargs, loop options); the planner's own plan here is DDP (dp=2, zero=0)
-    "acc_auto": (None, {}, {}),
-    "acc_tp_clip": ("tp={w},dp=1", {}, {"clip": CLIP}),
+SCENARIOS = {  # name -> (fix, Accelerator kwargs, loop options)
+    # world 4: the issue's cells. The planner's own plan for a tiny HF Llama
+    "acc_auto_llama": (None, {}, {"make": "llama"}),
+    # tp=2 inside dp=2 with FSDP2 (zero=3), accumulated over 2 loader batches and clipped over both meshes
+    "acc_tp2_zero3_accum_clip": ("tp=2,dp=2,zero=3", {"gradient_accumulation_steps": 2}, {"clip": CLIP}),
+    # a MoE GPT (4 experts, top 2) with its experts split over 2 expert-parallel ranks
+    "acc_moe_ep2": ("dp=4,ep=2", {}, {"model": MOE, "clip": CLIP}),
+    # model.train_step(batch, loss_fn) (step_call=True): 2 pipeline stages x 2 data-parallel ranks, 2 micro-batches
+    "acc_step_pp2": ("pp=2,dp=2,grad_accum=2", {}, {"step_call": True, "clip": CLIP}),
+    # world 2
     "acc_ddp_accum": ("dp={w},zero=0", {"gradient_accumulation_steps": 2}, {}),
-    "acc_zero3_accum_clip": ("dp={w},zero=3", {"gradient_accumulation_steps": 2}, {"clip": CLIP}),
     # Accelerate's default batches: each data-parallel rank its own loader batch of GLOBAL_BATCH / dp rows
     "acc_zero3_per_process": ("dp={w},zero=3", {"split_batches": False}, {"per_process": True}),
     # ... and at tp=2 (dp=1) both ranks read the same loader batch of GLOBAL_BATCH rows: the step's global batch
     "acc_tp_per_process": ("tp={w},dp=1", {"split_batches": False}, {}),
-    # model.train_step(batch, loss_fn) (step_call=True): the plan's micro-batches, the pipeline's schedule
-    "acc_step_pp2": ("pp={w},dp=1,grad_accum=4", {}, {"step_call": True, "clip": CLIP}),
+    # FSDP2 with 2 micro-batches in one train_step
     "acc_step_zero3_accum": ("dp={w},zero=3,grad_accum=2", {}, {"step_call": True}),
-    # a MoE GPT (4 experts, top 2) with its experts split over 2 expert-parallel ranks
-    "acc_moe_ep2": ("dp={w},ep={w}", {}, {"model": MOE, "clip": CLIP}),
 }
+MAKERS = {"gpt": make_module, "llama": make_hf_module}  # common's GPT; tests_hf's tiny Llama in a LightningModule
 
 
 def accelerate_run(fix: str | None, acc_kwargs: dict, clip: float | None = None, per_process: bool = False,
-                   step_call: bool = False, model: dict | None = None, steps: int = STEPS, state: Path | None = None,
-                   save_at: int = 0, resume: bool = False):
+                   step_call: bool = False, model: dict | None = None, make: str = "gpt", steps: int = STEPS,
+                   state: Path | None = None, save_at: int = 0, resume: bool = False):
     """The Accelerate loop of examples/accelerate_gpt.py (``batch_step``) on a model ``prepare``d with ``fix``:
     the global loss of each of ``steps`` loader batches. ``save_at``: ``accelerator.save_state(state)`` after that
-    many batches; ``resume``: ``accelerator.load_state(state)`` first, then the batches after the saved ones."""
+    many batches; ``resume``: ``accelerator.load_state(state)`` first, then the batches after the saved ones.
+    ``make``: the model (``MAKERS``), ``model`` its config's overrides (the GPT's)."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
 
@@ -57,7 +63,7 @@ def accelerate_run(fix: str | None, acc_kwargs: dict, clip: float | None = None,
     split = acc_kwargs.pop("split_batches", True)
     acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=split), **acc_kwargs)
     L.seed_everything(0, verbose=False)
-    module = make_module(**(model or {}))
+    module = MAKERS[make](**(model or {}))
     optimizer = module.configure_optimizers()
     world = acc.num_processes
     batch = GLOBAL_BATCH // world if per_process else GLOBAL_BATCH

@@ -147,7 +147,7 @@ def run(out: Path, name: str) -> None:
         record(out, name, losses=losses, state=full_state(module), plan=plan, local_grads_differ=local_grads_differ)
         return
     elif name == "fabric_step_pp2":  # model.train_step(batch, loss_fn): the pipeline's schedule in Fabric's loop
-        module, losses, plan, _ = fabric_run(f"pp={world},dp=1,grad_accum=4", step_call=True)
+        module, losses, plan, _ = fabric_run(f"pp=2,dp={world // 2},grad_accum=2", step_call=True)
         record(out, name, losses=losses, state=gathered_state(module), plan=plan)
         return
     elif name == "fabric_model_first":  # Fabric's documented order, the layout left to the planner
