@@ -44,7 +44,7 @@ def train(cfg: TrainConfig, module: L.LightningModule | None = None) -> L.Traine
                         weight_decay=cfg.optim.weight_decay, momentum=cfg.optim.momentum)
     trainer = trainer_from_config(cfg, data)
     trainer.fit(module, data)
-    if trainer.is_global_zero:
+    if trainer.is_global_zero and "train_loss" in trainer.callback_metrics:  # planner.simulate=true trains nothing
         print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.3f}")
     return trainer
 

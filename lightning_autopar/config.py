@@ -49,6 +49,8 @@ class PlannerConfig:
     profile_budget_s: float = 10.0  # at most this many seconds of set-up measurement
     profile_fraction: float = 0.02  # ... and at most this share of the planned run (automatic mode)
     profile_cache: Any = None  # a directory; false: no cache; None: $AUTOPAR_CACHE or ~/.cache/lightning_autopar
+    # plan for `cluster` at trainer.num_nodes x trainer.devices, simulate its ranks in this process and train nothing
+    simulate: bool = False
 
 
 @dataclass
@@ -295,7 +297,7 @@ def strategy_from_config(cfg: TrainConfig, **extra: Any) -> Any:
                                 restrict=p.restrict, top=p.top, print_plan=p.print_plan,
                                 memory_fraction=p.memory_fraction, trials=p.trials, profile=p.profile,
                                 profile_budget_s=p.profile_budget_s, profile_fraction=p.profile_fraction,
-                                profile_cache=p.profile_cache, **extra)
+                                profile_cache=p.profile_cache, simulate=p.simulate, **extra)
 
 
 def epochs_for_steps(max_steps: int, train_loader: Any, accumulate: int = 1) -> int | None:

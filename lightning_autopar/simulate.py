@@ -185,6 +185,30 @@ def spec_module(spec: ModelSpec) -> Any:
     return LitGPT(cfg, optimizer="adamw", lr=1e-4)
 
 
+def meta_factory(module: Any) -> Callable[[], Any]:
+    """A factory of meta-device copies of ``module`` (a LightningModule already built, as the strategy's
+    ``simulate=True`` gets it): parameters and buffers become meta tensors of their shapes and dtypes (a tie stays
+    one Parameter), so no copy holds data; ``module`` itself is left as it is."""
+    import copy
+    import itertools
+
+    import torch
+
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if id(tensor) not in memo:
+            meta = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = (torch.nn.Parameter(meta, requires_grad=tensor.requires_grad)
+                                if isinstance(tensor, torch.nn.Parameter) else meta)
+    trainer = getattr(module, "_trainer", None)
+    module._trainer = None  # a LightningModule's Trainer (and its loaders) stays out of the copy
+    try:
+        template = copy.deepcopy(module, memo)
+    finally:
+        module._trainer = trainer
+    return lambda: copy.deepcopy(template)
+
+
 def _meta_module(model: Any, spec: ModelSpec | None) -> Any:
     """A fresh LightningModule on the meta device (built once per simulated rank: the plan changes it)."""
     import torch
@@ -484,8 +508,10 @@ def _first_states(module: Any, optimizer: Any) -> None:
 
 
 def simulate_rank(model: Any, spec: ModelSpec | None, priced: PricedPlan, rank: int, world: int,
-                  global_batch: int, seq_len: int, mailbox: StageMailbox | None = None) -> RankResult:
-    """One rank of ``priced.plan`` simulated (module doc)."""
+                  global_batch: int, seq_len: int, mailbox: StageMailbox | None = None,
+                  batch: Any = None) -> RankResult:
+    """One rank of ``priced.plan`` simulated (module doc); ``batch``: a global batch whose tensors' shapes and
+    dtypes the step takes (the user's first batch), else token windows of ``global_batch`` x ``seq_len``."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -506,9 +532,7 @@ def simulate_rank(model: Any, spec: ModelSpec | None, priced: PricedPlan, rank: 
         module = _meta_module(model, spec)
         with FakeTensorMode(allow_non_fake_inputs=True):
             module.to_empty(device=device)
-            vocab = int(spec.vocab if spec is not None else module.model.config.vocab_size)
-            tokens = torch.randint(0, vocab, (global_batch, seq_len + 1), device=device)
-            batch = (tokens[:, :-1], tokens[:, 1:])
+            batch = _fake_batch(batch, module, spec, global_batch, seq_len, device)
             trial, applied = _build(module, plan, layout, batch, device, priced.layers_per_stage or None)
             if plan.pp > 1:  # the schedule's first step also infers the stages' shapes: not a step like the others
                 trial.step(batch)
@@ -531,6 +555,21 @@ def simulate_rank(model: Any, spec: ModelSpec | None, priced: PricedPlan, rank: 
     result = {"params_gib": params / GIB, "grads_gib": grads / GIB, "optimizer_gib": optim / GIB,
               "activations_gib": by.get("activations", 0.0), "peak_gib": measured.peak_gib}
     return RankResult(rank, stage, result, {}, recorder.counts)
+
+
+def _fake_batch(batch: Any, module: Any, spec: ModelSpec | None, global_batch: int, seq_len: int,
+                device: Any) -> Any:
+    """Inside FakeTensorMode: ``batch`` with each tensor replaced by a fake one of its shape and dtype (values
+    play no part in a simulated step), else next-token windows of the model's vocabulary."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    if batch is not None:
+        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device)
+                        if isinstance(t, torch.Tensor) else t, batch)
+    vocab = int(spec.vocab if spec is not None else module.model.config.vocab_size)
+    tokens = torch.randint(0, vocab, (global_batch, seq_len + 1), device=device)
+    return tokens[:, :-1], tokens[:, 1:]
 
 
 # ------------------------------------------------------------------------------------------------ the API
@@ -592,10 +631,11 @@ def check_simulable(plan: Any, spec: ModelSpec) -> None:
 def simulate(model: Any, cluster: str | ClusterSpec, global_batch: int, seq_len: int | None = None,
              fix: Any = None, ranks: str | Sequence[int] | None = None, nodes: int | None = None,
              devices_per_node: int | None = None, precision: Any = None,
-             memory_fraction: float = 0.9) -> SimulationReport:
+             memory_fraction: float = 0.9, batch: Any = None) -> SimulationReport:
     """Plan ``model`` on ``cluster`` (the best plan, or the one ``fix`` pins), then simulate ``ranks`` of it at the
     plan's world size in this process (module doc). ``model``: a preset name, YAML path or ModelSpec (built as the
     reference GPT), ``"pkg.module:factory"`` or a callable returning a LightningModule or a Hugging Face causal LM.
+    ``batch``: the global batch the step takes (its tensors' shapes and dtypes; default: token windows).
     No default process group may exist when it is called; none is left after."""
     from lightning_autopar.planner.search import plan as plan_model
     from lightning_autopar.planner.traffic import predicted_rank
@@ -626,7 +666,7 @@ def simulate(model: Any, cluster: str | ClusterSpec, global_batch: int, seq_len:
     results = []
     mailbox = StageMailbox()
     for rank in sorted(chosen, key=lambda r: (r * priced.plan.pp // world, r)):  # stages in order (StageMailbox)
-        result = simulate_rank(model, spec, priced, rank, world, global_batch, seq, mailbox)
+        result = simulate_rank(model, spec, priced, rank, world, global_batch, seq, mailbox, batch)
         result.predicted, result.predicted_collectives = predicted_rank(planned_spec, clus, priced, result.stage,
                                                                         seq)
         results.append(result)

@@ -53,12 +53,39 @@ __all__ = ["RUNTIME_SUPPORT", "AutoParallelMixin", "AutoParallelStrategy", "regi
 
 
 class AutoParallelMixin(PlanningMixin):
-    """The Trainer strategy's hooks, independent of which Lightning package provides the base class."""
+    """The Trainer strategy's hooks, independent of which Lightning package provides the base class.
+
+    ``simulate=True`` (``simulate_ranks``: ``autopar simulate``'s ``--ranks``): plan the user's module for
+    ``cluster`` at the Trainer's ``num_nodes`` x ``devices`` from this one process, simulate the plan's ranks there
+    (``lightning_autopar.simulate``: the apply layer and one step on a fake process group, fake tensors), print
+    the report (kept as ``strategy.simulation``) and train nothing: no processes are launched, no process group
+    is made, the module is left as it was."""
+
+    def __init__(self, *args: Any, simulate: bool = False, simulate_ranks: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if simulate and kwargs.get("cluster") is None:
+            from lightning_autopar.errors import ConfigError
+
+            raise ConfigError("simulate", "simulate=True plans for a cluster this process is not on",
+                              "pass cluster= (a preset such as 'a100-80g-dgx' or a YAML) with the Trainer's "
+                              "num_nodes and devices")
+        self._simulate = bool(simulate)
+        self._simulate_ranks = simulate_ranks
+        self.simulation: Any = None  # simulate.SimulationReport, with simulate=True
 
     # ------------------------------------------------------------------ environment and setup
 
     @override
+    def _configure_launcher(self) -> None:
+        if self._simulate:  # the simulated ranks live in this process
+            self._launcher = None
+            return
+        super()._configure_launcher()
+
+    @override
     def setup_environment(self) -> None:
+        if self._simulate:
+            return  # no process group: the simulation makes its own fake one
         # Process group only: the mesh depends on the plan, which needs the data (see setup()). Before it, this
         # process's CPU thread share and, under torchrun's shared store, keys of its own per restart attempt
         # (topology/worker.py: Lightning's ModelParallelStrategy does neither).
@@ -95,9 +122,33 @@ class AutoParallelMixin(PlanningMixin):
             return private.update_dataloader(dataloader, sampler)
         return dataloader
 
+    def _simulate_plan(self, trainer: Any) -> None:
+        """``simulate=True``: the user's module, at its first batch, planned for the cluster and simulated
+        (``simulate.simulate``); the report printed on this process and the fit ended before its first step."""
+        from lightning_autopar.parallel.precision import plan_precision
+        from lightning_autopar.runtime.setup import analyse_model
+        from lightning_autopar.simulate import meta_factory, simulate
+
+        work = self._workload()
+        analysed = analyse_model(work, self._model_call, self._global_batch_arg, self.world_size)
+        self.simulation = simulate(meta_factory(self.lightning_module), self._cluster_spec(), analysed.global_batch,
+                                   analysed.seq_len, fix=self._fix or None, ranks=self._simulate_ranks,
+                                   precision=plan_precision(str(trainer.precision)),
+                                   memory_fraction=self._memory_fraction, batch=work.first_batch)
+        if self._print_plan:
+            self.simulation.print_table()
+        # nothing trains: the fit loop ends before its first step (Trainer.should_stop, public), and the sanity
+        # check's validation batches are not run either
+        trainer.should_stop = True
+        trainer.num_sanity_val_steps = 0
+
     @override
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None
+        if self._simulate:
+            self.accelerator.setup(trainer)
+            self._simulate_plan(trainer)
+            return
         self.accelerator.setup(trainer)
         private.disable_distributed_sampler(trainer)  # we slice global batches instead
         if self._applied is None or self._applied_to is not self.lightning_module:

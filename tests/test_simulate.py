@@ -173,3 +173,36 @@ def test_cli_bad_input_exits_2(capsys):
     assert main(["simulate", "--model", "no_such_pkg.mod:factory", "--cluster", "cpu", "--global-batch", "8"]) == 2
     assert "factory" in capsys.readouterr().err
     assert not dist.is_initialized()
+
+
+def test_strategy_simulate_flag_plans_simulates_and_trains_nothing():
+    """Trainer(strategy=AutoParallelStrategy(simulate=True, cluster=...)): the user's module at its first batch,
+    planned for 2 nodes x 4 devices of the cluster, its pipeline stages' first ranks simulated in this process;
+    no step, no process group, the module unchanged; without a cluster, one line."""
+    import lightning.pytorch as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_autopar import AutoParallelStrategy
+    from lightning_autopar.errors import ConfigError
+    from lightning_autopar.models import GPTConfig
+    from lightning_autopar.models.lit import LitGPT
+
+    module = LitGPT(GPTConfig(vocab=128, seq_len=SEQ, layers=2, hidden=64, heads=4), lr=0.01)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    tokens = torch.randint(0, 128, (8, SEQ + 1))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
+    strategy = AutoParallelStrategy(simulate=True, cluster="a100-80g-dgx", fix=f"{BASE},dp=4,tp=1,pp=2,zero=3",
+                                    print_plan=False)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=4, num_nodes=2, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    report = strategy.simulation
+    assert report.world == 8 and report.priced.plan.pp == 2 and [r.rank for r in report.ranks] == [0, 4]
+    assert {r.stage for r in report.ranks} == {0, 1}
+    m, p = report.ranks[0].measured, report.ranks[0].predicted
+    assert m["params_gib"] == pytest.approx(p["params_gib"], rel=0.01)
+    assert trainer.global_step == 0 and not dist.is_initialized()
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    with pytest.raises(ConfigError, match="simulate.*cluster="):
+        AutoParallelStrategy(simulate=True)
