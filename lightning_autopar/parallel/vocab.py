@@ -85,7 +85,14 @@ def find_modules(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysi
         return VocabModules(embedding, _join(names[id(transformer)], analysis.lm_head))
     if split is not None and split_analysis is not None and split_analysis.lm_head:
         return VocabModules(embedding, _join(names[id(split)], split_analysis.lm_head))
-    return "no LM head found"
+    tied = _tied_head(root, root.get_submodule(embedding).weight)
+    return VocabModules(embedding, tied) if tied else "no LM head found"
+
+
+def _tied_head(root: nn.Module, weight: Any) -> str:
+    """The path of the nn.Linear holding ``weight`` (the embedding's: a tied head the analyses do not name, as in
+    GPT-2, whose ``*Model`` holds every parameter), '' when none does."""
+    return next((n for n, m in root.named_modules() if isinstance(m, nn.Linear) and m.weight is weight), "")
 
 
 def _join(prefix: str, name: str) -> str:
@@ -97,7 +104,7 @@ def module_refusal(root: nn.Module, where: VocabModules, uses: dict[str, list[tu
     the uses of their weights (``uses``: parameter name -> stacks of module calls at its uses, the trace's; None:
     the model's call was not traced)."""
     emb, head = root.get_submodule(where.embedding), root.get_submodule(where.head)
-    if type(emb) is not nn.Embedding and not (isinstance(emb, nn.Embedding) and _plain_embedding(emb)):
+    if not isinstance(emb, nn.Embedding):
         return f"the token embedding '{where.embedding}' is a {type(emb).__name__}, not an nn.Embedding"
     if not _plain_embedding(emb):
         return f"the token embedding '{where.embedding}' renormalises or scales its gradient by frequency"
