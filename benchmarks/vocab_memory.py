@@ -54,9 +54,13 @@ def lit_module(seq_len: int, vocab: int, logits: list[int]) -> Any:
 
 
 def local_bytes(t: Any) -> int:
-    """Bytes of ``t`` on this rank (a DTensor's local shard)."""
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
+    """Bytes of ``t`` on this rank (a DTensor's local shard; read with ``VocabLogits``' torch function off, which
+    would otherwise gather the logits for a use it does not see through)."""
+    from lightning_autopar.parallel.dtensor_private import torch_function_disabled
+
+    with torch_function_disabled():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return local.numel() * local.element_size()
 
 
 def held_bytes(module: Any) -> int:
