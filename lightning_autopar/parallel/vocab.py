@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_autopar.parallel.dtensor_private import (as_dtensor_subclass, swap_back, swap_in_local,
-                                                        torch_function_disabled)
+from lightning_autopar.parallel.dtensor_private import (as_dtensor_subclass, own_parameters, swap_back,
+                                                        swap_in_local, torch_function_disabled)
 from lightning_autopar.parallel.tp_comm import CopyToTP, ReduceFromTP
 
 if TYPE_CHECKING:
@@ -145,21 +145,13 @@ def apply_vocab_parallel(root: nn.Module, where: VocabModules, tp_mesh: DeviceMe
                          gather_logits: bool = False) -> VocabState:
     """Shard ``where``'s embedding by vocabulary rows and its head by output columns over ``tp_mesh`` (module doc),
     in place; a tie stays one Parameter. ``gather_logits``: the head returns the whole logits (CP)."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    import torch.distributed as dist
 
     emb, head = root.get_submodule(where.embedding), root.get_submodule(where.head)
     tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
     rows = emb.weight.shape[0] // tp
-    tied = head.weight is emb.weight
-    weight = nn.Parameter(distribute_tensor(emb.weight.detach(), tp_mesh, [Shard(0)]),
-                          requires_grad=emb.weight.requires_grad)
-    emb.weight = weight
-    head.weight = weight if tied else nn.Parameter(distribute_tensor(head.weight.detach(), tp_mesh, [Shard(0)]),
-                                                   requires_grad=head.weight.requires_grad)
-    if head.bias is not None:
-        head.bias = nn.Parameter(distribute_tensor(head.bias.detach(), tp_mesh, [Shard(0)]),
-                                 requires_grad=head.bias.requires_grad)
-    import torch.distributed as dist
+    for param in dict.fromkeys([emb.weight, head.weight] + ([head.bias] if head.bias is not None else [])):
+        _shard_everywhere(root, param, tp_mesh)
 
     state = VocabState(tp_mesh, rank * rows, (rank + 1) * rows, gather_logits, rank=dist.get_rank())
     state.handles = [emb.register_forward_pre_hook(_embedding_pre(state), with_kwargs=True),
@@ -167,6 +159,18 @@ def apply_vocab_parallel(root: nn.Module, where: VocabModules, tp_mesh: DeviceMe
                      head.register_forward_pre_hook(_head_pre(state), with_kwargs=True),
                      head.register_forward_hook(_head_post(state))]
     return state
+
+
+def _shard_everywhere(root: nn.Module, param: nn.Parameter, mesh: DeviceMesh) -> None:
+    """``param`` replaced by its rows sharded over ``mesh`` (a DTensor ``Shard(0)``) in every module holding it, so
+    a tie (the head to the embedding, BERT's decoder bias to its prediction head's) stays one Parameter."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    sharded = nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)]), requires_grad=param.requires_grad)
+    for module in root.modules():
+        for name, held in list(own_parameters(module).items()):
+            if held is param:
+                setattr(module, name, sharded)
 
 
 def _embedding_pre(state: VocabState) -> Callable:
