@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_autopar.parallel.dtensor_private import (as_dtensor_subclass, own_parameters, swap_back,
                                                         swap_in_local, torch_function_disabled)
@@ -152,7 +153,6 @@ def apply_vocab_parallel(root: nn.Module, where: VocabModules, tp_mesh: DeviceMe
     rows = emb.weight.shape[0] // tp
     for param in dict.fromkeys([emb.weight, head.weight] + ([head.bias] if head.bias is not None else [])):
         _shard_everywhere(root, param, tp_mesh)
-
     state = VocabState(tp_mesh, rank * rows, (rank + 1) * rows, gather_logits, rank=dist.get_rank())
     state.handles = [emb.register_forward_pre_hook(_embedding_pre(state), with_kwargs=True),
                      emb.register_forward_hook(_embedding_post(state)),
@@ -277,7 +277,7 @@ class VocabLogits(torch.distributed.tensor.DTensor):
         if func in _METADATA or getattr(func, "__name__", "") == "__get__":
             with torch_function_disabled():
                 return func(*args, **kwargs)
-        state = next(a._vocab for a in (*args, *kwargs.values()) if isinstance(a, VocabLogits))
+        state = next(a._vocab for a in tree_flatten((args, kwargs))[0] if isinstance(a, VocabLogits))
         if func is F.cross_entropy:
             loss = _sharded_cross_entropy(args, kwargs)
             if loss is not None:
@@ -289,7 +289,8 @@ class VocabLogits(torch.distributed.tensor.DTensor):
                 return _AsVocabLogits.apply(out, state)
             return _gathered(out, state, _name(func))
         _report(state, _name(func))
-        return func(*_gather_all(args), **_gather_all(kwargs))
+        args, kwargs = tree_map(_whole, (args, kwargs))
+        return func(*args, **kwargs)
 
 
 def _name(func: Callable) -> str:
@@ -314,12 +315,8 @@ def _gathered(out: Any, state: VocabState, name: str) -> Any:
     return out.full_tensor() if isinstance(out, DTensor) else out
 
 
-def _gather_all(value: Any) -> Any:
-    """``value`` (a tuple, list or dict of arguments, one level) with every ``VocabLogits`` gathered whole."""
-    if isinstance(value, dict):
-        return {k: _gather_all(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_gather_all(v) for v in value)
+def _whole(value: Any) -> Any:
+    """``value`` gathered whole where it is ``VocabLogits`` (differentiable), else as it is."""
     if isinstance(value, VocabLogits):
         with torch_function_disabled():
             return value.full_tensor()
