@@ -21,6 +21,7 @@ from lightning_autopar.parallel.vocab import refusal
 from lightning_autopar.planner.cost_memory import logits_split, vocab_split
 from lightning_autopar.planner.terms import rank_param_counts
 from lightning_autopar.profile.analyze import analyze, find_transformer
+from lightning_autopar.runtime.setup import Analysed, Capable, priced_spec
 from lightning_autopar.specs import ModelSpec, Plan
 
 pytest.importorskip("transformers")
@@ -102,13 +103,18 @@ def functional_use() -> torch.nn.Module:
 
 def _capabilities(model: torch.nn.Module):
     _, transformer = find_transformer(model)
-    return model_capabilities(model, transformer, analyze(transformer, trace=True, runner=model))
+    analysis = analyze(transformer, trace=True, runner=model)
+    return analysis, model_capabilities(model, transformer, analysis)
 
 
-def test_a_weight_used_outside_its_module_is_refused_by_the_trace():
-    assert _capabilities(make_module(tied_embeddings=True)).vocab == ""
-    why = _capabilities(functional_use()).vocab
-    assert "tok_emb.weight' is used outside its module's call" in why, why
+def test_a_weight_used_outside_its_module_is_refused_by_the_trace_and_priced_whole():
+    analysis, caps = _capabilities(make_module(tied_embeddings=True))
+    assert caps.vocab == ""
+    assert priced_spec(Analysed(None, analysis, None, 8, 16), Capable(caps, {})).vocab_parallel
+    analysis, caps = _capabilities(functional_use())
+    assert "tok_emb.weight' is used outside its module's call" in caps.vocab, caps.vocab
+    # the planner then holds the embedding and head whole on every TP rank, as the runtime does
+    assert not priced_spec(Analysed(None, analysis, None, 8, 16), Capable(caps, {})).vocab_parallel
 
 
 # ------------------------------------------------------------------------------------------- planner (no processes)
