@@ -113,6 +113,10 @@ class ModelSpec:
     # the MoE layers are written as a plain loop over their experts (no route()): under ep > 1 their forward runs
     # twice, capture and replay (parallel.experts.PlainExpertForward; priced by planner.cost.moe_replay_time)
     moe_replay: bool = False
+    # the runtime can shard the token embedding and LM head by vocabulary over TP (parallel.vocab; False where the
+    # model's capabilities refuse it: a weight used outside its module, not an nn.Embedding / nn.Linear). The
+    # planner then divides them by tp where pp == 1 and tp divides the vocabulary (planner.cost_memory.vocab_split)
+    vocab_parallel: bool = True
     units: list[UnitSpec] = field(default_factory=list)  # unit form (any model); empty: a transformer
     # unit form from the module structure alone: why the meta trace of the forward failed. Only data
     # parallelism (DP, FSDP: no structure needed) is planned; the rest is excluded with this reason

@@ -6,6 +6,9 @@
    unit form is split by ``pipeline.traced`` (torch.export of the user's call, cut at unit boundaries).
 2. TP (``tensor``): DTensor layouts on the remaining blocks (all experts still present, each split inside); with
    plan.sp, SP (``sequence``): the hidden states between the TP regions split along the sequence over the tp ranks.
+2a. Vocabulary parallel (``vocab``): the token embedding sharded by vocabulary rows and the LM head by output
+   columns over the tp group, the token cross-entropy computed on the vocabulary shards; off (one line saying why)
+   under pp > 1, when tp does not divide the vocabulary, or when the model uses either weight outside its module.
 2b. CP (``context``): the transformer's sequence inputs split over the cp ranks and its outputs gathered back,
    attention over the whole sequence (K/V all-gathered); after TP (heads local), checked live on a short sequence;
    with PP before the split (the hooks must reach the embeddings the stages swap in and out, and the whole model
@@ -54,6 +57,7 @@ if TYPE_CHECKING:
     from lightning_autopar.parallel.context import ContextParallel
     from lightning_autopar.parallel.experts import ExpertLayer
     from lightning_autopar.parallel.pipeline import Pipeline
+    from lightning_autopar.parallel.vocab import VocabModules, VocabState
     from lightning_autopar.profile.analyze import ModelAnalysis
     from lightning_autopar.specs import Plan
     from lightning_autopar.topology.mesh import MeshLayout
@@ -67,6 +71,7 @@ class Applied:
     experts: list[ExpertLayer] = field(default_factory=list)
     expert_meshes: dict[str, Any] = field(default_factory=dict)
     context: ContextParallel | None = None  # the cp hooks (cp > 1; parallel.context)
+    vocab: VocabState | None = None  # the vocabulary shards (tp > 1 where vocab parallel runs; parallel.vocab)
     compiled: CompiledBlocks | None = None  # plan.compile: the blocks compiled and their checks (parallel.compile)
 
     def expert_params(self) -> set[int]:
@@ -231,6 +236,7 @@ def model_capabilities(root: nn.Module, transformer: nn.Module | None, analysis:
             check_sp(analysis, transformer, 2, runner=root, capabilities=caps)
         except ConfigError as err:
             caps.exclude("sp", [False], str(err))
+        vocab_modules(root, transformer, analysis, caps)
     try:
         check_cp(analysis, transformer, 2, capabilities=caps)
     except ConfigError as err:
@@ -290,6 +296,43 @@ def check_pipeline_once(root: nn.Module, transformer: nn.Module, analysis: Model
     caps.checked("pp", (pp, vpp), run)
 
 
+def vocab_modules(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
+                  caps: Capabilities) -> VocabModules | None:
+    """The embedding and LM head vocabulary parallelism would shard (None where it cannot: ``caps.vocab`` says
+    why), found once per model from the untouched model: the head may sit in the pipeline split's wrapper (an HF
+    ``*ForCausalLM``), and the trace of the model's call tells whether their weights are used outside their
+    modules."""
+    from lightning_autopar.parallel.units import trace_calls
+    from lightning_autopar.parallel.vocab import find_modules, module_refusal
+
+    def find() -> tuple[VocabModules | None, str]:
+        split, split_analysis = (None, None) if analysis.lm_head else caps.memo(
+            "pipeline split", lambda: pipeline_split(root, transformer, analysis))
+        where = find_modules(root, transformer, analysis, split_analysis, split)
+        if isinstance(where, str):
+            return None, where
+        trace = trace_calls(root, transformer, analysis.spec.seq_len, [b.fqn for b in analysis.blocks])
+        return where, module_refusal(root, where, trace.uses if trace.traced else None)
+
+    where, caps.vocab = caps.memo("vocab", find)
+    return where
+
+
+def _apply_vocab(root: nn.Module, where: VocabModules | None, plan: Plan, layout: MeshLayout,
+                 caps: Capabilities) -> VocabState | None:
+    """Step 2a: the vocabulary shards, or one line (rank 0) saying why the embedding and head stay whole."""
+    from lightning_autopar.parallel.vocab import apply_vocab_parallel, refusal
+
+    rows = root.get_submodule(where.embedding).weight.shape[0] if where is not None else 0
+    why = refusal(plan, rows, caps.vocab if where is not None else caps.vocab or "not found")
+    if why:
+        if torch.distributed.get_rank() == 0:
+            print(f"autopar: vocabulary parallel off ({why}): the embedding and the LM head stay whole on every "
+                  "tp rank", flush=True)
+        return None
+    return apply_vocab_parallel(root, where, layout["tp"], gather_logits=plan.cp > 1)
+
+
 def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer: nn.Module,
                example: tuple[tuple, dict] | None = None, capabilities: Capabilities | None = None) -> Capabilities:
     """Raise one ConfigError for what the runtime cannot apply to this model. ``capabilities``: the model's record
@@ -345,6 +388,7 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     check_compile(plan.compile, plan.pp, device.type, schedule=applied_schedule(plan))
     check_offload(plan.offload, plan.precision, device.type)
     ties = caps.ties(root)
+    where = vocab_modules(root, transformer, analysis, caps) if plan.tp > 1 and plan.pp == 1 else None
     units = None
     if plan.pp == 1:  # chosen on the untouched model: TP and EP below change its parameters
         units = choose_units(root, transformer, [b.fqn for b in analysis.blocks], analysis.spec.seq_len,
@@ -376,6 +420,7 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
 
         chunks = [list(c.blocks) for c in pipeline.chunks] if isinstance(pipeline, Pipeline) else None
         apply_sequence_parallel(transformer, local, layout["tp"], chunks, unpaddable=caps.unpaddable_at(plan.tp))
+    vocab = _apply_vocab(root, where, plan, layout, caps) if plan.tp > 1 else None  # 2a. vocabulary parallel
     if plan.cp > 1 and plan.pp == 1:  # 2b. CP
         context = apply_context_parallel(transformer, [transformer.get_submodule(b.fqn) for b in local.blocks],
                                          layout["cp"].get_group(), analysis.spec.name, root,
@@ -419,4 +464,4 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
         roots = apply_data_parallel(root, units, dp_mesh, plan.zero, plan.precision, divide, offload)
     check_applied(root, ties, every_param=pipeline is None)
     return Applied(fsdp_roots=roots, pipeline=pipeline, pipeline_root=split, experts=experts, expert_meshes=meshes,
-                   compiled=compiled, context=context)
+                   compiled=compiled, context=context, vocab=vocab)

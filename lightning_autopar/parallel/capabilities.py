@@ -36,6 +36,9 @@ class Capabilities:
     unpaddable: dict[int, str] = field(default_factory=dict)  # tp -> why SP cannot pad ('' where it can)
     unused: list[str] = field(default_factory=list)  # trainable parameters no forward uses (the trace's)
     moe: str = ""  # "": no MoE layers; "ep": a layout expert parallelism supports; "unsupported"
+    # why the embedding and LM head of this model cannot be sharded by vocabulary ('' where they can;
+    # ``parallel.vocab.module_refusal``); a plan's own reasons (pp, tp not dividing V) come from ``vocab.refusal``
+    vocab: str = NOT_CHECKED
     _checks: dict[tuple[str, Hashable], ConfigError | None] = field(default_factory=dict, repr=False)
     _memo: dict[str, Any] = field(default_factory=dict, repr=False)
 

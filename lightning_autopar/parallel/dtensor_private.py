@@ -1,5 +1,5 @@
 """Every private torch API the tensor-parallel layouts use (``parallel.tensor``, ``tp_experts``, ``row_order``,
-``tp_placement``, ``sequence``, ``experts``), in one module, each behind a small function.
+``tp_placement``, ``sequence``, ``experts``, ``vocab``), in one module, each behind a small function.
 
 Checked against torch 2.13.0 (``torch.__version__`` of the project's environment). A torch upgrade that changes
 any of these breaks TP here, and nowhere else. ``torch.distributed`` is imported inside the functions: importing
@@ -34,6 +34,12 @@ the planner or the profiler must not load it.
   ``MeshTopoInfo.build_from_mesh`` and the single-dim strategy cache. A mesh of a new process group equals one of a
   destroyed group when its shape and ranks do, so a cached plan would name groups that no longer resolve; ``autopar
   simulate`` builds a new fake group per simulated rank and clears them.
+* ``DTensor.__new__(cls, local, spec, requires_grad=...)`` and ``DTensor._spec`` (``as_dtensor_subclass``): a
+  DTensor subclass instance sharing a DTensor's local tensor and spec (``vocab.VocabLogits``, the vocab-sharded
+  logits whose ``__torch_function__`` decides between the sharded loss and a gather). ``from_local`` and
+  ``redistribute`` always build the base class; DTensor's own ops and ``from_local`` use this constructor.
+* ``torch._C.DisableTorchFunctionSubclass`` (``torch_function_disabled``): runs an op on a subclass instance with
+  its ``__torch_function__`` skipped (the pattern torch's subclass docs show; the context lives in ``torch._C``).
 """
 
 from __future__ import annotations
@@ -158,3 +164,19 @@ def clear_sharding_caches() -> None:
     native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if native is not None:
         native()
+
+
+# ------------------------------------------------------------------------------------------- DTensor subclasses
+
+
+def as_dtensor_subclass(cls: type, dtensor: Any) -> Any:
+    """A ``cls`` (a DTensor subclass) instance over ``dtensor``'s local tensor (detached: the caller's autograd
+    function links the two) and spec, not requiring grad."""
+    return cls(dtensor._local_tensor.detach(), dtensor._spec, requires_grad=False)
+
+
+def torch_function_disabled() -> Any:
+    """The context in which an op on a tensor subclass skips the subclass's ``__torch_function__``."""
+    import torch
+
+    return torch._C.DisableTorchFunctionSubclass()

@@ -8,8 +8,9 @@ dataflow (HF BERT: q/k/v in ``attention.self``, o in the sibling ``attention.out
 ViT's patch Conv2d, CLS token and position embeddings, norms, heads: replicated across the TP group, sharded by
 FSDP over the data-parallel mesh only), so no op of the model meets a TP DTensor next to a plain tensor. MoE
 experts are split the same way inside each expert; the router stays replicated. Experts stored as fused 3-D
-weights (HF Mixtral) too, by ``parallel.tp_experts``. Embeddings, norms and the LM head stay replicated across the
-TP group.
+weights (HF Mixtral) too, by ``parallel.tp_experts``. Norms stay replicated across the TP group; the token
+embedding and the LM head are sharded by vocabulary right after, by ``parallel.vocab`` (where it applies; else they
+stay replicated too).
 
 Where the rest lives: Megatron's f / g and SP's sequence collectives in ``parallel.tp_comm``, row-permuted weights
 and their state-dict hooks in ``parallel.row_order``, the FSDP placement and the DCP layout of TP-fused weights in

@@ -100,6 +100,17 @@ def tp_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, c
     return 2 * one, 2 * one
 
 
+def vocab_loss_comm_time(hw: Hardware, mbs: Any, seq: Any, tp: Any, cp: Any, split: Any) -> Any:
+    """The cross-entropy on vocabulary shards, per micro-batch: three all-reduces over TP of one fp32 value per
+    token -- the row max, the sum of exponentials and the target logit -- T*4 bytes each, T = mbs*seq/cp (torch's
+    loss_parallel, torchtitan; Megatron-LM's vocab_parallel_cross_entropy, Shoeybi et al. 2019); none where the
+    vocabulary is not split (``split``: cost_memory.vocab_split, 1 there). The embedding's all-reduce and the
+    head's input-gradient all-reduce are the TP edge terms (terms.py ``tp_edge``)."""
+    nbytes = mbs * seq / cp * 4.0
+    one = allreduce_time(hw, nbytes, tp, dim_strides(1, 1, cp, tp)["tp"])
+    return np.where(np.asarray(split) > 1, 3.0 * one, 0.0)
+
+
 def cp_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any) -> tuple[Any, Any]:
     """All-gather based CP (Llama 3; Dubey et al. 2024, sec. 3.3.2): per block forward an all-gather of K and V
     (2*mbs*seq*kv_heads*head_dim/tp*e bytes gathered over the cp group), backward a reduce-scatter of their

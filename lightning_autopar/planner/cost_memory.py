@@ -114,8 +114,26 @@ def ops_saved_elements(m: ModelSpec, tp: Any) -> Any:
 
 def logits_bytes(m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any) -> Any:
     """T*V/tp*(e + 4 + 4): logits, their fp32 copy and the fp32 gradient of the loss (one micro-batch at a time);
-    T = mbs*seq whatever cp: the logits are gathered and the loss runs on the whole sequence (parallel/context.py)."""
+    T = mbs*seq whatever cp: the logits are gathered and the loss runs on the whole sequence (parallel/context.py).
+    ``tp``: the divisor of the vocabulary the rank holds (``logits_split``)."""
     return mbs * seq * m.vocab / tp * (elem + 8.0)
+
+
+def vocab_split(m: ModelSpec, tp: Any, pp: Any) -> Any:
+    """The divisor of the token embedding and LM head a TP rank holds: tp where vocabulary parallelism runs
+    (parallel/vocab.py: the model allows it, ``m.vocab_parallel``; pp == 1; tp divides V), else 1 (whole on every
+    TP rank). Embedding rows and head columns V/tp per rank (Megatron-LM's VocabParallelEmbedding and
+    column-parallel output layer, Shoeybi et al. 2019)."""
+    tp = np.asarray(tp, dtype=float)
+    on = bool(m.vocab_parallel) & (np.asarray(pp) == 1) & (np.mod(m.vocab, np.maximum(tp, 1)) == 0)
+    return np.where(on, tp, 1.0)
+
+
+def logits_split(m: ModelSpec, tp: Any, pp: Any, cp: Any) -> Any:
+    """The divisor of the logits a rank holds: ``vocab_split`` (this rank's [T, V/tp] shard, the loss computed on
+    the shards: torchtitan's loss_parallel), except under cp > 1, where the head's output is gathered whole for
+    CP's sequence gather (parallel/vocab.py ``gather_logits``)."""
+    return np.where(np.asarray(cp) > 1, 1.0, vocab_split(m, tp, pp))
 
 
 def memory_total(states: Any, activations: Any, buffers: Any, hw: Hardware) -> Any:

@@ -22,10 +22,10 @@ from lightning_autopar.planner.cost import (
     ops_recompute_time, optimizer_time, scaled_measure, shard_copy_time)
 from lightning_autopar.planner.cost_comm import (
     allgather_time, allreduce_time, cp_comm_per_block, ep_comm_per_block, p2p_time, reduce_scatter_time,
-    tp_comm_per_block)
+    tp_comm_per_block, vocab_loss_comm_time)
 from lightning_autopar.planner.cost_memory import (
     activation_bytes_per_block, ddp_bucket_bytes, fsdp_buffer_bytes, fsdp_shard_copy_bytes, host_step_copy_bytes,
-    logits_bytes, model_state_parts, offloaded_state_bytes)
+    logits_bytes, logits_split, model_state_parts, offloaded_state_bytes, vocab_split)
 from lightning_autopar.planner.cost_pipeline import bubble_fraction, inflight_microbatches
 from lightning_autopar.planner.cost_runtime import fsdp_unit_seconds, runtime_fixed_time
 from lightning_autopar.planner.cost_units import (
@@ -168,9 +168,10 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     ep_f, ep_b = ep_comm_per_block(hw, m, mbs, seq, tp, cp, ep, sp, elem) if has_moe else (zero_k, zero_k)
     p2p_inter = np.full(len(tp), hw.nodes > 1)  # pp is the outermost mesh dim: some stage boundary crosses nodes
     p2p = p2p_time(hw, mbs * seq / cp * m.hidden * elem / np.where(sp, tp, 1), p2p_inter)
-    # the LM head stays whole on every TP rank (rank_param_counts' held layout): each holds the whole vocabulary's
-    # logits (autopar simulate, issue 27)
-    buf_last = logits_bytes(m, mbs, seq, 1 + 0 * tp, cp, elem)
+    # the logits a rank holds: its vocabulary shard where the head is vocab-parallel, else the whole vocabulary's
+    # (rank_param_counts' held layout; autopar simulate, issue 27); the loss's reductions where it is split
+    buf_last = logits_bytes(m, mbs, seq, logits_split(m, tp, pp, cp), cp, elem)
+    loss_comm = vocab_loss_comm_time(hw, mbs, seq, tp, cp, logits_split(m, tp, pp, cp))
     buf_moe = 2 * mbs * seq / cp / np.where(sp, tp, 1) * m.top_k * m.hidden * elem if has_moe else zero_k
     buf_p2p = np.where(pp > 1, 2 * mbs * seq / cp * m.hidden * elem, 0.0)
 
@@ -188,7 +189,8 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
         nb = nd + nm
         tf = nd * g(dense.fwd) + nm * g(moe.fwd) + he * g(emb_f) + hh * g(head_f)
         tb = nd * g(dense.bwd) + nm * g(moe.bwd) + he * g(emb_b) + hh * g(head_b)
-        comm = nb * g(tp_f + tp_b + cp_f + cp_b) + nm * g(ep_f + ep_b) + (he + hh) * g(tp_edge) + p2p_mb
+        comm = (nb * g(tp_f + tp_b + cp_f + cp_b) + nm * g(ep_f + ep_b) + (he + hh) * g(tp_edge) + hh * g(loss_comm)
+                + p2p_mb)
         comm_rc = nb * g(tp_f + cp_f) + nm * g(ep_f)  # full and ops recompute re-run the forward's collectives
         trc = [0.0 * tf, nd * g(dense.attn_fwd) + nm * g(moe.attn_fwd), nd * g(dense.fwd) + nm * g(moe.fwd) + comm_rc,
                nb * g(ops_rc) + comm_rc]
@@ -361,16 +363,18 @@ def rank_param_counts(m: ModelSpec, tp: Any, ep: Any, pp: Any, has_moe: bool,
     """Parameters on a rank before data-parallel sharding: (dense block, MoE block's shared part, MoE block's
     experts, embedding, LM head + final norm). Its traffic is priced on Megatron's layout, everything split over tp
     (the published runs the cost model is checked against are Megatron's); ``held``: what the runtime holds
-    in memory, the embedding, the head and the norms whole on every TP rank (parallel/tensor.py; measured by
-    ``autopar simulate``, issue 27). A tied head shares the embedding on one stage; with stages the last one keeps
+    in memory: the norms whole on every TP rank (parallel/tensor.py; measured by ``autopar simulate``, issue 27),
+    the embedding and the head split by vocabulary where the runtime does so (``cost_memory.vocab_split``:
+    parallel/vocab.py), else whole. A tied head shares the embedding on one stage; with stages the last one keeps
     a copy (Megatron)."""
     norms = 4 * m.hidden
     keep = 1.0 if held else tp  # the divisor of what TP leaves whole in the runtime
+    vocab = vocab_split(m, tp, pp) if held else tp  # the divisor of the embedding and head rows
     dense = (m.block_params() - norms) / tp + norms / keep
     shared = (m.attention_params() + m.hidden * m.experts) / tp + norms / keep
     expert = m.mlp_params() * m.experts / (tp * ep) if has_moe else 0.0 * tp
-    emb = m.vocab * m.hidden / keep + 0.0 * tp
-    head = np.where(m.tied_embeddings & (np.asarray(pp) == 1), 0.0, m.vocab * m.hidden / keep) + 2 * m.hidden + 0.0 * tp
+    emb = m.vocab * m.hidden / vocab + 0.0 * tp
+    head = np.where(m.tied_embeddings & (np.asarray(pp) == 1), 0.0, m.vocab * m.hidden / vocab) + 2 * m.hidden + 0.0 * tp
     return dense, shared, expert, emb, head
 
 

@@ -9,7 +9,7 @@ Counts follow the cost model's units: one FSDP unit per block plus one for the s
 TP's two collectives per block forward and two backward (Megatron's f and g; with SP an all-gather and a
 reduce-scatter each; full recompute re-runs the forward ones), CP's K/V all-gather per block forward and
 reduce-scatter backward, EP's dispatch and combine per MoE block each way, one p2p transfer per micro-batch each
-way between neighbouring chunks."""
+way between neighbouring chunks, and the vocabulary-parallel embedding, head and loss (``vocab_collectives``)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from lightning_autopar.dims import runs_fsdp, runs_plain_ddp
+from lightning_autopar.planner.cost_memory import vocab_split
 from lightning_autopar.planner.hardware import ACT_BYTES, GRAD_REDUCE_BYTES, WEIGHT_BYTES, Hardware
 from lightning_autopar.planner.terms import DPC_TERMS, _dp_rank_terms, rank_param_counts
 from lightning_autopar.specs import OFFLOAD_MODES, PRECISIONS, ModelSpec, Plan, PricedPlan
@@ -120,6 +121,8 @@ def step_collectives(model: ModelSpec, plan: Plan, layers_per_stage: list[int], 
             add("tp", "reduce_scatter", n, n * one)
         else:
             add("tp", "all_reduce", n, n * one)
+    for key, count, nbytes in vocab_collectives(model, plan, he, hh, tokens, elem):
+        add("tp", key, count, nbytes)
     if plan.cp > 1:
         kv = 2 * plan.mbs * seq * model.kv_heads * model.head_dim / plan.tp * elem
         add("cp", "all_gather", (blocks + rerun) * ga, (blocks + rerun) * ga * kv)
@@ -135,6 +138,24 @@ def step_collectives(model: ModelSpec, plan: Plan, layers_per_stage: list[int], 
         add("pp", "send", sends, sends * act)
         add("pp", "recv", sends, sends * act)
     return out
+
+
+def vocab_collectives(model: ModelSpec, plan: Plan, he: bool, hh: bool, tokens: float,
+                      elem: float) -> list[tuple[str, float, float]]:
+    """(op, count, bytes) over the TP group of one step for the vocabulary-parallel embedding and head
+    (parallel/vocab.py, where ``cost_memory.vocab_split`` > 1): per micro-batch the embedding's all-reduce
+    forward and the head's input-gradient all-reduce backward (T*h each, the terms' ``tp_edge``), and the loss's
+    three all-reduces of T fp32 values (``cost_comm.vocab_loss_comm_time``) -- or, under cp > 1, the head's output
+    gathered whole instead (T*V). Those last run inside DTensor's dispatch (torch's loss_parallel,
+    ``full_tensor``)."""
+    if float(vocab_split(model, plan.tp, plan.pp)) <= 1:
+        return []
+    ga = plan.grad_accum
+    edge = ga * (int(he) + int(hh))
+    out = [("all_reduce", edge, edge * tokens * model.hidden * elem)]
+    if plan.cp > 1:
+        return out + [("all_gather", ga * int(hh), ga * int(hh) * tokens * model.vocab * elem)]
+    return out + [("all_reduce", 3 * ga * int(hh), 3 * ga * int(hh) * tokens * 4.0)]
 
 
 def predicted_rank(model: ModelSpec, cluster: Any, priced: PricedPlan, stage: int,

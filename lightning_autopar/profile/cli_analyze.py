@@ -109,7 +109,7 @@ def spec_yaml(spec: Any, header: str) -> str:
 
     comment = "".join(f"# {line}\n" for line in header.splitlines())
     if not spec.unit_form:
-        data = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ("units", "moe_replay")}
+        data = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ("units", "moe_replay", "vocab_parallel")}
         return comment + yaml.safe_dump(data, sort_keys=False)
     rows = []
     for unit in spec.units:

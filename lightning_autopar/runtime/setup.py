@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.parallel.capabilities import NOT_CHECKED
 from lightning_autopar.runtime.analysis import analyse, sequence_length
 from lightning_autopar.runtime.batches import batch_rows
 from lightning_autopar.runtime.group import DataParallelGroup, broadcast_module, dp_mesh
@@ -267,6 +268,16 @@ class Planned:
     started: float  # time.perf_counter() when planning began (the capabilities included)
 
 
+def priced_spec(analysed: Analysed, capable: Capable) -> Any:
+    """The model spec the planner prices: the analysis's, with vocabulary parallelism off where the capabilities
+    refuse it for this model (``Capabilities.vocab``), so the embedding and head are priced as the runtime holds
+    them."""
+    spec = analysed.analysis.spec
+    if analysed.unit_form or not capable.capabilities.vocab or capable.capabilities.vocab == NOT_CHECKED:
+        return spec
+    return dataclasses.replace(spec, vocab_parallel=False)
+
+
 def plan_model(analysed: Analysed, capable: Capable, cluster: ClusterSpec, precision_name: str,
                options: SetupOptions, started: float | None = None) -> Planned:
     """The plan stage: the framework's precision setting ("bf16-mixed", ...) as the plan's, the length priced (a
@@ -278,8 +289,8 @@ def plan_model(analysed: Analysed, capable: Capable, cluster: ClusterSpec, preci
     seq_len = analysed.seq_len
     priced_seq = seq_len if analysed.unit_form else priced_length(
         capable.capabilities.causal, analysed.analysis.spec.name, seq_len, options.fix.get("cp") or 1)
-    plan_on = PlanOn(analysed.analysis.spec, analysed.global_batch, priced_seq, plan_precision(precision_name),
-                     capable.restrict, options)
+    plan_on = PlanOn(priced_spec(analysed, capable), analysed.global_batch, priced_seq,
+                     plan_precision(precision_name), capable.restrict, options)
     return Planned(plan_on(cluster), plan_on, started)
 
 
