@@ -700,16 +700,60 @@ def _from_mapping(cls: type, data: Mapping[str, Any], where: str) -> Any:
 
 
 def _read_yaml(path: Path, where: str) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
     try:
-        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        text = path.read_text()
+        if "${" in text:  # interpolations: only OmegaConf resolves them
+            from omegaconf import OmegaConf
+
+            data = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+        else:  # the common case: libyaml's parser, measurably faster than OmegaConf's pure-Python one per preset
+            import yaml
+
+            data = yaml.load(text, Loader=_yaml_loader())
     except Exception as err:  # a YAML syntax error is bad input, not a crash
         raise ConfigError(where, f"cannot read {path}: {str(err).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ConfigError(where, f"{path} does not hold a mapping")
     data.pop("defaults", None)
     return data
+
+
+_LOADER: list[type] = []  # built once: adding resolvers to a loader class is not free
+
+
+def _yaml_loader() -> type:
+    """A PyYAML loader that reads a spec file as OmegaConf.load does (the spec dataclasses then type every field):
+    YAML 1.2 floats such as ``1e-3`` (PyYAML's YAML 1.1 reads them as strings), no timestamps, a duplicate key
+    refused. On PyYAML's C parser (CSafeLoader) where libyaml is installed, else the pure-Python SafeLoader."""
+    if _LOADER:
+        return _LOADER[0]
+    import re
+
+    import yaml
+
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class SpecLoader(base):  # type: ignore[misc, valid-type]
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            keys = [k.value for k, _ in node.value if k.tag == yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG]
+            for i, key in enumerate(keys):
+                if key in keys[:i]:
+                    raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                            f"found duplicate key {key}", node.start_mark)
+            return super().construct_mapping(node, deep=deep)
+
+    SpecLoader.yaml_implicit_resolvers = {
+        key: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+        for key, resolvers in base.yaml_implicit_resolvers.items()}
+    SpecLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
+         [-+]?[0-9]+(?:_[0-9]+)*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?[0-9]+(?:_[0-9]+)*(?:[eE][-+]?[0-9]+)
+        |\.[0-9]+(?:_[0-9]+)*(?:[eE][-+][0-9]+)?
+        |[-+]?[0-9]+(?:_[0-9]+)*(?::[0-5]?[0-9])+\.[0-9_]*
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+    _LOADER.append(SpecLoader)
+    return SpecLoader
 
 
 def _resolve(kind: str, name_or_path: str) -> Path:

@@ -61,3 +61,25 @@ def test_model_spec_defaults_and_errors():
         ModelSpec(heads=4, kv_heads=3, hidden=64)
     with pytest.raises(ConfigError, match="cluster.nodes"):
         ClusterSpec(nodes=0)
+
+
+def test_every_preset_reads_the_same_with_the_c_loader_as_with_omegaconf(tmp_path):
+    """specs._read_yaml parses with PyYAML's C loader: every preset (and a file with YAML 1.2 floats, a duplicate
+    key) reads as OmegaConf.load reads it."""
+    from omegaconf import OmegaConf
+
+    from lightning_autopar.specs import _read_yaml, configs_dir
+
+    presets = sorted(configs_dir().glob("*/*.yaml"))
+    assert len(presets) > 20
+    for path in presets:
+        ref = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        ref.pop("defaults", None)
+        assert _read_yaml(path, "x") == ref, path
+    floats = tmp_path / "f.yaml"
+    floats.write_text("a: 1e-3\nb: 2.5E+4\nc: 7\nd: 2026-12-01\ne: .inf\n")
+    assert _read_yaml(floats, "x") == OmegaConf.to_container(OmegaConf.load(floats))
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("a: 1\na: 2\n")
+    with pytest.raises(ConfigError, match="cannot read .*dup.yaml"):
+        _read_yaml(dup, "model")
