@@ -8,6 +8,7 @@ formula and source); ``Tables`` below combines them per candidate and ranks them
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Mapping, Sequence
 
@@ -21,7 +22,7 @@ from lightning_autopar.planner.hardware import GIB, Hardware
 from lightning_autopar.planner.partition import stage_chunks
 from lightning_autopar.planner.report import PlanReport, explain
 from lightning_autopar.planner.space import Space, enumerate_space, space_from_plans
-from lightning_autopar.planner.terms import DPC_TERMS, N_REP, Dpc, Rc, Window, recompute_table, runtime_terms
+from lightning_autopar.planner.terms import DPC_TERMS, N_REP, Dpc, Rc, Window, recompute_rows, runtime_terms
 from lightning_autopar.specs import (
     PRECISIONS,
     Breakdown,
@@ -94,18 +95,17 @@ class Tables:
     candidate gathers (mid x recompute, mid, dpc), and the steps priced so far (NaN: not yet). ``steps`` prices
     only what can rank (the bounded search); ``price`` assembles every candidate (the exhaustive path)."""
 
-    def __init__(self, hw: Hardware, space: Space, mid: dict[str, list], dpc: dict[str, list], opt_of: np.ndarray,
-                 n_opts: int, fixed: dict[str, np.ndarray] | None) -> None:
-        K, M, Cn = space.keys, space.mids, space.cands
+    def __init__(self, hw: Hardware, space: Space, mid: dict[str, list], dpc: dict[str, list], opt_lut: np.ndarray,
+                 opt_width: int, n_opts: int, fixed: dict[str, np.ndarray] | None) -> None:
+        K, M = space.keys, space.mids
         mk = M["key"]
         ga, vpp_m = K["ga"].astype(float), M["vpp"].astype(float)
         pp = space.layouts["pp"][K["layout"]].astype(float)
         self.hw, self.space, self.mid, self.dpc, self.n_opts = hw, space, mid, dpc, n_opts
-        # three row-gathers per candidate (mid x recompute, mid, dpc), reduced over the representative ranks;
-        # float32 (ranking needs ~1e-6 relative precision) and cache-sized chunks keep it memory-light
-        self.cm, self.cd = Cn["mid"], Cn["dpc"]
-        self.mrc = self.cm * n_opts + opt_of  # recompute_table's rows
+        self.opt_lut, self.opt_width = opt_lut, opt_width  # recompute code * width + every -> row (terms.recompute_rows)
         t32 = lambda arrs: np.ascontiguousarray(np.stack(arrs, axis=-1), dtype=np.float32)  # noqa: E731
+        # three row-gathers per candidate (mid x recompute, mid, dpc), reduced over the representative ranks;
+        # float32 (ranking needs ~1e-6 relative precision) and cache-sized chunks keep it memory-light;
         # the last axes are named by terms.Rc, terms.Window and terms.Dpc
         self.by_rc = t32([np.stack(mid[k.name.lower()], axis=2) for k in Rc]).reshape(-1, N_REP, len(Rc))
         # compute windows that can hide data-parallel traffic (x the device's overlap share)
@@ -119,16 +119,42 @@ class Tables:
                      ).astype(np.float32)
         self.fixed = fixed
         self.fixed_total = sum(fixed.values()) if fixed is not None else None
-        self.step = np.full(len(self.cm), np.inf)
-        self.done = np.zeros(len(self.cm), dtype=bool)
 
     @staticmethod
     def of(model: ModelSpec, hw: Hardware, space: Space, seq: int, measured: Measured | None = None,
            fused: bool = True) -> "Tables":
         form = form_of(model)
-        opts, opt_of = recompute_table(space)
+        opts, lut, width = recompute_rows(space)
         mid, dpc = form.terms(model, hw, space, seq, measured, fused, opts)
-        return Tables(hw, space, mid, dpc, opt_of, len(opts), runtime_terms(model, hw, space, form.stage_units))
+        return Tables(hw, space, mid, dpc, lut, width, len(opts), runtime_terms(model, hw, space, form.stage_units))
+
+    # per-candidate columns, read from the space's candidate columns on first use: the exhaustive path and a
+    # subset's pricing use them; the grid search (bounded.GridSearch) never does
+    @functools.cached_property
+    def cm(self) -> np.ndarray:
+        """Each candidate's mid."""
+        return self.space.cands["mid"]
+
+    @functools.cached_property
+    def cd(self) -> np.ndarray:
+        """Each candidate's dpc row."""
+        return self.space.cands["dpc"]
+
+    @functools.cached_property
+    def mrc(self) -> np.ndarray:
+        """Each candidate's row of the mid x recompute table (by_rc)."""
+        opt_of = self.opt_lut[self.space.cands["recompute"] * self.opt_width + self.space.cands["recompute_every"]]
+        return self.cm * self.n_opts + opt_of
+
+    @functools.cached_property
+    def step(self) -> np.ndarray:
+        """Steps priced so far (inf: not yet)."""
+        return np.full(self.space.size, np.inf)
+
+    @functools.cached_property
+    def done(self) -> np.ndarray:
+        """Candidates whose step has been priced."""
+        return np.zeros(self.space.size, dtype=bool)
 
     def step_memory(self, sl: Any, memory: bool = True) -> tuple[np.ndarray, ...]:
         """(step without the runtime's fixed terms[, memory, host]) of candidates ``sl`` (a slice or indices)."""

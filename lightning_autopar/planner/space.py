@@ -18,7 +18,8 @@ import numpy as np
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.planner.forms import check_unit_fix, form_of, unit_form_restrict  # noqa: F401  re-exported
-from lightning_autopar.planner.space_table import LAYOUT_FIELDS, THINNED_MODES, Space  # noqa: F401  re-exported
+from lightning_autopar.planner.space_table import (LAYOUT_FIELDS, THINNED_MODES, Grid, GridColumns,  # noqa: F401
+                                                   Space)  # Space, LAYOUT_FIELDS, THINNED_MODES re-exported
 from lightning_autopar.specs import (INTERLEAVED_SCHEDULES, OFFLOAD_MODES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES,
                                       V_SCHEDULES, ModelSpec, Plan)
 
@@ -293,25 +294,19 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
                     n_lay += 1
     arr = lambda rows, width: np.ascontiguousarray(np.array(rows, dtype=np.int64).reshape(-1, width).T)  # noqa: E731
     mids = arr(mid_rows, 5)
-    # candidates: each mid repeated over its layout's (zero, dp_shard) pairs and the recompute modes
-    # (a split-backward schedule runs without recompute only: ``recompute_rule``)
+    # candidates: each mid's grid of its layout's (zero, dp_shard, offload) rows x the recompute options
+    # (a split-backward schedule runs without recompute only: ``recompute_rule``), never stored one row each
     pp_of_mid = (np.array(lay_rows, dtype=np.int64).reshape(-1, 5)[:, 1][np.array(key_rows, dtype=np.int64)
                  .reshape(len(key_rows), -1)[:, 0]][mids[0]] if len(mids[0]) else mids[0])
     split = np.isin(mids[1], [SCHEDULES.index(s) for s in SPLIT_BACKWARD]) & (pp_of_mid > 1)
     nr_m = np.where(split, int((0, 1) in rc_opts), len(rc_opts))
     rejected["recompute with a split backward (zero-bubble)"] += int((mids[4] * (len(rc_opts) - nr_m)).sum())
-    counts = mids[4] * nr_m
-    mid_of = np.repeat(np.arange(mids.shape[1]), counts)
-    within = np.arange(len(mid_of)) - np.repeat(np.cumsum(counts) - counts, counts)
-    nr = np.maximum(nr_m[mid_of], 1)
-    opts = np.array(rc_opts, dtype=np.int64).reshape(-1, 2)
-    cands = [mid_of, mids[3][mid_of] + within // nr, np.where(split[mid_of], 0, opts[within % nr, 0]),
-             np.where(split[mid_of], 1, opts[within % nr, 1])]
+    grid = Grid(mids[3], mids[4], nr_m, split, np.array(rc_opts, dtype=np.int64).reshape(-1, 2))
     return Space(dict(zip(LAYOUT_FIELDS, arr(lay_rows, 5))),
                  dict(zip(("layout", "mbs", "sp", "precision", "ga", "compile"), arr(key_rows, 6))),
                  dict(zip(("key", "schedule", "vpp"), np.ascontiguousarray(mids[:3]))),
                  dict(zip(("layout", "precision", "schedule", "vpp", "zero", "dp_shard", "offload"), arr(dpc_rows, 7))),
-                 dict(zip(("mid", "dpc", "recompute", "recompute_every"), cands)), rejected, uneven)
+                 GridColumns(grid), rejected, uneven)
 
 
 def _recompute_modes(model: ModelSpec, fix: Mapping[str, Any], restrict: Mapping[str, Sequence]) -> list[str]:

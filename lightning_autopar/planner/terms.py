@@ -72,13 +72,21 @@ def _stage_reps(model: ModelSpec, hw: Hardware, space: Space, seq: int, fused: b
 def recompute_table(space: Space) -> tuple[np.ndarray, np.ndarray]:
     """The (recompute code, recompute_every) pairs in ``space`` as rows, (none, 1) first (the no-recompute base of
     the breakdown), and each candidate's row: the mid-level terms are priced once per pair (O(n), no sort)."""
-    r, k = space.cands["recompute"], space.cands["recompute_every"]
+    opts, lut, width = recompute_rows(space)
+    return opts, lut[space.cands["recompute"] * width + space.cands["recompute_every"]]
+
+
+def recompute_rows(space: Space) -> tuple[np.ndarray, np.ndarray, int]:
+    """``recompute_table``'s rows, with the lookup from a code (recompute * width + recompute_every) to its row
+    and the width; on a grid from its options alone (no candidate column read)."""
+    grid = space.grid
+    r, k = (grid.opts[:, 0], grid.opts[:, 1]) if grid is not None else (space.cands["recompute"],
+                                                                         space.cands["recompute_every"])
     width = int(k.max()) + 1 if len(k) else 2
-    codes = r * width + k
-    present = np.union1d([1], np.flatnonzero(np.bincount(codes, minlength=2)))  # code 1 = (none, 1)
+    present = np.union1d([1], np.flatnonzero(np.bincount(r * width + k, minlength=2)))  # code 1 = (none, 1)
     lut = np.zeros(int(present[-1]) + 1, dtype=np.int64)
     lut[present] = np.arange(len(present))
-    return np.stack([present // width, present % width], axis=1), lut[codes]
+    return np.stack([present // width, present % width], axis=1), lut, width
 
 
 def thinned_share(blocks: np.ndarray, every: int) -> np.ndarray:
