@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from lightning_autopar.errors import ConfigError, InfeasibleError
+from lightning_autopar.planner.bounded import GridSearch, Scan
 from lightning_autopar.planner.cost_comm import overlapped_exposed
 from lightning_autopar.planner.cost_pipeline import bubble_fraction
 from lightning_autopar.planner.forms import form_of
@@ -401,43 +403,117 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
     hw = Hardware.from_cluster(clus)
     limit, host_limit = hw.capacity * memory_fraction, host_limit_bytes(clus)
     tables = Tables.of(spec, hw, space, seq, meas)
-    memory, host = tables.memory_host()
-    ok = (memory <= limit) & (host <= host_limit)
-    layout = space.keys["layout"][space.mids["key"]][space.cands["mid"]]
-    costs = {"memory": memory, "host": host, "step": tables.steps(ok, max(top, 1), layout, exhaustive)}
+    k = max(top, 1)
+    found = None
+    if space.grid is not None and not exhaustive and tables.fixed_total is None:  # per-candidate fixed costs:
+        found = _grid_search(spec, space, tables, seq, meas, limit, host_limit, memory_fraction, k)  # priced whole
+    if found is None:  # the exhaustive path, a space with per-candidate fixed costs, or nothing fits
+        found = _full_search(spec, space, tables, seq, meas, limit, host_limit, memory_fraction, k, exhaustive)
     rejected = dict(space.rejected)
-    n_mem = int((costs["memory"] > limit).sum())
-    if n_mem:
-        rejected["memory"] = n_mem
-    n_host = int(((costs["memory"] <= limit) & (costs["host"] > host_limit)).sum())
-    if n_host:
-        rejected["host memory (offload)"] = n_host
-    feasible = int(ok.sum())
+    if found.over_memory:
+        rejected["memory"] = found.over_memory
+    if found.over_host:
+        rejected["host memory (offload)"] = found.over_host
+    feasible = found.feasible
     if feasible:
-        idx = np.flatnonzero(ok & np.isfinite(costs["step"]))  # the others cannot rank (Tables.steps)
-        order = idx[np.lexsort((costs["memory"][idx], costs["step"][idx]))[:max(top, 1)]]  # ties: less memory
+        order = found.order
     elif allow_infeasible:
-        order = np.argsort(costs["memory"], kind="stable")[:max(top, 1)]
+        order = np.argsort(found.costs["memory"], kind="stable")[:k]
     else:
-        raise _infeasible(spec, clus, hw, space, costs, limit, memory_fraction, fixed)
+        raise _infeasible(spec, clus, hw, space, found.costs, limit, memory_fraction, fixed)
     cands = _priced(spec, clus, hw, space, order, global_batch, seq, limit, meas)
     report = PlanReport(best=cands[0], candidates=cands, evaluated=space.size, feasible=feasible, rejected=rejected,
                         search_seconds=0.0, model=spec, cluster=clus, global_batch=global_batch, seq_len=seq,
                         memory_fraction=memory_fraction)
-    report.priced = tables.priced
+    report.priced = found.priced()
     report.excluded = form_of(spec).restrict(spec, fixed, restrict or {})[1]
-    small = smallest_plan(costs, host_limit)
+    small = found.smallest
     report.smallest = cands[0] if small == int(order[0]) else _priced(spec, clus, hw, space, [small], global_batch,
                                                                       seq, limit, meas)[0]
-    if feasible:
-        report.runner_up = _runner_up(spec, clus, hw, space, costs, ok & (layout != layout[order[0]]), global_batch,
-                                      seq, limit, meas)
+    if found.runner_up is not None:
+        report.runner_up = _priced(spec, clus, hw, space, [found.runner_up], global_batch, seq, limit, meas)[0]
     if explain_choice and feasible:
-        report.explanation = explain(report, lambda c, reprice: _what_if(spec, c, space, tables, costs, seq, meas,
-                                                                         memory_fraction, reprice, exhaustive))
-        report.priced = tables.priced
+        report.explanation = explain(report, found.what_if)
+        report.priced = found.priced()
     report.search_seconds = time.perf_counter() - start
     return report
+
+
+@dataclass
+class Found:
+    """What a search found: the counts, the ranked top (feasible, fastest first), the runner-up (the fastest of
+    another layout), the smallest plan, the what-if re-plans for the explanation (cluster, reprice) -> (plan,
+    step) | None, the number of steps priced; ``costs``: memory and host of every candidate (the full path)."""
+
+    feasible: int
+    over_memory: int
+    over_host: int
+    order: np.ndarray
+    runner_up: int | None
+    smallest: int
+    what_if: Callable[[ClusterSpec, bool], tuple[Plan, float] | None]
+    priced: Callable[[], int]
+    costs: dict[str, np.ndarray] | None = None
+
+
+def _full_search(spec: ModelSpec, space: Space, tables: Tables, seq: int, meas: Measured | None, limit: float,
+                 host_limit: float, memory_fraction: float, k: int, exhaustive: bool) -> Found:
+    """Memory of every candidate as one column each, steps by Tables.steps (all of them when ``exhaustive``):
+    the reference the grid search is checked against, and the path of spaces it does not take."""
+    memory, host = tables.memory_host()
+    ok = (memory <= limit) & (host <= host_limit)
+    layout = space.keys["layout"][space.mids["key"]][space.cands["mid"]]
+    costs = {"memory": memory, "host": host, "step": tables.steps(ok, k, layout, exhaustive)}
+    feasible = int(ok.sum())
+    order, runner_up = np.zeros(0, dtype=np.int64), None
+    if feasible:
+        idx = np.flatnonzero(ok & np.isfinite(costs["step"]))  # the others cannot rank (Tables.steps)
+        order = idx[np.lexsort((costs["memory"][idx], costs["step"][idx]))[:k]]  # ties: less memory
+        others = np.flatnonzero(ok & (layout != layout[order[0]]))
+        runner_up = int(others[np.argmin(costs["step"][others])]) if len(others) else None
+    return Found(feasible, int((memory > limit).sum()), int(((memory <= limit) & (host > host_limit)).sum()),
+                 order, runner_up, smallest_plan(costs, host_limit),
+                 lambda c, reprice: _what_if(spec, c, space, tables, costs, seq, meas, memory_fraction, reprice,
+                                             exhaustive),
+                 lambda: tables.priced, costs)
+
+
+def _grid_search(spec: ModelSpec, space: Space, tables: Tables, seq: int, meas: Measured | None, limit: float,
+                 host_limit: float, memory_fraction: float, k: int) -> Found | None:
+    """The grid search (bounded.GridSearch) of an enumerated space; None when no candidate fits (the full path
+    then lists the least-memory plans and says what to relax)."""
+    search = GridSearch(tables, space.grid)
+    scan = search.scan(limit, host_limit)
+    if not scan.feasible:
+        return None
+    ranked = search.rank(scan, limit, host_limit, k, by_layout=True)
+    order = ranked.top(k)
+    at = ranked.fastest(search.layout_of(ranked.idx) != search.layout_of(order[:1])[0])
+    runner_up = None if at is None else int(ranked.idx[at])
+    return Found(scan.feasible, scan.over_memory, scan.over_host, order, runner_up, scan.smallest,
+                 lambda c, reprice: _grid_what_if(spec, c, search, scan, (limit, host_limit), seq, meas,
+                                                  memory_fraction, reprice),
+                 lambda: search.priced)
+
+
+def _grid_what_if(model: ModelSpec, cluster: ClusterSpec, search: GridSearch, scan: Scan,
+                  limits: tuple[float, float], seq: int, meas: Measured | None, memory_fraction: float,
+                  reprice: bool) -> tuple[Plan, float] | None:
+    """Best (plan, step) on a what-if cluster by the grid search: feasibility from the first search's memory
+    (its scan again where the limits are the same), steps from the same tables (a memory-only change) or from
+    tables re-priced on the what-if's hardware (a link change); ties to the earlier candidate."""
+    hw = Hardware.from_cluster(cluster)
+    new = (hw.capacity * memory_fraction, host_limit_bytes(cluster))
+    space = search.t.space
+    if reprice:
+        search = GridSearch(Tables.of(model, hw, space, seq, meas), space.grid, fit=search.t)
+    if new != limits:
+        scan = search.scan(*new)
+    if not scan.feasible:
+        return None
+    ranked = search.rank(scan, *new, 1, by_layout=False)
+    at = ranked.fastest(np.ones(len(ranked.idx), dtype=bool))
+    return space.plan(int(ranked.idx[at])), float(ranked.step[at])
 
 
 def _priced(model: ModelSpec, cluster: ClusterSpec, hw: Hardware, space: Space, idx: np.ndarray, global_batch: int,
@@ -446,15 +522,6 @@ def _priced(model: ModelSpec, cluster: ClusterSpec, hw: Hardware, space: Space, 
     sub = space.subset(np.asarray(idx, dtype=np.int64))
     costs = price(model, hw, sub, global_batch, seq, meas, detail=True)
     return [priced_plan(model, cluster, hw, sub, costs, j, global_batch, seq, limit) for j in range(sub.size)]
-
-
-def _runner_up(model: ModelSpec, cluster: ClusterSpec, hw: Hardware, space: Space, costs: dict, mask: np.ndarray,
-               global_batch: int, seq: int, limit: float, meas: Measured | None) -> PricedPlan | None:
-    """Fastest feasible plan whose layout (tp, pp, cp, ep, hence dp) differs from the winner's (``mask``)."""
-    if not mask.any():
-        return None
-    idx = np.flatnonzero(mask)
-    return _priced(model, cluster, hw, space, [idx[np.argmin(costs["step"][idx])]], global_batch, seq, limit, meas)[0]
 
 
 def _what_if(model: ModelSpec, cluster: ClusterSpec, space: Space, tables: Tables, costs: dict, seq: int,
