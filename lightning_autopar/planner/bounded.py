@@ -47,6 +47,8 @@ class Ranked:
     def top(self, k: int) -> np.ndarray:
         """The k fastest, ties to less memory, then to the earlier candidate (search.plan's order)."""
         keep = np.isfinite(self.step)
+        if keep.sum() > k:  # only steps up to the k-th smallest can place (ties at it included)
+            keep &= self.step <= np.partition(self.step[keep], k - 1)[k - 1]
         idx, step, memory = self.idx[keep], self.step[keep], self.memory[keep]
         return idx[np.lexsort((memory, step))[:k]]
 

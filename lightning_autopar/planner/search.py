@@ -421,17 +421,20 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
         order = np.argsort(found.costs["memory"], kind="stable")[:k]
     else:
         raise _infeasible(spec, clus, hw, space, found.costs, limit, memory_fraction, fixed)
-    cands = _priced(spec, clus, hw, space, order, global_batch, seq, limit, meas)
+    # the top, the smallest plan and the runner-up priced with their breakdown in one subset
+    small, rival = found.smallest, found.runner_up
+    extra = [i for i in (small, rival) if i is not None and i not in order]
+    cands = _priced(spec, clus, hw, space, np.concatenate([order, extra]).astype(np.int64), global_batch, seq,
+                    limit, meas)
+    by_index = dict(zip((int(i) for i in np.concatenate([order, extra])), cands))
+    cands = cands[:len(order)]
     report = PlanReport(best=cands[0], candidates=cands, evaluated=space.size, feasible=feasible, rejected=rejected,
                         search_seconds=0.0, model=spec, cluster=clus, global_batch=global_batch, seq_len=seq,
                         memory_fraction=memory_fraction)
     report.priced = found.priced()
     report.excluded = form_of(spec).restrict(spec, fixed, restrict or {})[1]
-    small = found.smallest
-    report.smallest = cands[0] if small == int(order[0]) else _priced(spec, clus, hw, space, [small], global_batch,
-                                                                      seq, limit, meas)[0]
-    if found.runner_up is not None:
-        report.runner_up = _priced(spec, clus, hw, space, [found.runner_up], global_batch, seq, limit, meas)[0]
+    report.smallest = by_index[small]
+    report.runner_up = None if rival is None else by_index[rival]
     if explain_choice and feasible:
         report.explanation = explain(report, found.what_if)
         report.priced = found.priced()
