@@ -14,7 +14,7 @@ in the same order, so prices and ties are those of the exhaustive path bit for b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -27,37 +27,48 @@ FIRST_BATCH = 2048  # candidates priced before the first threshold (at least 4 k
 
 @dataclass
 class Scan:
-    """The memory pass over every candidate: counts, the feasible candidates per mid, the smallest plan."""
+    """The memory pass over every candidate: counts, the feasible candidates per mid and as blocks (per shape: its
+    mids in order, feasible or not per (mid, dpc row, option)), the smallest plan."""
 
     feasible: int
     over_memory: int  # candidates over the device memory limit
     over_host: int  # candidates within it whose offloaded states exceed the host limit
     ok_per_mid: np.ndarray  # feasible candidates per mid
+    ok_blocks: dict[int, tuple[np.ndarray, np.ndarray]]
     smallest: int  # the candidate needing the least device memory (search.smallest_plan)
+
+    def ok(self, shape: int, mids: np.ndarray) -> np.ndarray:
+        """Feasible or not, (mids, dpc rows, options), for ``mids`` of one shape."""
+        have, ok = self.ok_blocks[shape]
+        return ok[np.searchsorted(have, mids)]
 
 
 @dataclass
 class Ranked:
-    """Feasible candidates whose step was priced (any of the k fastest is among them), in candidate order."""
+    """Feasible candidates whose step was priced (any of the k fastest is among them), with their mids; the
+    memory of the few that place is read on demand (``memory_of``), ties go to less memory, then to the earlier
+    candidate (search.plan's order)."""
 
     idx: np.ndarray
     step: np.ndarray
-    memory: np.ndarray
+    mid: np.ndarray
+    memory_of: Callable[[np.ndarray], np.ndarray]
 
     def top(self, k: int) -> np.ndarray:
-        """The k fastest, ties to less memory, then to the earlier candidate (search.plan's order)."""
+        """The k fastest, ties to less memory, then to the earlier candidate."""
         keep = np.isfinite(self.step)
         if keep.sum() > k:  # only steps up to the k-th smallest can place (ties at it included)
             keep &= self.step <= np.partition(self.step[keep], k - 1)[k - 1]
-        idx, step, memory = self.idx[keep], self.step[keep], self.memory[keep]
-        return idx[np.lexsort((memory, step))[:k]]
+        idx, step = self.idx[keep], self.step[keep]
+        return idx[np.lexsort((idx, self.memory_of(idx), step))[:k]]
 
-    def fastest(self, mask: np.ndarray) -> int | None:
-        """The position of the fastest candidate where ``mask`` (ties to the earlier one), None if there is none."""
+    def fastest(self, mask: np.ndarray) -> tuple[int, float] | None:
+        """(candidate, step) of the fastest where ``mask``, ties to the earlier candidate; None if there is none."""
         if not mask.any():
             return None
-        at = np.flatnonzero(mask)
-        return int(at[np.argmin(self.step[at])])
+        step = self.step[mask]
+        low = step.min()
+        return int(self.idx[mask][step == low].min()), float(low)
 
 
 def below(limit: float) -> np.float32:
@@ -131,19 +142,20 @@ class GridSearch:
         memory among those whose host memory fits, else among all; ties to the earlier candidate)."""
         lim, hlim = below(limit), below(host_limit)
         ok_per_mid = np.zeros(len(self.grid.nz), dtype=np.int64)
+        ok_blocks = {}
         feasible = over_memory = over_host = 0
         best = {True: (np.inf, -1), False: (np.inf, -1)}  # host fits: (memory, candidate)
         for mids in self._blocks(np.arange(len(self.grid.nz))):
             mem, host = self._memory(mids)
             fits_dev, fits_host = mem <= lim, (host <= hlim)[:, :, None]
             ok = fits_dev & fits_host
+            ok_blocks[int(self.shape_of[mids[0]])] = (mids, ok)
             ok_per_mid[mids] = ok.reshape(len(mids), -1).sum(axis=1)
             feasible += int(ok_per_mid[mids].sum())
             over_memory += int(mem.size - fits_dev.sum())
             over_host += int((fits_dev & ~fits_host).sum())
-            flat = mem.reshape(len(mids), -1)
-            for host_ok, values in ((True, np.where(np.broadcast_to(fits_host, mem.shape), mem, np.inf)
-                                     .reshape(len(mids), -1)), (False, flat)):
+            for host_ok, values in ((True, np.where(fits_host, mem, np.inf)), (False, mem)):
+                values = values.reshape(len(mids), -1)
                 at = np.argmin(values, axis=1)
                 low = values[np.arange(len(mids)), at]
                 i = int(np.argmin(low))  # mids ascend, so the first minimum is the earliest candidate
@@ -152,54 +164,51 @@ class GridSearch:
                 if seen[1] < 0 or (float(low[i]), cand) < seen:
                     best[host_ok] = (float(low[i]), cand)
         small = best[True] if np.isfinite(best[True][0]) else best[False]
-        return Scan(feasible, over_memory, over_host, ok_per_mid, small[1])
+        return Scan(feasible, over_memory, over_host, ok_per_mid, ok_blocks, small[1])
 
-    def rank(self, scan: Scan, limit: float, host_limit: float, k: int, by_layout: bool) -> Ranked:
+    def rank(self, scan: Scan, k: int, by_layout: bool) -> Ranked:
         """Price the mids that can hold one of the ``k`` fastest feasible candidates (``by_layout``: or the fastest
         of a layout other than the fastest's): cheapest bound first, a first batch sets the threshold (the k-th best
         step, or the best of another layout if larger), then every mid whose bound is within it."""
-        lim, hlim = below(limit), below(host_limit)
         bound = self.t.lower_bounds().astype(float)
         present = np.flatnonzero(scan.ok_per_mid > 0)
         order = present[np.argsort(bound[present], kind="stable")]
         first = order[:int(np.searchsorted(np.cumsum(scan.ok_per_mid[order]), max(4 * k, FIRST_BATCH))) + 1]
-        found = [self._price(first, lim, hlim)]
-        limit_s = self._threshold(found, k, by_layout)
+        found = [self._price(first, scan)]
+        limit_s = self._threshold(found[0], k, by_layout)
         rest = order[len(first):]
-        found.append(self._price(rest[bound[rest] <= limit_s], lim, hlim))
-        idx, step, memory = (np.concatenate(col) for col in zip(*found))
-        at = np.argsort(idx, kind="stable")
-        return Ranked(idx[at], step[at], memory[at])
+        found.append(self._price(rest[bound[rest] <= limit_s], scan))
+        idx, step, mid = (np.concatenate(col) for col in zip(*found))
+        return Ranked(idx, step, mid, self.memory_of)
 
-    def _price(self, mids: np.ndarray, lim: np.float32,
-               hlim: np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(candidate, step, memory) of the feasible candidates of ``mids``, float64 as the exhaustive path keeps
-        them."""
-        out: list[tuple[np.ndarray, ...]] = []
+    def _price(self, mids: np.ndarray, scan: Scan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(candidate, step float64 as the exhaustive path keeps it, mid) of the feasible candidates of ``mids``."""
+        out = [(np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0, dtype=np.int64))]
         for block in self._blocks(np.sort(mids)):
             self.priced_mids[block] = True
-            mem, host = self._memory(block)
-            ok = (mem <= lim) & (host <= hlim)[:, :, None]
+            ok = scan.ok(int(self.shape_of[block[0]]), block)
             step = self._step(block)
-            cand = self.grid.offset[block][:, None, None] + np.arange(mem[0].size).reshape(mem.shape[1:])[None]
-            out.append((cand[ok], step[ok].astype(float), mem[ok].astype(float)))
-        if not out:
-            return np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0)
+            cells = ok[0].size
+            cand = self.grid.offset[block][:, None, None] + np.arange(cells).reshape(ok.shape[1:])[None]
+            out.append((cand[ok], step[ok].astype(float), np.repeat(block, ok.reshape(len(block), -1).sum(axis=1))))
         return tuple(np.concatenate(col) for col in zip(*out))  # type: ignore[return-value]
 
-    def _threshold(self, found: list, k: int, by_layout: bool) -> float:
+    def _threshold(self, found: tuple[np.ndarray, ...], k: int, by_layout: bool) -> float:
         """The k-th best step found (inf if fewer), or the best of another layout than the fastest's if larger."""
-        idx, step = found[0][0], found[0][1]
+        idx, step, mid = found
         if len(step) < k:
             return float("inf")
         limit = float(np.partition(step, k - 1)[k - 1])
         if by_layout:
-            lay = self.layout[self.grid.decode(idx)["mid"]]
-            fastest = np.lexsort((idx, step))[0]
-            others = lay != lay[fastest]
+            lay = self.layout[mid]
+            others = lay != lay[np.argmin(step)]
             limit = max(limit, float(step[others].min()) if others.any() else float("inf"))
         return limit
 
-    def layout_of(self, idx: np.ndarray) -> np.ndarray:
-        """The layout row of candidates ``idx``."""
-        return self.layout[self.grid.decode(np.asarray(idx, dtype=np.int64))["mid"]]
+    def memory_of(self, idx: np.ndarray) -> np.ndarray:
+        """Device memory of candidates ``idx`` (float64 of the float32 sum, as Tables.step_memory)."""
+        cols = self.grid.decode(np.asarray(idx, dtype=np.int64))
+        t = self.fit
+        rows = cols["mid"] * t.n_opts + t.opt_lut[cols["recompute"] * t.opt_width + cols["recompute_every"]]
+        mem = t.by_rc[rows][..., Rc.MEM] + t.by_dpc[cols["dpc"]][..., Dpc.MEM]
+        return np.maximum(np.maximum(mem[:, 0], mem[:, 1]), mem[:, 2]).astype(float)

@@ -489,10 +489,11 @@ def _grid_search(spec: ModelSpec, space: Space, tables: Tables, seq: int, meas: 
     scan = search.scan(limit, host_limit)
     if not scan.feasible:
         return None
-    ranked = search.rank(scan, limit, host_limit, k, by_layout=True)
+    ranked = search.rank(scan, k, by_layout=True)
     order = ranked.top(k)
-    at = ranked.fastest(search.layout_of(ranked.idx) != search.layout_of(order[:1])[0])
-    runner_up = None if at is None else int(ranked.idx[at])
+    lay = search.layout[search.grid.decode(order[:1])["mid"][0]]
+    rival = ranked.fastest(search.layout[ranked.mid] != lay)
+    runner_up = None if rival is None else rival[0]
     return Found(scan.feasible, scan.over_memory, scan.over_host, order, runner_up, scan.smallest,
                  lambda c, reprice: _grid_what_if(spec, c, search, scan, (limit, host_limit), seq, meas,
                                                   memory_fraction, reprice),
@@ -514,9 +515,9 @@ def _grid_what_if(model: ModelSpec, cluster: ClusterSpec, search: GridSearch, sc
         scan = search.scan(*new)
     if not scan.feasible:
         return None
-    ranked = search.rank(scan, *new, 1, by_layout=False)
-    at = ranked.fastest(np.ones(len(ranked.idx), dtype=bool))
-    return space.plan(int(ranked.idx[at])), float(ranked.step[at])
+    ranked = search.rank(scan, 1, by_layout=False)
+    best, step = ranked.fastest(np.ones(len(ranked.idx), dtype=bool))
+    return space.plan(best), step
 
 
 def _priced(model: ModelSpec, cluster: ClusterSpec, hw: Hardware, space: Space, idx: np.ndarray, global_batch: int,
