@@ -111,7 +111,7 @@ class GridSearch:
         m0 = int(mids[0])
         rows = np.array([self.none_row]) if g.split[m0] else self.opt_rows[:g.nr[m0]]
         a = tables.by_rc[(mids * tables.n_opts)[:, None] + rows[None, :]]
-        d = tables.by_dpc[g.dpc0[mids][:, None] + np.arange(g.nz[m0])[None, :]]
+        d = tables.by_dpc[tables.dpc_row[g.dpc0[mids][:, None] + np.arange(g.nz[m0])[None, :]]]
         return a, d
 
     def _memory(self, mids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -210,5 +210,5 @@ class GridSearch:
         cols = self.grid.decode(np.asarray(idx, dtype=np.int64))
         t = self.fit
         rows = cols["mid"] * t.n_opts + t.opt_lut[cols["recompute"] * t.opt_width + cols["recompute_every"]]
-        mem = t.by_rc[rows][..., Rc.MEM] + t.by_dpc[cols["dpc"]][..., Dpc.MEM]
+        mem = t.by_rc[rows][..., Rc.MEM] + t.by_dpc[t.dpc_row[cols["dpc"]]][..., Dpc.MEM]
         return np.maximum(np.maximum(mem[:, 0], mem[:, 1]), mem[:, 2]).astype(float)

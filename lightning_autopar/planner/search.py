@@ -8,6 +8,7 @@ formula and source); ``Tables`` below combines them per candidate and ranks them
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from lightning_autopar.planner.hardware import GIB, Hardware
 from lightning_autopar.planner.partition import stage_chunks
 from lightning_autopar.planner.report import PlanReport, explain
 from lightning_autopar.planner.space import Space, enumerate_space, space_from_plans
-from lightning_autopar.planner.terms import DPC_TERMS, N_REP, Dpc, Rc, Window, recompute_rows, runtime_terms
+from lightning_autopar.planner.terms import (DPC_TERMS, N_REP, Dpc, Rc, Window, dp_rows, recompute_rows,
+                                             runtime_terms)
 from lightning_autopar.specs import (
     PRECISIONS,
     Breakdown,
@@ -98,13 +100,16 @@ class Tables:
     only what can rank (the bounded search); ``price`` assembles every candidate (the exhaustive path)."""
 
     def __init__(self, hw: Hardware, space: Space, mid: dict[str, list], dpc: dict[str, list], opt_lut: np.ndarray,
-                 opt_width: int, n_opts: int, fixed: dict[str, np.ndarray] | None) -> None:
+                 opt_width: int, n_opts: int, fixed: dict[str, np.ndarray] | None,
+                 dpc_row: np.ndarray | None = None) -> None:
         K, M = space.keys, space.mids
         mk = M["key"]
         ga, vpp_m = K["ga"].astype(float), M["vpp"].astype(float)
         pp = space.layouts["pp"][K["layout"]].astype(float)
         self.hw, self.space, self.mid, self.dpc, self.n_opts = hw, space, mid, dpc, n_opts
         self.opt_lut, self.opt_width = opt_lut, opt_width  # recompute code * width + every -> row (terms.recompute_rows)
+        # each dpc row's row of by_dpc (terms.dp_rows: rows the data-parallel terms see alike are priced once)
+        self.dpc_row = np.arange(len(space.dpcs["zero"])) if dpc_row is None else dpc_row
         t32 = lambda arrs: np.ascontiguousarray(np.stack(arrs, axis=-1), dtype=np.float32)  # noqa: E731
         # three row-gathers per candidate (mid x recompute, mid, dpc), reduced over the representative ranks;
         # float32 (ranking needs ~1e-6 relative precision) and cache-sized chunks keep it memory-light;
@@ -127,8 +132,11 @@ class Tables:
            fused: bool = True) -> "Tables":
         form = form_of(model)
         opts, lut, width = recompute_rows(space)
-        mid, dpc = form.terms(model, hw, space, seq, measured, fused, opts)
-        return Tables(hw, space, mid, dpc, lut, width, len(opts), runtime_terms(model, hw, space, form.stage_units))
+        rows, dpc_row = dp_rows(space)
+        distinct = dataclasses.replace(space, dpcs={k: v[rows] for k, v in space.dpcs.items()})
+        mid, dpc = form.terms(model, hw, distinct, seq, measured, fused, opts)
+        return Tables(hw, space, mid, dpc, lut, width, len(opts), runtime_terms(model, hw, space, form.stage_units),
+                      dpc_row)
 
     # per-candidate columns, read from the space's candidate columns on first use: the exhaustive path and a
     # subset's pricing use them; the grid search (bounded.GridSearch) never does
@@ -139,8 +147,8 @@ class Tables:
 
     @functools.cached_property
     def cd(self) -> np.ndarray:
-        """Each candidate's dpc row."""
-        return self.space.cands["dpc"]
+        """Each candidate's row of the dpc table (by_dpc)."""
+        return self.dpc_row[self.space.cands["dpc"]]
 
     @functools.cached_property
     def mrc(self) -> np.ndarray:

@@ -10,6 +10,7 @@ cost-module function named there with its formula and source. search.Tables comb
 
 from __future__ import annotations
 
+import math
 from enum import IntEnum
 from typing import Any, Callable
 
@@ -87,6 +88,25 @@ def recompute_rows(space: Space) -> tuple[np.ndarray, np.ndarray, int]:
     lut = np.zeros(int(present[-1]) + 1, dtype=np.int64)
     lut[present] = np.arange(len(present))
     return np.stack([present // width, present % width], axis=1), lut, width
+
+
+def dp_rows(space: Space) -> tuple[np.ndarray, np.ndarray]:
+    """The dpc rows the data-parallel terms price alike, once: (one row of each class, each row's class). A row's
+    terms read its layout, precision, zero, dp_shard, offload and its stage's contents, which the schedule sets
+    only through (vpp, V placement or not): 1f1b and gpipe, or interleaved and interleaved-zb at one vpp, or zbv
+    and dualpipev, hold the same blocks per rank (partition.stage_table), so their rows are one class."""
+    D = space.dpcs
+    cols = [D["layout"], D["precision"], D["zero"], D["dp_shard"], D["offload"], D["vpp"],
+            np.isin(D["schedule"], V_CODES).astype(np.int64)]
+    radix = [int(col.max(initial=0)) + 1 for col in cols]
+    if math.prod(radix) >= 2**62:  # too wide for one int64 key: rows compared whole
+        _, first, inverse = np.unique(np.stack(cols, axis=1), axis=0, return_index=True, return_inverse=True)
+        return first, inverse.reshape(-1)
+    key = np.zeros(len(cols[0]), dtype=np.int64)
+    for col, base in zip(cols, radix):  # mixed radix: one int64 per row, sorted once
+        key = key * base + col
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)
 
 
 def thinned_share(blocks: np.ndarray, every: int) -> np.ndarray:
