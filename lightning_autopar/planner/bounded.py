@@ -170,8 +170,9 @@ class GridSearch:
         """Price the mids that can hold one of the ``k`` fastest feasible candidates (``by_layout``: or the fastest
         of a layout other than the fastest's): cheapest bound first, a first batch sets the threshold (the k-th best
         step, or the best of another layout if larger), then every mid whose bound is within it."""
-        bound = self.t.lower_bounds().astype(float)
         present = np.flatnonzero(scan.ok_per_mid > 0)
+        bound = np.full(len(self.grid.nz), np.inf)
+        bound[present] = self.bounds(present)
         order = present[np.argsort(bound[present], kind="stable")]
         first = order[:int(np.searchsorted(np.cumsum(scan.ok_per_mid[order]), max(4 * k, FIRST_BATCH))) + 1]
         found = [self._price(first, scan)]
@@ -180,6 +181,27 @@ class GridSearch:
         found.append(self._price(rest[bound[rest] <= limit_s], scan))
         idx, step, mid = (np.concatenate(col) for col in zip(*found))
         return Ranked(idx, step, mid, self.memory_of)
+
+    def bounds(self, mids: np.ndarray) -> np.ndarray:
+        """Per mid, a step none of its candidates beats: Tables.lower_bounds' slot (the cheapest recompute option's
+        base) plus, per rank, the least parameter work, exposed data-parallel traffic and once-per-step tail of
+        its dpc rows, the exposed traffic at its floor b + f (a - b) (cost_comm.overlapped_exposed, whatever
+        the window). Each piece is the float32 expression the step adds, or less, and float32 sums and products
+        of non-negative terms are monotone, so the bound never exceeds a price ``_step`` computes."""
+        t, g = self.t, self.grid
+        d = t.by_dpc[t.dpc_row]  # every dpc row, (rows, ranks, Dpc)
+        floor = lambda a, b: b + t.f_sm * (a - b) if t.f_sm else b  # noqa: E731  overlapped_exposed's floor
+        parts = np.stack([d[..., Dpc.MB], floor(d[..., Dpc.A1], d[..., Dpc.B1]), floor(d[..., Dpc.A2], d[..., Dpc.B2]),
+                          floor(d[..., Dpc.A3], d[..., Dpc.B3]) + d[..., Dpc.C3] + d[..., Dpc.OPT]], axis=-1)
+        starts, at = np.unique(g.dpc0[mids], return_inverse=True)  # a mid's dpc rows: its tile of the dpc table
+        least = np.minimum.reduceat(parts, starts, axis=0)[at.reshape(-1)]  # (mids, ranks, 4)
+        base = t.by_rc[..., Rc.BASE].reshape(-1, t.n_opts, 3).min(axis=1)[mids]
+        slot = base + least[..., 0]
+        slot += least[..., 1]
+        slot += least[..., 2]
+        worst = np.maximum(np.maximum(slot[:, 0], slot[:, 1]), slot[:, 2])
+        tail = least[..., 3]
+        return (t.span[mids] * worst + np.maximum(np.maximum(tail[:, 0], tail[:, 1]), tail[:, 2])).astype(float)
 
     def _price(self, mids: np.ndarray, scan: Scan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(candidate, step float64 as the exhaustive path keeps it, mid) of the feasible candidates of ``mids``."""
