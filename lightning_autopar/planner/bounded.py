@@ -78,6 +78,17 @@ def below(limit: float) -> np.float32:
     return np.nextafter(near, np.float32(-np.inf)) if float(near) > limit else near
 
 
+def tile_reduce(ufunc: np.ufunc, values: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``ufunc`` (np.minimum, np.maximum) over ``values[start:start + size]`` for each (start, size), size >= 1: a
+    mid's dpc rows are one tile of the dpc table, shared by every mid of its layout, precision and schedule, so
+    each tile is reduced once."""
+    width = int(sizes.max(initial=0)) + 1
+    tiles, at = np.unique(starts * width + sizes, return_inverse=True)  # one int key per (start, size)
+    bounds = np.stack([tiles // width, tiles // width + tiles % width], axis=1).reshape(-1)
+    padded = np.concatenate([values, values[:1]])  # a tile may end at the table's end: an index reduceat accepts
+    return ufunc.reduceat(padded, bounds, axis=0)[0::2][at.reshape(-1)]
+
+
 class GridSearch:
     """Prices an enumerated space's grid on one hardware's tables (``tables``); ``fit``: the tables whose memory
     decides feasibility (a what-if on other links keeps the first search's memory, as the exhaustive path does)."""
@@ -88,6 +99,12 @@ class GridSearch:
         self.opt_rows = tables.opt_lut[code(grid.opts)]  # a mid's option rows of by_rc; (none, 1) on a split one
         self.none_row = tables.opt_lut[1]
         self.layout = tables.space.keys["layout"][tables.space.mids["key"]]  # per mid
+        # the memory columns alone, contiguous: the scan reads nothing else
+        fit = self.fit
+        self.mem_rc = np.ascontiguousarray(fit.by_rc[..., Rc.MEM])
+        self.mem_d = np.ascontiguousarray(fit.by_dpc[..., Dpc.MEM])
+        host = fit.by_dpc[..., Dpc.HOST]
+        self.host_d = np.maximum(np.maximum(host[:, 0], host[:, 1]), host[:, 2])
         self.priced_mids = np.zeros(len(grid.nz), dtype=bool)
         shape = (grid.nz * 2 + grid.split) * (int(grid.nr.max(initial=0)) + 1) + grid.nr
         self.shape_of = shape  # mids priced together share it (their blocks stack)
@@ -114,13 +131,36 @@ class GridSearch:
         d = tables.by_dpc[tables.dpc_row[g.dpc0[mids][:, None] + np.arange(g.nz[m0])[None, :]]]
         return a, d
 
-    def _memory(self, mids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Device memory (mids, dpc rows, options) and host memory (mids, dpc rows) of a block, float32."""
-        a, d = self._gather(self.fit, mids)
-        mem = a[:, None, :, :, Rc.MEM] + d[:, :, None, :, Dpc.MEM]
-        host = d[..., Dpc.HOST]
-        return (np.maximum(np.maximum(mem[..., 0], mem[..., 1]), mem[..., 2]),
-                np.maximum(np.maximum(host[..., 0], host[..., 1]), host[..., 2]))
+    def _option_rows(self, mids: np.ndarray) -> np.ndarray:
+        """by_rc rows (mids, options) of ``mids`` (one shape)."""
+        split = self.grid.split[mids[0]]
+        rows = np.array([self.none_row]) if split else self.opt_rows[:self.grid.nr[mids[0]]]
+        return (mids * self.fit.n_opts)[:, None] + rows[None, :]
+
+    def _dpc_rows(self, mids: np.ndarray) -> np.ndarray:
+        """by_dpc rows (mids, dpc rows) of ``mids`` (one shape)."""
+        g = self.grid
+        return self.fit.dpc_row[g.dpc0[mids][:, None] + np.arange(g.nz[mids[0]])[None, :]]
+
+    def _memory(self, mids: np.ndarray) -> np.ndarray:
+        """Device memory (mids, dpc rows, options) of a block, float32, as Tables.step_memory sums it."""
+        a, d = self.mem_rc[self._option_rows(mids)], self.mem_d[self._dpc_rows(mids)]
+        mem = a[:, None, :, 0] + d[:, :, None, 0]
+        np.maximum(mem, a[:, None, :, 1] + d[:, :, None, 1], out=mem)
+        return np.maximum(mem, a[:, None, :, 2] + d[:, :, None, 2], out=mem)
+
+    def _memory_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per mid, the least and the most memory any of its candidates can need: per rank the float32 sum of its
+        options' least (most) and its dpc rows' least (most), which bounds every cell's sum (rounding is
+        monotone), the largest over the ranks."""
+        g, t = self.grid, self.fit
+        a = self.mem_rc.reshape(len(g.nz), t.n_opts, 3)
+        a_lo, a_hi = a[:, self.opt_rows].min(axis=1), a[:, self.opt_rows].max(axis=1)
+        a_lo[g.split], a_hi[g.split] = a[g.split, self.none_row], a[g.split, self.none_row]
+        d = self.mem_d[t.dpc_row]
+        lo = a_lo + tile_reduce(np.minimum, d, g.dpc0, g.nz)
+        hi = a_hi + tile_reduce(np.maximum, d, g.dpc0, g.nz)
+        return lo.max(axis=1), hi.max(axis=1)
 
     def _step(self, mids: np.ndarray) -> np.ndarray:
         """Step (mids, dpc rows, options) of a block, float32, as Tables.step_memory: the dpc row's exposed
@@ -138,33 +178,51 @@ class GridSearch:
         return t.span[mids][:, None, None] * worst + tail[:, :, None]
 
     def scan(self, limit: float, host_limit: float) -> Scan:
-        """Memory of every candidate against the limits: counts, feasible per mid, the smallest plan (the least
-        memory among those whose host memory fits, else among all; ties to the earlier candidate)."""
+        """Memory of every candidate against the limits: counts, feasible per mid, the smallest plan. A mid whose
+        memory bounds lie both within the device limit (or both over it) is counted from its dpc rows' host
+        memory alone; only the mids across the limit are summed cell by cell."""
         lim, hlim = below(limit), below(host_limit)
-        ok_per_mid = np.zeros(len(self.grid.nz), dtype=np.int64)
+        n = len(self.grid.nz)
+        ok_per_mid = np.zeros(n, dtype=np.int64)
+        host_fits = np.zeros(n, dtype=bool)  # some dpc row of the mid keeps its offloaded states within the host
         ok_blocks = {}
         feasible = over_memory = over_host = 0
-        best = {True: (np.inf, -1), False: (np.inf, -1)}  # host fits: (memory, candidate)
-        for mids in self._blocks(np.arange(len(self.grid.nz))):
-            mem, host = self._memory(mids)
-            fits_dev, fits_host = mem <= lim, (host <= hlim)[:, :, None]
-            ok = fits_dev & fits_host
+        low, high = self._memory_bounds()
+        for mids in self._blocks(np.arange(n)):
+            lo, hi = low[mids], high[mids]
+            fits_host = self.host_d[self._dpc_rows(mids)] <= hlim  # (mids, dpc rows)
+            host_fits[mids] = fits_host.any(axis=1)
+            fits_dev = np.zeros(fits_host.shape + (int(self.grid.nr[mids[0]]),), dtype=bool)
+            fits_dev[hi <= lim] = True
+            across = (lo <= lim) & (hi > lim)
+            if across.any():
+                fits_dev[across] = self._memory(mids[across]) <= lim
+            ok = fits_dev & fits_host[:, :, None]
             ok_blocks[int(self.shape_of[mids[0]])] = (mids, ok)
             ok_per_mid[mids] = ok.reshape(len(mids), -1).sum(axis=1)
             feasible += int(ok_per_mid[mids].sum())
-            over_memory += int(mem.size - fits_dev.sum())
-            over_host += int((fits_dev & ~fits_host).sum())
-            for host_ok, values in ((True, np.where(fits_host, mem, np.inf)), (False, mem)):
-                values = values.reshape(len(mids), -1)
-                at = np.argmin(values, axis=1)
-                low = values[np.arange(len(mids)), at]
-                i = int(np.argmin(low))  # mids ascend, so the first minimum is the earliest candidate
-                cand = int(self.grid.offset[mids[i]] + at[i])
-                seen = best[host_ok]
-                if seen[1] < 0 or (float(low[i]), cand) < seen:
-                    best[host_ok] = (float(low[i]), cand)
-        small = best[True] if np.isfinite(best[True][0]) else best[False]
-        return Scan(feasible, over_memory, over_host, ok_per_mid, ok_blocks, small[1])
+            over_memory += int(fits_dev.size - fits_dev.sum())
+            over_host += int((fits_dev & ~fits_host[:, :, None]).sum())
+        host_only = bool(host_fits.any())  # else the smallest over all candidates (search.smallest_plan)
+        smallest = self._least(np.flatnonzero(host_fits) if host_only else np.flatnonzero(self.grid.counts > 0),
+                               low, high, hlim if host_only else np.float32(np.inf))
+        return Scan(feasible, over_memory, over_host, ok_per_mid, ok_blocks, smallest)
+
+    def _least(self, mids: np.ndarray, low: np.ndarray, high: np.ndarray, hlim: np.float32) -> int:
+        """The candidate of ``mids`` (each with one whose host memory is within ``hlim``) needing the least memory
+        among those within ``hlim``, ties to the earlier candidate: only mids whose least bound is within the
+        smallest most-bound are summed."""
+        best = (np.inf, -1)
+        for block in self._blocks(mids[low[mids] <= high[mids].min()]):
+            fits_host = self.host_d[self._dpc_rows(block)] <= hlim
+            values = np.where(fits_host[:, :, None], self._memory(block), np.inf).reshape(len(block), -1)
+            at = np.argmin(values, axis=1)
+            least = values[np.arange(len(block)), at]
+            i = int(np.argmin(least))  # the block's mids ascend: the first minimum is its earliest candidate
+            cand = (float(least[i]), int(self.grid.offset[block[i]] + at[i]))
+            if best[1] < 0 or cand < best:
+                best = cand
+        return best[1]
 
     def rank(self, scan: Scan, k: int, by_layout: bool) -> Ranked:
         """Price the mids that can hold one of the ``k`` fastest feasible candidates (``by_layout``: or the fastest
@@ -193,8 +251,7 @@ class GridSearch:
         floor = lambda a, b: b + t.f_sm * (a - b) if t.f_sm else b  # noqa: E731  overlapped_exposed's floor
         parts = np.stack([d[..., Dpc.MB], floor(d[..., Dpc.A1], d[..., Dpc.B1]), floor(d[..., Dpc.A2], d[..., Dpc.B2]),
                           floor(d[..., Dpc.A3], d[..., Dpc.B3]) + d[..., Dpc.C3] + d[..., Dpc.OPT]], axis=-1)
-        starts, at = np.unique(g.dpc0[mids], return_inverse=True)  # a mid's dpc rows: its tile of the dpc table
-        least = np.minimum.reduceat(parts, starts, axis=0)[at.reshape(-1)]  # (mids, ranks, 4)
+        least = tile_reduce(np.minimum, parts, g.dpc0[mids], g.nz[mids])  # (mids, ranks, 4)
         base = t.by_rc[..., Rc.BASE].reshape(-1, t.n_opts, 3).min(axis=1)[mids]
         slot = base + least[..., 0]
         slot += least[..., 1]
