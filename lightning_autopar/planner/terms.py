@@ -206,7 +206,12 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     mk = M["key"]
     g = lambda a: np.asarray(a)[mk] if np.ndim(a) else np.full(len(mk), float(a))  # noqa: E731
     vpp_m, sched_m = f(M["vpp"]), M["schedule"]
-    reps_m = _stage_reps(m, hw, space, seq, fused, Lt["pp"][kl][mk], M["vpp"], M["schedule"])
+    # the mids' and the dpc rows' representative ranks from one partition per (pp, vpp, V) triple of either
+    dl = D["layout"]
+    n_m = len(mk)
+    reps = _stage_reps(m, hw, space, seq, fused, np.concatenate([Lt["pp"][kl][mk], Lt["pp"][dl]]),
+                       np.concatenate([M["vpp"], D["vpp"]]), np.concatenate([M["schedule"], D["schedule"]]))
+    reps_m, reps_d = reps[:n_m], reps[n_m:]
     pp_m, ga_m = g(pp), g(ga)
     p2p_mb = np.where(pp_m > 1, 2 * vpp_m * g(p2p), 0.0)
     mid = {name: [] for name in ("tf", "tb", "base", "mem")}
@@ -231,11 +236,9 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
         mid["mem"].append(mem)
 
     # ---- dpc level (layout x precision x schedule/vpp x zero/dp_shard): data-parallel traffic and model states
-    dl = D["layout"]
     tp_d, pp_d, cp_d, dp_d, ep_d = (f(Lt[n][dl]) for n in ("tp", "pp", "cp", "dp", "ep"))
     zero, prec_d = D["zero"], D["precision"]
     ds = np.where(D["dp_shard"] > 0, D["dp_shard"], Lt["dp"][dl]).astype(float)
-    reps_d = _stage_reps(m, hw, space, seq, fused, Lt["pp"][dl], D["vpp"], D["schedule"])
     p_dense_blk, p_moe_shared, p_moe_expert, p_emb, p_head = rank_param_counts(m, tp_d, ep_d, pp_d, has_moe)
     h_dense, h_shared, _, h_emb, h_head = rank_param_counts(m, tp_d, ep_d, pp_d, has_moe, held=True)
     unit = np.maximum(p_dense_blk, p_moe_shared + p_moe_expert if has_moe else 0.0)
