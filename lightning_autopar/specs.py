@@ -7,7 +7,10 @@ YAML presets live in ``configs/model`` and ``configs/cluster`` at the repository
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -682,7 +685,14 @@ def parse_fix(fix: str | Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def _from_mapping(cls: type, data: Mapping[str, Any], where: str) -> Any:
-    """Build a (nested) spec dataclass from a mapping through OmegaConf, mapping errors to ConfigError."""
+    """Build a (nested) spec dataclass from a mapping: directly where every value already has its field's type
+    (``_typed``, the presets), else through OmegaConf, whose conversions and errors (ConfigError) are the
+    contract's."""
+    obj = _typed(cls, data)
+    if obj is not _UNTYPED:
+        if hasattr(obj, "validate"):
+            obj.validate()
+        return obj
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -697,6 +707,45 @@ def _from_mapping(cls: type, data: Mapping[str, Any], where: str) -> Any:
     if hasattr(obj, "validate"):
         obj.validate()
     return obj
+
+
+_UNTYPED = object()  # _typed's answer where OmegaConf must build (a conversion, an unknown key, another type)
+
+
+def _typed(tp: Any, value: Any) -> Any:
+    """``value`` as type ``tp`` (a spec dataclass, int, float, bool, str, X | None, list[X]) where it already is one
+    (an int for a float widened, as OmegaConf does), else _UNTYPED: importing OmegaConf and merging a structured
+    config cost more than the planning of a small model, and a preset needs neither."""
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            return _UNTYPED
+        hints = _hints(tp)
+        kwargs = {}
+        for key, item in value.items():
+            if key not in hints:
+                return _UNTYPED
+            kwargs[key] = _typed(hints[key], item)
+            if kwargs[key] is _UNTYPED:
+                return _UNTYPED
+        return tp(**kwargs)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
+        return None if value is None else _typed(args[0] if args[1] is type(None) else args[1], value)
+    if origin is list and isinstance(value, list):
+        items = [_typed(args[0], item) for item in value]
+        return _UNTYPED if any(item is _UNTYPED for item in items) else items
+    if tp is float and type(value) in (int, float):
+        return float(value)
+    if tp in (int, bool, str) and type(value) is tp and not (tp is str and ("${" in value or value == "???")):
+        return value  # (an interpolation or OmegaConf's missing-value marker is OmegaConf's to read)
+    return _UNTYPED
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    """The resolved field types of a spec dataclass (its annotations are strings: postponed evaluation)."""
+    names = {f.name for f in fields(cls) if f.init}
+    return {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
 
 
 def _read_yaml(path: Path, where: str) -> dict[str, Any]:

@@ -68,14 +68,25 @@ def test_every_preset_reads_the_same_with_the_c_loader_as_with_omegaconf(tmp_pat
     key) reads as OmegaConf.load reads it."""
     from omegaconf import OmegaConf
 
-    from lightning_autopar.specs import _read_yaml, configs_dir
+    from lightning_autopar.specs import _UNTYPED, _read_yaml, _typed, configs_dir
 
     presets = sorted(configs_dir().glob("*/*.yaml"))
     assert len(presets) > 20
     for path in presets:
         ref = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
         ref.pop("defaults", None)
-        assert _read_yaml(path, "x") == ref, path
+        data = _read_yaml(path, "x")
+        assert data == ref, path
+        # built directly (specs._typed) as OmegaConf's structured merge builds it
+        cls = {"model": ModelSpec, "cluster": ClusterSpec}.get(path.parent.name)
+        if cls is not None:
+            direct = _typed(cls, data)
+            assert direct is not _UNTYPED, path
+            assert direct == OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(data)))
+    # what a preset never holds goes through OmegaConf: conversions, unknown keys, interpolations
+    assert _typed(ModelSpec, {"layers": "12"}) is _UNTYPED and _typed(ModelSpec, {"nope": 1}) is _UNTYPED
+    assert _typed(ModelSpec, {"name": "${x}"}) is _UNTYPED and _typed(ModelSpec, {"layers": True}) is _UNTYPED
+    assert _typed(ModelSpec, {"kv_heads": None, "layers": 2}) == ModelSpec(layers=2)
     floats = tmp_path / "f.yaml"
     floats.write_text("a: 1e-3\nb: 2.5E+4\nc: 7\nd: 2026-12-01\ne: .inf\n")
     assert _read_yaml(floats, "x") == OmegaConf.to_container(OmegaConf.load(floats))
