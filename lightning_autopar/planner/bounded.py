@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from lightning_autopar.planner.cost_comm import overlapped_exposed
-from lightning_autopar.planner.space_table import Grid
+from lightning_autopar.planner.space_table import Grid, distinct
 from lightning_autopar.planner.terms import Dpc, Rc, Window
 
 FIRST_BATCH = 2048  # candidates priced before the first threshold (at least 4 k)
@@ -118,7 +118,7 @@ class GridSearch:
         """``mids`` (with candidates) grouped by shape, each group in mid order."""
         mids = mids[self.grid.counts[mids] > 0]
         shape = self.shape_of[mids]
-        for s in np.unique(shape):
+        for s in distinct(shape):
             yield mids[shape == s]
 
     def _gather(self, tables, mids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

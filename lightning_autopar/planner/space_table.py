@@ -98,6 +98,12 @@ class Space:
                     recompute_every=get("recompute_every"), offload=OFFLOAD_MODES[get("offload")])
 
 
+def distinct(values: Any) -> np.ndarray:
+    """The sorted distinct values (np.unique), asked with return_index: the plain call reaches np.ma.is_masked,
+    and importing numpy.ma costs a fresh ``autopar plan`` process about as much as planning a small model."""
+    return np.unique(values, return_index=True)[0]
+
+
 def _compact(table: dict[str, np.ndarray], refs: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Rows of ``table`` that ``refs`` points at, and ``refs`` renumbered into them."""
     used, inverse = np.unique(refs, return_inverse=True)

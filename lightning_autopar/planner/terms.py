@@ -35,7 +35,7 @@ from lightning_autopar.planner.hardware import (
     ACT_BYTES, BASE_PREC, FP8, FRAGMENTATION, GRAD_REDUCE_BYTES, WEIGHT_BYTES, Hardware)
 from lightning_autopar.planner.partition import (
     Stage, UnitStage, block_weights, stage_table, unit_stage_table, unit_weights)
-from lightning_autopar.planner.space_table import THINNED_MODES, Space
+from lightning_autopar.planner.space_table import THINNED_MODES, Space, distinct
 from lightning_autopar.specs import (
     PRECISIONS, RECOMPUTE_MODES, SCHEDULES, V_SCHEDULES, BlockMeasure, Measured, ModelSpec)
 
@@ -51,7 +51,7 @@ def _unit_reps(model: ModelSpec, units: UnitArrays, hw: Hardware, space: Space, 
     weights = unit_weights(model, hw, space.weights_precision())[0]
     shape = (int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, N_REP)
     masks, rows = np.zeros(shape + (len(weights),)), np.zeros(shape + (len(UnitStage),))
-    for code in np.unique(pp * 4096 + vpp):
+    for code in distinct(pp * 4096 + vpp):
         p_, v_ = divmod(int(code), 4096)
         masks[p_, v_], rows[p_, v_] = unit_stage_table(units, weights, p_, v_, space.uneven)
     return masks[pp, vpp], rows[pp, vpp]
@@ -64,7 +64,7 @@ def _stage_reps(model: ModelSpec, hw: Hardware, space: Space, seq: int, fused: b
     weights, emb_w, head_w = block_weights(model, hw, seq, space.weights_precision(), fused)
     v = np.isin(schedule, V_CODES).astype(np.int64)
     table = np.zeros((int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, 2, N_REP, len(Stage)))
-    for code in np.unique((pp * 4096 + vpp) * 2 + v):
+    for code in distinct((pp * 4096 + vpp) * 2 + v):
         (p_, v_), shape = divmod(int(code) // 2, 4096), int(code) % 2
         table[p_, v_, shape] = stage_table(model, weights, emb_w, head_w, p_, v_, space.uneven, bool(shape))[0]
     return table[pp, vpp, v]
@@ -84,7 +84,7 @@ def recompute_rows(space: Space) -> tuple[np.ndarray, np.ndarray, int]:
     r, k = (grid.opts[:, 0], grid.opts[:, 1]) if grid is not None else (space.cands["recompute"],
                                                                          space.cands["recompute_every"])
     width = int(k.max()) + 1 if len(k) else 2
-    present = np.union1d([1], np.flatnonzero(np.bincount(r * width + k, minlength=2)))  # code 1 = (none, 1)
+    present = distinct(np.concatenate([[1], np.flatnonzero(np.bincount(r * width + k, minlength=2))]))  # 1: (none, 1)
     lut = np.zeros(int(present[-1]) + 1, dtype=np.int64)
     lut[present] = np.arange(len(present))
     return np.stack([present // width, present % width], axis=1), lut, width
