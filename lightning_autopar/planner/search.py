@@ -110,14 +110,13 @@ class Tables:
         self.opt_lut, self.opt_width = opt_lut, opt_width  # recompute code * width + every -> row (terms.recompute_rows)
         # each dpc row's row of by_dpc (terms.dp_rows: rows the data-parallel terms see alike are priced once)
         self.dpc_row = np.arange(len(space.dpcs["zero"])) if dpc_row is None else dpc_row
-        t32 = lambda arrs: np.ascontiguousarray(np.stack(arrs, axis=-1), dtype=np.float32)  # noqa: E731
         # three row-gathers per candidate (mid x recompute, mid, dpc), reduced over the representative ranks;
         # float32 (ranking needs ~1e-6 relative precision) and cache-sized chunks keep it memory-light;
         # the last axes are named by terms.Rc, terms.Window and terms.Dpc
-        self.by_rc = t32([np.stack(mid[k.name.lower()], axis=2) for k in Rc]).reshape(-1, N_REP, len(Rc))
+        self.by_rc = pack32([mid[k.name.lower()] for k in Rc]).reshape(-1, N_REP, len(Rc))
         # compute windows that can hide data-parallel traffic (x the device's overlap share)
-        self.by_mid = t32([hw.overlap * np.stack(mid[k.name.lower()], axis=1) for k in Window])
-        self.by_dpc = t32([np.stack(dpc[k], axis=1) for k in DPC_TERMS])
+        self.by_mid = pack32([[hw.overlap * arr for arr in mid[k.name.lower()]] for k in Window])
+        self.by_dpc = pack32([dpc[k] for k in DPC_TERMS])
         self.f_sm = np.float32(hw.comm_sm)
         # steady state + fill/drain: m * (1 + the schedule's bubble fraction) slots
         # (cost_pipeline.bubble_fraction; 1F1B: (m + (pp-1)/vpp), Narayanan et al. 2021), then the once-per-step tail
@@ -258,6 +257,17 @@ class Tables:
     def priced(self) -> int:
         """Candidates whose step has been computed."""
         return int(self.done.sum())
+
+
+def pack32(terms: Sequence[Sequence[Any]]) -> np.ndarray:
+    """(rows[, options], ranks, terms) float32 from each term's per-rank arrays, cast as they are written: no
+    float64 stack of the whole table first (the same values as stacking, then casting)."""
+    first = np.asarray(terms[0][0])
+    out = np.empty(first.shape + (len(terms[0]), len(terms)), dtype=np.float32)
+    for i, per_rank in enumerate(terms):
+        for r, arr in enumerate(per_rank):
+            out[..., r, i] = arr
+    return out
 
 
 def _assemble(t: Tables, detail: bool) -> dict[str, np.ndarray]:
