@@ -39,7 +39,8 @@ CLI_CASES = [
     ("1T GPT, 12,288 x 8 A100 (98,304 GPUs), gb 3072",
      "--model gpt-1t --cluster a100-80g-dgx --nodes 12288 --global-batch 3072"),
     ("Llama-2-70B, 64 x 8 A100, gb 1024", "--model llama2-70b --cluster a100-80g-dgx --nodes 64 --global-batch 1024"),
-    ("Mixtral 8x7B, 32 x 8 H100, gb 1024", "--model mixtral-8x7b --cluster h100-sxm-dgx --nodes 32 --global-batch 1024"),
+    ("Mixtral 8x7B, 32 x 8 H100, gb 1024",
+     "--model mixtral-8x7b --cluster h100-sxm-dgx --nodes 32 --global-batch 1024"),
 ]
 
 

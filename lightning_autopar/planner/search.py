@@ -3,7 +3,8 @@
 Pure numpy: no torch import here (an ``nn.Module`` is turned into a ModelSpec by ``lightning_autopar.plan``).
 Pricing is vectorised over the whole candidate space (see space.py for its two-level layout): terms.py builds
 the per-rank factor tables from the cost terms (cost.py and the cost_*.py modules, each named there with its
-formula and source); ``Tables`` below combines them per candidate and ranks them.
+formula and source); ``Tables`` below combines them per candidate and ranks them; bounded.py's GridSearch
+combines them per grid block of an enumerated space, the same prices without a row per candidate.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class Tables:
         ga, vpp_m = K["ga"].astype(float), M["vpp"].astype(float)
         pp = space.layouts["pp"][K["layout"]].astype(float)
         self.hw, self.space, self.mid, self.dpc, self.n_opts = hw, space, mid, dpc, n_opts
-        self.opt_lut, self.opt_width = opt_lut, opt_width  # recompute code * width + every -> row (terms.recompute_rows)
+        self.opt_lut, self.opt_width = opt_lut, opt_width  # recompute code * width + every -> row (recompute_rows)
         # each dpc row's row of by_dpc (terms.dp_rows: rows the data-parallel terms see alike are priced once)
         self.dpc_row = np.arange(len(space.dpcs["zero"])) if dpc_row is None else dpc_row
         # three row-gathers per candidate (mid x recompute, mid, dpc), reduced over the representative ranks;
@@ -399,9 +400,9 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
 
     ``allow_infeasible``: when nothing fits, return the least-memory plans flagged instead of raising
     InfeasibleError (the CLI does this for ``--fix`` so a fixed plan that does not fit is still priced).
-    Memory is computed for every candidate; step times only where one can rank (Tables.steps: a lower bound per
-    pipeline configuration against the k-th best found). ``exhaustive``: price every step instead (the same
-    result, slower; tests compare the two).
+    Memory is decided for every candidate; step times only where one can rank (bounded.GridSearch on an enumerated
+    space; Tables.steps where the runtime's fixed costs are priced per candidate: a lower bound per mid against
+    the k-th best found). ``exhaustive``: price every step instead (the same result, slower; tests compare the two).
     """
     start = time.perf_counter()
     spec, clus, seq = _inputs(model, cluster, global_batch, seq_len)
