@@ -3,6 +3,11 @@ form and BERT-Large on 64 devices (issue 13: planning < 1 s each), and the analy
 BERT-Large-size model on meta tensors (issue 13: < 2 s each).
 
     python benchmarks/planner_speed.py [--repeat 3] [--cli]
+    python benchmarks/planner_speed.py --before DIR [--repeat 5]
+
+``--before DIR``: whole ``autopar plan --json`` calls, each in a fresh interpreter as users run it, of the tree
+in DIR (e.g. ``git archive main | tar -x -C DIR``) and of this one, alternated in one run (CLI_CASES): wall and
+CPU seconds (the child's user + sys, which a shared machine disturbs less), candidates evaluated.
 
 Prints, per case: candidates evaluated, feasible, search seconds (best and median wall time of the repeats,
 and the process CPU time, which a busy shared machine disturbs less; the explanation's what-if re-runs
@@ -25,6 +30,54 @@ CASES = [
     ("resnet152 (unit form, 53 units) on 8 x 8 A100-80G", "resnet152", "a100-80g-dgx", 8, 2048),
     ("bert-large on 8 x 8 A100-80G", "bert-large", "a100-80g-dgx", 8, 1024),
 ]
+
+
+CLI_CASES = [
+    # (label, autopar plan arguments)
+    ("1T GPT, 384 x 8 A100 (3,072 GPUs), gb 3072",
+     "--model gpt-1t --cluster a100-80g-dgx --nodes 384 --global-batch 3072"),
+    ("1T GPT, 12,288 x 8 A100 (98,304 GPUs), gb 3072",
+     "--model gpt-1t --cluster a100-80g-dgx --nodes 12288 --global-batch 3072"),
+    ("Llama-2-70B, 64 x 8 A100, gb 1024", "--model llama2-70b --cluster a100-80g-dgx --nodes 64 --global-batch 1024"),
+    ("Mixtral 8x7B, 32 x 8 H100, gb 1024",
+     "--model mixtral-8x7b --cluster h100-sxm-dgx --nodes 32 --global-batch 1024"),
+]
+
+
+def cli_call(tree: str, args: str) -> tuple[float, float, int]:
+    """(wall s, CPU s, candidates evaluated) of one ``autopar plan --json`` call in a fresh interpreter on ``tree``."""
+    import json
+    import os
+    import resource
+
+    env = dict(os.environ, PYTHONPATH=tree)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "lightning_autopar.cli", "plan", *args.split(), "--json"], cwd=tree,
+                         env=env, check=True, capture_output=True, text=True).stdout
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, json.loads(out)["evaluated"]
+
+
+def compare_cli(before: str, repeat: int) -> None:
+    """CLI_CASES on the tree in ``before`` and on this one, alternated; a markdown table."""
+    import os
+
+    after = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    print("| case | candidates | wall before / after (median; best) | CPU before / after (median) | speed-up (CPU) |")
+    print("|---|---|---|---|---|")
+    for label, args in CLI_CASES:
+        runs: dict[str, list] = {"before": [], "after": []}
+        for i in range(repeat):
+            for name, tree in (("before", before), ("after", after))[:: 1 if i % 2 == 0 else -1]:
+                runs[name].append(cli_call(tree, args))
+        med = {k: [statistics.median(r[j] for r in v) for j in (0, 1)] for k, v in runs.items()}
+        best = {k: min(r[0] for r in v) for k, v in runs.items()}
+        print(f"| {label} | {runs['after'][0][2]:,} | {med['before'][0]:.2f} / {med['after'][0]:.2f} s "
+              f"({best['before']:.2f} / {best['after']:.2f}) | {med['before'][1]:.2f} / {med['after'][1]:.2f} s | "
+              f"{med['before'][1] / med['after'][1]:.1f}x |", flush=True)
 
 
 def bench(model: str, cluster: str, nodes: int, global_batch: int, repeat: int) -> dict:
@@ -77,7 +130,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--cli", action="store_true", help="also time `python -m lightning_autopar.cli plan`")
+    parser.add_argument("--before", default=None, metavar="DIR",
+                        help="time whole `autopar plan --json` calls of the tree in DIR against this one")
     args = parser.parse_args()
+    if args.before:
+        compare_cli(args.before, args.repeat)
+        return
     for label, model, cluster, nodes, gb in CASES:
         r = bench(model, cluster, nodes, gb, args.repeat)
         print(f"{label}: {r['evaluated']:,} candidates, {r['feasible']:,} feasible, {r['priced']:,} step-priced, "

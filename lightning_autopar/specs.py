@@ -7,7 +7,10 @@ YAML presets live in ``configs/model`` and ``configs/cluster`` at the repository
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -686,7 +689,14 @@ def parse_fix(fix: str | Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def _from_mapping(cls: type, data: Mapping[str, Any], where: str) -> Any:
-    """Build a (nested) spec dataclass from a mapping through OmegaConf, mapping errors to ConfigError."""
+    """Build a (nested) spec dataclass from a mapping: directly where every value already has its field's type
+    (``_typed``, the presets), else through OmegaConf, whose conversions and errors (ConfigError) are the
+    contract's."""
+    obj = _typed(cls, data)
+    if obj is not _UNTYPED:
+        if hasattr(obj, "validate"):
+            obj.validate()
+        return obj
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -703,17 +713,100 @@ def _from_mapping(cls: type, data: Mapping[str, Any], where: str) -> Any:
     return obj
 
 
-def _read_yaml(path: Path, where: str) -> dict[str, Any]:
-    from omegaconf import OmegaConf
+_UNTYPED = object()  # _typed's answer where OmegaConf must build (a conversion, an unknown key, another type)
 
+
+def _typed(tp: Any, value: Any) -> Any:
+    """``value`` as type ``tp`` (a spec dataclass, int, float, bool, str, X | None, list[X]) where it already is one
+    (an int for a float widened, as OmegaConf does), else _UNTYPED: importing OmegaConf and merging a structured
+    config cost more than the planning of a small model, and a preset needs neither."""
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            return _UNTYPED
+        hints = _hints(tp)
+        kwargs = {}
+        for key, item in value.items():
+            if key not in hints:
+                return _UNTYPED
+            kwargs[key] = _typed(hints[key], item)
+            if kwargs[key] is _UNTYPED:
+                return _UNTYPED
+        return tp(**kwargs)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
+        return None if value is None else _typed(args[0] if args[1] is type(None) else args[1], value)
+    if origin is list and isinstance(value, list):
+        items = [_typed(args[0], item) for item in value]
+        return _UNTYPED if any(item is _UNTYPED for item in items) else items
+    if tp is float and type(value) in (int, float):
+        return float(value)
+    if tp in (int, bool, str) and type(value) is tp and not (tp is str and ("${" in value or value == "???")):
+        return value  # (an interpolation or OmegaConf's missing-value marker is OmegaConf's to read)
+    return _UNTYPED
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    """The resolved field types of a spec dataclass (its annotations are strings: postponed evaluation)."""
+    names = {f.name for f in fields(cls) if f.init}
+    return {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
+
+
+def _read_yaml(path: Path, where: str) -> dict[str, Any]:
     try:
-        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        text = path.read_text()
+        if "${" in text:  # interpolations: only OmegaConf resolves them
+            from omegaconf import OmegaConf
+
+            data = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+        else:  # the common case: libyaml's parser, measurably faster than OmegaConf's pure-Python one per preset
+            import yaml
+
+            data = yaml.load(text, Loader=_yaml_loader())
     except Exception as err:  # a YAML syntax error is bad input, not a crash
         raise ConfigError(where, f"cannot read {path}: {str(err).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ConfigError(where, f"{path} does not hold a mapping")
     data.pop("defaults", None)
     return data
+
+
+_LOADER: list[type] = []  # built once: adding resolvers to a loader class is not free
+
+
+def _yaml_loader() -> type:
+    """A PyYAML loader that reads a spec file as OmegaConf.load does (the spec dataclasses then type every field):
+    YAML 1.2 floats such as ``1e-3`` (PyYAML's YAML 1.1 reads them as strings), no timestamps, a duplicate key
+    refused. On PyYAML's C parser (CSafeLoader) where libyaml is installed, else the pure-Python SafeLoader."""
+    if _LOADER:
+        return _LOADER[0]
+    import re
+
+    import yaml
+
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class SpecLoader(base):  # type: ignore[misc, valid-type]
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            keys = [k.value for k, _ in node.value if k.tag == yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG]
+            for i, key in enumerate(keys):
+                if key in keys[:i]:
+                    raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                            f"found duplicate key {key}", node.start_mark)
+            return super().construct_mapping(node, deep=deep)
+
+    SpecLoader.yaml_implicit_resolvers = {
+        key: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+        for key, resolvers in base.yaml_implicit_resolvers.items()}
+    SpecLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
+         [-+]?[0-9]+(?:_[0-9]+)*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?[0-9]+(?:_[0-9]+)*(?:[eE][-+]?[0-9]+)
+        |\.[0-9]+(?:_[0-9]+)*(?:[eE][-+][0-9]+)?
+        |[-+]?[0-9]+(?:_[0-9]+)*(?::[0-5]?[0-9])+\.[0-9_]*
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+    _LOADER.append(SpecLoader)
+    return SpecLoader
 
 
 def _resolve(kind: str, name_or_path: str) -> Path:

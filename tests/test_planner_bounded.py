@@ -1,6 +1,7 @@
-"""The bounded search (search.Tables.steps: memory first, a lower bound per pipeline configuration against the
-k-th best step found) returns exactly what exhaustive pricing returns: the same ranked plans and prices, runner-up,
-explanation (what-if re-plans), feasible and rejected counts, on random (model, cluster, batch, fix) cases."""
+"""The bounded search (bounded.GridSearch on an enumerated space, search.Tables.steps where the runtime's fixed
+costs are priced per candidate: memory first, a lower bound per mid against the k-th best step found) returns
+exactly what exhaustive pricing returns: the same ranked plans and prices, runner-up, smallest plan, explanation
+(what-if re-plans), feasible and rejected counts, on random (model, cluster, batch, fix) cases."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from lightning_autopar.errors import ConfigError, InfeasibleError
 from lightning_autopar.planner import cost as C
+from lightning_autopar.planner.bounded import GridSearch, below
 from lightning_autopar.planner.search import Tables, _same_compute, plan
 from lightning_autopar.planner.space import enumerate_space
 from lightning_autopar.specs import load_cluster_spec, load_model_spec
@@ -91,3 +93,33 @@ def test_bounds_hold_and_prune() -> None:
     # a what-if cluster with other links keeps the compute bound (the search uses it); other compute does not
     assert _same_compute(hw, dataclasses.replace(hw, inter_bw=2 * hw.inter_bw, intra_bw=2 * hw.intra_bw))
     assert not _same_compute(hw, dataclasses.replace(hw, gemm_eff=hw.gemm_eff * 2))
+
+
+def test_grid_bounds_hold_and_prune() -> None:
+    """On a GPU preset's space (the grid search's path): every candidate's step is at least its mid's bound, its
+    memory within its mid's memory bounds; the feasible counts and the ranking equal the per-candidate columns';
+    the search prices a fraction of the space."""
+    spec = load_model_spec("mixtral_tiny")
+    cluster = load_cluster_spec("h100-sxm-dgx", nodes=2)
+    hw = C.Hardware.from_cluster(cluster)
+    space = enumerate_space(spec, cluster.world_size, 64, spec.seq_len, ["bf16-mixed"], host_offload=True)
+    t = Tables.of(spec, hw, space, spec.seq_len)
+    assert t.fixed is None and space.grid is not None
+    every = t.steps(np.ones(space.size, dtype=bool), 1, exhaustive=True)
+    memory, host = t.memory_host()
+    search = GridSearch(t, space.grid)
+    mids = np.arange(len(space.mids["key"]))
+    assert np.all(every >= search.bounds(mids)[t.cm])
+    low, high = search._memory_bounds()
+    assert np.all((memory >= low[t.cm]) & (memory <= high[t.cm]))
+    limit = float(np.quantile(memory, 0.4))
+    scan = search.scan(limit, np.inf)
+    ok = memory <= limit
+    assert scan.feasible == ok.sum() and scan.over_memory == (~ok).sum()
+    assert np.array_equal(scan.ok_per_mid, np.bincount(t.cm[ok], minlength=len(mids)))
+    assert scan.smallest == int(np.argmin(memory))
+    ranked = search.rank(scan, 5, by_layout=True)
+    idx = np.flatnonzero(ok)
+    assert np.array_equal(ranked.top(5), idx[np.lexsort((memory[idx], every[idx]))[:5]])
+    assert search.priced < space.size / 2
+    assert float(below(0.1)) <= 0.1 < float(np.nextafter(below(0.1), np.float32(1)))

@@ -61,3 +61,36 @@ def test_model_spec_defaults_and_errors():
         ModelSpec(heads=4, kv_heads=3, hidden=64)
     with pytest.raises(ConfigError, match="cluster.nodes"):
         ClusterSpec(nodes=0)
+
+
+def test_every_preset_reads_the_same_with_the_c_loader_as_with_omegaconf(tmp_path):
+    """specs._read_yaml parses with PyYAML's C loader: every preset (and a file with YAML 1.2 floats, a duplicate
+    key) reads as OmegaConf.load reads it."""
+    from omegaconf import OmegaConf
+
+    from lightning_autopar.specs import _UNTYPED, _read_yaml, _typed, configs_dir
+
+    presets = sorted(configs_dir().glob("*/*.yaml"))
+    assert len(presets) > 20
+    for path in presets:
+        ref = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        ref.pop("defaults", None)
+        data = _read_yaml(path, "x")
+        assert data == ref, path
+        # built directly (specs._typed) as OmegaConf's structured merge builds it
+        cls = {"model": ModelSpec, "cluster": ClusterSpec}.get(path.parent.name)
+        if cls is not None:
+            direct = _typed(cls, data)
+            assert direct is not _UNTYPED, path
+            assert direct == OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.create(data)))
+    # what a preset never holds goes through OmegaConf: conversions, unknown keys, interpolations
+    assert _typed(ModelSpec, {"layers": "12"}) is _UNTYPED and _typed(ModelSpec, {"nope": 1}) is _UNTYPED
+    assert _typed(ModelSpec, {"name": "${x}"}) is _UNTYPED and _typed(ModelSpec, {"layers": True}) is _UNTYPED
+    assert _typed(ModelSpec, {"kv_heads": None, "layers": 2}) == ModelSpec(layers=2)
+    floats = tmp_path / "f.yaml"
+    floats.write_text("a: 1e-3\nb: 2.5E+4\nc: 7\nd: 2026-12-01\ne: .inf\n")
+    assert _read_yaml(floats, "x") == OmegaConf.to_container(OmegaConf.load(floats))
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("a: 1\na: 2\n")
+    with pytest.raises(ConfigError, match="cannot read .*dup.yaml"):
+        _read_yaml(dup, "model")

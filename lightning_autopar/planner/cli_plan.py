@@ -73,9 +73,10 @@ def run(args: argparse.Namespace) -> int:
         print_model(model, sys.stderr if args.json else sys.stdout)
     cluster = load_cluster_spec(args.cluster, nodes=args.nodes, devices_per_node=args.devices_per_node)
     precision = precisions(args)
+    # the what-if re-plans feed only the explanation, which the table prints and the JSON (contract) leaves out
     report = plan(model, cluster, global_batch=args.global_batch, seq_len=args.seq_len, fix=args.fix,
                   top=args.top, precision=precision, memory_fraction=args.memory_fraction,
-                  allow_infeasible=bool(args.fix), explain_choice=not args.no_explain)
+                  allow_infeasible=bool(args.fix), explain_choice=not (args.no_explain or args.json))
     if args.json:
         sys.stdout.write(json.dumps(report.to_json_dict()) + "\n")
     else:

@@ -3,17 +3,22 @@
 Pure numpy: no torch import here (an ``nn.Module`` is turned into a ModelSpec by ``lightning_autopar.plan``).
 Pricing is vectorised over the whole candidate space (see space.py for its two-level layout): terms.py builds
 the per-rank factor tables from the cost terms (cost.py and the cost_*.py modules, each named there with its
-formula and source); ``Tables`` below combines them per candidate and ranks them.
+formula and source); ``Tables`` below combines them per candidate and ranks them; bounded.py's GridSearch
+combines them per grid block of an enumerated space, the same prices without a row per candidate.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from lightning_autopar.errors import ConfigError, InfeasibleError
+from lightning_autopar.planner.bounded import GridSearch, Scan
 from lightning_autopar.planner.cost_comm import overlapped_exposed
 from lightning_autopar.planner.cost_pipeline import bubble_fraction
 from lightning_autopar.planner.forms import form_of
@@ -21,7 +26,8 @@ from lightning_autopar.planner.hardware import GIB, Hardware
 from lightning_autopar.planner.partition import stage_chunks
 from lightning_autopar.planner.report import PlanReport, explain
 from lightning_autopar.planner.space import Space, enumerate_space, space_from_plans
-from lightning_autopar.planner.terms import DPC_TERMS, N_REP, Dpc, Rc, Window, recompute_table, runtime_terms
+from lightning_autopar.planner.terms import (DPC_TERMS, N_REP, Dpc, Rc, Window, dp_rows, recompute_rows,
+                                             runtime_terms)
 from lightning_autopar.specs import (
     PRECISIONS,
     Breakdown,
@@ -94,23 +100,24 @@ class Tables:
     candidate gathers (mid x recompute, mid, dpc), and the steps priced so far (NaN: not yet). ``steps`` prices
     only what can rank (the bounded search); ``price`` assembles every candidate (the exhaustive path)."""
 
-    def __init__(self, hw: Hardware, space: Space, mid: dict[str, list], dpc: dict[str, list], opt_of: np.ndarray,
-                 n_opts: int, fixed: dict[str, np.ndarray] | None) -> None:
-        K, M, Cn = space.keys, space.mids, space.cands
+    def __init__(self, hw: Hardware, space: Space, mid: dict[str, list], dpc: dict[str, list], opt_lut: np.ndarray,
+                 opt_width: int, n_opts: int, fixed: dict[str, np.ndarray] | None,
+                 dpc_row: np.ndarray | None = None) -> None:
+        K, M = space.keys, space.mids
         mk = M["key"]
         ga, vpp_m = K["ga"].astype(float), M["vpp"].astype(float)
         pp = space.layouts["pp"][K["layout"]].astype(float)
         self.hw, self.space, self.mid, self.dpc, self.n_opts = hw, space, mid, dpc, n_opts
+        self.opt_lut, self.opt_width = opt_lut, opt_width  # recompute code * width + every -> row (recompute_rows)
+        # each dpc row's row of by_dpc (terms.dp_rows: rows the data-parallel terms see alike are priced once)
+        self.dpc_row = np.arange(len(space.dpcs["zero"])) if dpc_row is None else dpc_row
         # three row-gathers per candidate (mid x recompute, mid, dpc), reduced over the representative ranks;
-        # float32 (ranking needs ~1e-6 relative precision) and cache-sized chunks keep it memory-light
-        self.cm, self.cd = Cn["mid"], Cn["dpc"]
-        self.mrc = self.cm * n_opts + opt_of  # recompute_table's rows
-        t32 = lambda arrs: np.ascontiguousarray(np.stack(arrs, axis=-1), dtype=np.float32)  # noqa: E731
+        # float32 (ranking needs ~1e-6 relative precision) and cache-sized chunks keep it memory-light;
         # the last axes are named by terms.Rc, terms.Window and terms.Dpc
-        self.by_rc = t32([np.stack(mid[k.name.lower()], axis=2) for k in Rc]).reshape(-1, N_REP, len(Rc))
+        self.by_rc = pack32([mid[k.name.lower()] for k in Rc]).reshape(-1, N_REP, len(Rc))
         # compute windows that can hide data-parallel traffic (x the device's overlap share)
-        self.by_mid = t32([hw.overlap * np.stack(mid[k.name.lower()], axis=1) for k in Window])
-        self.by_dpc = t32([np.stack(dpc[k], axis=1) for k in DPC_TERMS])
+        self.by_mid = pack32([[hw.overlap * arr for arr in mid[k.name.lower()]] for k in Window])
+        self.by_dpc = pack32([dpc[k] for k in DPC_TERMS])
         self.f_sm = np.float32(hw.comm_sm)
         # steady state + fill/drain: m * (1 + the schedule's bubble fraction) slots
         # (cost_pipeline.bubble_fraction; 1F1B: (m + (pp-1)/vpp), Narayanan et al. 2021), then the once-per-step tail
@@ -119,16 +126,45 @@ class Tables:
                      ).astype(np.float32)
         self.fixed = fixed
         self.fixed_total = sum(fixed.values()) if fixed is not None else None
-        self.step = np.full(len(self.cm), np.inf)
-        self.done = np.zeros(len(self.cm), dtype=bool)
 
     @staticmethod
     def of(model: ModelSpec, hw: Hardware, space: Space, seq: int, measured: Measured | None = None,
            fused: bool = True) -> "Tables":
         form = form_of(model)
-        opts, opt_of = recompute_table(space)
-        mid, dpc = form.terms(model, hw, space, seq, measured, fused, opts)
-        return Tables(hw, space, mid, dpc, opt_of, len(opts), runtime_terms(model, hw, space, form.stage_units))
+        opts, lut, width = recompute_rows(space)
+        rows, dpc_row = dp_rows(space)
+        distinct = dataclasses.replace(space, dpcs={k: v[rows] for k, v in space.dpcs.items()})
+        mid, dpc = form.terms(model, hw, distinct, seq, measured, fused, opts)
+        return Tables(hw, space, mid, dpc, lut, width, len(opts), runtime_terms(model, hw, space, form.stage_units),
+                      dpc_row)
+
+    # per-candidate columns, read from the space's candidate columns on first use: the exhaustive path and a
+    # subset's pricing use them; the grid search (bounded.GridSearch) never does
+    @functools.cached_property
+    def cm(self) -> np.ndarray:
+        """Each candidate's mid."""
+        return self.space.cands["mid"]
+
+    @functools.cached_property
+    def cd(self) -> np.ndarray:
+        """Each candidate's row of the dpc table (by_dpc)."""
+        return self.dpc_row[self.space.cands["dpc"]]
+
+    @functools.cached_property
+    def mrc(self) -> np.ndarray:
+        """Each candidate's row of the mid x recompute table (by_rc)."""
+        opt_of = self.opt_lut[self.space.cands["recompute"] * self.opt_width + self.space.cands["recompute_every"]]
+        return self.cm * self.n_opts + opt_of
+
+    @functools.cached_property
+    def step(self) -> np.ndarray:
+        """Steps priced so far (inf: not yet)."""
+        return np.full(self.space.size, np.inf)
+
+    @functools.cached_property
+    def done(self) -> np.ndarray:
+        """Candidates whose step has been priced."""
+        return np.zeros(self.space.size, dtype=bool)
 
     def step_memory(self, sl: Any, memory: bool = True) -> tuple[np.ndarray, ...]:
         """(step without the runtime's fixed terms[, memory, host]) of candidates ``sl`` (a slice or indices)."""
@@ -222,6 +258,17 @@ class Tables:
     def priced(self) -> int:
         """Candidates whose step has been computed."""
         return int(self.done.sum())
+
+
+def pack32(terms: Sequence[Sequence[Any]]) -> np.ndarray:
+    """(rows[, options], ranks, terms) float32 from each term's per-rank arrays, cast as they are written: no
+    float64 stack of the whole table first (the same values as stacking, then casting)."""
+    first = np.asarray(terms[0][0])
+    out = np.empty(first.shape + (len(terms[0]), len(terms)), dtype=np.float32)
+    for i, per_rank in enumerate(terms):
+        for r, arr in enumerate(per_rank):
+            out[..., r, i] = arr
+    return out
 
 
 def _assemble(t: Tables, detail: bool) -> dict[str, np.ndarray]:
@@ -353,9 +400,9 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
 
     ``allow_infeasible``: when nothing fits, return the least-memory plans flagged instead of raising
     InfeasibleError (the CLI does this for ``--fix`` so a fixed plan that does not fit is still priced).
-    Memory is computed for every candidate; step times only where one can rank (Tables.steps: a lower bound per
-    pipeline configuration against the k-th best found). ``exhaustive``: price every step instead (the same
-    result, slower; tests compare the two).
+    Memory is decided for every candidate; step times only where one can rank (bounded.GridSearch on an enumerated
+    space; Tables.steps where the runtime's fixed costs are priced per candidate: a lower bound per mid against
+    the k-th best found). ``exhaustive``: price every step instead (the same result, slower; tests compare the two).
     """
     start = time.perf_counter()
     spec, clus, seq = _inputs(model, cluster, global_batch, seq_len)
@@ -375,43 +422,121 @@ def plan(model: Any, cluster: Any, global_batch: int, seq_len: int | None = None
     hw = Hardware.from_cluster(clus)
     limit, host_limit = hw.capacity * memory_fraction, host_limit_bytes(clus)
     tables = Tables.of(spec, hw, space, seq, meas)
-    memory, host = tables.memory_host()
-    ok = (memory <= limit) & (host <= host_limit)
-    layout = space.keys["layout"][space.mids["key"]][space.cands["mid"]]
-    costs = {"memory": memory, "host": host, "step": tables.steps(ok, max(top, 1), layout, exhaustive)}
+    k = max(top, 1)
+    found = None
+    if space.grid is not None and not exhaustive and tables.fixed_total is None:  # per-candidate fixed costs:
+        found = _grid_search(spec, space, tables, seq, meas, limit, host_limit, memory_fraction, k)  # priced whole
+    if found is None:  # the exhaustive path, a space with per-candidate fixed costs, or nothing fits
+        found = _full_search(spec, space, tables, seq, meas, limit, host_limit, memory_fraction, k, exhaustive)
     rejected = dict(space.rejected)
-    n_mem = int((costs["memory"] > limit).sum())
-    if n_mem:
-        rejected["memory"] = n_mem
-    n_host = int(((costs["memory"] <= limit) & (costs["host"] > host_limit)).sum())
-    if n_host:
-        rejected["host memory (offload)"] = n_host
-    feasible = int(ok.sum())
+    if found.over_memory:
+        rejected["memory"] = found.over_memory
+    if found.over_host:
+        rejected["host memory (offload)"] = found.over_host
+    feasible = found.feasible
     if feasible:
-        idx = np.flatnonzero(ok & np.isfinite(costs["step"]))  # the others cannot rank (Tables.steps)
-        order = idx[np.lexsort((costs["memory"][idx], costs["step"][idx]))[:max(top, 1)]]  # ties: less memory
+        order = found.order
     elif allow_infeasible:
-        order = np.argsort(costs["memory"], kind="stable")[:max(top, 1)]
+        order = np.argsort(found.costs["memory"], kind="stable")[:k]
     else:
-        raise _infeasible(spec, clus, hw, space, costs, limit, memory_fraction, fixed)
-    cands = _priced(spec, clus, hw, space, order, global_batch, seq, limit, meas)
+        raise _infeasible(spec, clus, hw, space, found.costs, limit, memory_fraction, fixed)
+    # the top, the smallest plan and the runner-up priced with their breakdown in one subset
+    small, rival = found.smallest, found.runner_up
+    extra = [i for i in (small, rival) if i is not None and i not in order]
+    cands = _priced(spec, clus, hw, space, np.concatenate([order, extra]).astype(np.int64), global_batch, seq,
+                    limit, meas)
+    by_index = dict(zip((int(i) for i in np.concatenate([order, extra])), cands))
+    cands = cands[:len(order)]
     report = PlanReport(best=cands[0], candidates=cands, evaluated=space.size, feasible=feasible, rejected=rejected,
                         search_seconds=0.0, model=spec, cluster=clus, global_batch=global_batch, seq_len=seq,
                         memory_fraction=memory_fraction)
-    report.priced = tables.priced
+    report.priced = found.priced()
     report.excluded = form_of(spec).restrict(spec, fixed, restrict or {})[1]
-    small = smallest_plan(costs, host_limit)
-    report.smallest = cands[0] if small == int(order[0]) else _priced(spec, clus, hw, space, [small], global_batch,
-                                                                      seq, limit, meas)[0]
-    if feasible:
-        report.runner_up = _runner_up(spec, clus, hw, space, costs, ok & (layout != layout[order[0]]), global_batch,
-                                      seq, limit, meas)
+    report.smallest = by_index[small]
+    report.runner_up = None if rival is None else by_index[rival]
     if explain_choice and feasible:
-        report.explanation = explain(report, lambda c, reprice: _what_if(spec, c, space, tables, costs, seq, meas,
-                                                                         memory_fraction, reprice, exhaustive))
-        report.priced = tables.priced
+        report.explanation = explain(report, found.what_if)
+        report.priced = found.priced()
     report.search_seconds = time.perf_counter() - start
     return report
+
+
+@dataclass
+class Found:
+    """What a search found: the counts, the ranked top (feasible, fastest first), the runner-up (the fastest of
+    another layout), the smallest plan, the what-if re-plans for the explanation (cluster, reprice) -> (plan,
+    step) | None, the number of steps priced; ``costs``: memory and host of every candidate (the full path)."""
+
+    feasible: int
+    over_memory: int
+    over_host: int
+    order: np.ndarray
+    runner_up: int | None
+    smallest: int
+    what_if: Callable[[ClusterSpec, bool], tuple[Plan, float] | None]
+    priced: Callable[[], int]
+    costs: dict[str, np.ndarray] | None = None
+
+
+def _full_search(spec: ModelSpec, space: Space, tables: Tables, seq: int, meas: Measured | None, limit: float,
+                 host_limit: float, memory_fraction: float, k: int, exhaustive: bool) -> Found:
+    """Memory of every candidate as one column each, steps by Tables.steps (all of them when ``exhaustive``):
+    the reference the grid search is checked against, and the path of spaces it does not take."""
+    memory, host = tables.memory_host()
+    ok = (memory <= limit) & (host <= host_limit)
+    layout = space.keys["layout"][space.mids["key"]][space.cands["mid"]]
+    costs = {"memory": memory, "host": host, "step": tables.steps(ok, k, layout, exhaustive)}
+    feasible = int(ok.sum())
+    order, runner_up = np.zeros(0, dtype=np.int64), None
+    if feasible:
+        idx = np.flatnonzero(ok & np.isfinite(costs["step"]))  # the others cannot rank (Tables.steps)
+        order = idx[np.lexsort((costs["memory"][idx], costs["step"][idx]))[:k]]  # ties: less memory
+        others = np.flatnonzero(ok & (layout != layout[order[0]]))
+        runner_up = int(others[np.argmin(costs["step"][others])]) if len(others) else None
+    return Found(feasible, int((memory > limit).sum()), int(((memory <= limit) & (host > host_limit)).sum()),
+                 order, runner_up, smallest_plan(costs, host_limit),
+                 lambda c, reprice: _what_if(spec, c, space, tables, costs, seq, meas, memory_fraction, reprice,
+                                             exhaustive),
+                 lambda: tables.priced, costs)
+
+
+def _grid_search(spec: ModelSpec, space: Space, tables: Tables, seq: int, meas: Measured | None, limit: float,
+                 host_limit: float, memory_fraction: float, k: int) -> Found | None:
+    """The grid search (bounded.GridSearch) of an enumerated space; None when no candidate fits (the full path
+    then lists the least-memory plans and says what to relax)."""
+    search = GridSearch(tables, space.grid)
+    scan = search.scan(limit, host_limit)
+    if not scan.feasible:
+        return None
+    ranked = search.rank(scan, k, by_layout=True)
+    order = ranked.top(k)
+    lay = search.layout[search.grid.decode(order[:1])["mid"][0]]
+    rival = ranked.fastest(search.layout[ranked.mid] != lay)
+    runner_up = None if rival is None else rival[0]
+    return Found(scan.feasible, scan.over_memory, scan.over_host, order, runner_up, scan.smallest,
+                 lambda c, reprice: _grid_what_if(spec, c, search, scan, (limit, host_limit), seq, meas,
+                                                  memory_fraction, reprice),
+                 lambda: search.priced)
+
+
+def _grid_what_if(model: ModelSpec, cluster: ClusterSpec, search: GridSearch, scan: Scan,
+                  limits: tuple[float, float], seq: int, meas: Measured | None, memory_fraction: float,
+                  reprice: bool) -> tuple[Plan, float] | None:
+    """Best (plan, step) on a what-if cluster by the grid search: feasibility from the first search's memory
+    (its scan again where the limits are the same), steps from the same tables (a memory-only change) or from
+    tables re-priced on the what-if's hardware (a link change); ties to the earlier candidate."""
+    hw = Hardware.from_cluster(cluster)
+    new = (hw.capacity * memory_fraction, host_limit_bytes(cluster))
+    space = search.t.space
+    if reprice:
+        search = GridSearch(Tables.of(model, hw, space, seq, meas), space.grid, fit=search.t)
+    if new != limits:
+        scan = search.scan(*new)
+    if not scan.feasible:
+        return None
+    ranked = search.rank(scan, 1, by_layout=False)
+    best, step = ranked.fastest(np.ones(len(ranked.idx), dtype=bool))
+    return space.plan(best), step
 
 
 def _priced(model: ModelSpec, cluster: ClusterSpec, hw: Hardware, space: Space, idx: np.ndarray, global_batch: int,
@@ -420,15 +545,6 @@ def _priced(model: ModelSpec, cluster: ClusterSpec, hw: Hardware, space: Space, 
     sub = space.subset(np.asarray(idx, dtype=np.int64))
     costs = price(model, hw, sub, global_batch, seq, meas, detail=True)
     return [priced_plan(model, cluster, hw, sub, costs, j, global_batch, seq, limit) for j in range(sub.size)]
-
-
-def _runner_up(model: ModelSpec, cluster: ClusterSpec, hw: Hardware, space: Space, costs: dict, mask: np.ndarray,
-               global_batch: int, seq: int, limit: float, meas: Measured | None) -> PricedPlan | None:
-    """Fastest feasible plan whose layout (tp, pp, cp, ep, hence dp) differs from the winner's (``mask``)."""
-    if not mask.any():
-        return None
-    idx = np.flatnonzero(mask)
-    return _priced(model, cluster, hw, space, [idx[np.argmin(costs["step"][idx])]], global_batch, seq, limit, meas)[0]
 
 
 def _what_if(model: ModelSpec, cluster: ClusterSpec, space: Space, tables: Tables, costs: dict, seq: int,

@@ -18,7 +18,8 @@ import numpy as np
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.planner.forms import check_unit_fix, form_of, unit_form_restrict  # noqa: F401  re-exported
-from lightning_autopar.planner.space_table import LAYOUT_FIELDS, THINNED_MODES, Space  # noqa: F401  re-exported
+from lightning_autopar.planner.space_table import (LAYOUT_FIELDS, THINNED_MODES, Grid, GridColumns,  # noqa: F401
+                                                   Space)  # Space, LAYOUT_FIELDS, THINNED_MODES re-exported
 from lightning_autopar.specs import (INTERLEAVED_SCHEDULES, OFFLOAD_MODES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES,
                                       V_SCHEDULES, ModelSpec, Plan)
 
@@ -267,51 +268,77 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
                     if not zds or not scheds or not sp_vals:
                         rejected["zero/dp_shard, schedule/vpp or sp"] += 1
                         continue
-                    # keys: mbs x sp x compile x precision; mids: key x (schedule, vpp); dpcs: precision x
-                    # (schedule, vpp) x (zero, dp_shard, offload); candidates: mid x (zero, dp_shard, offload) x
-                    # recompute (expanded below)
-                    nv, nz = len(scheds), len(zds)
-                    for mbs in mbss:
-                        ga = global_batch // (dp * mbs)
-                        for sp, comp in ((s, c) for s in sp_vals for c in compiles):
-                            if comp and cp > 1:  # context_compile_rule
-                                rejected["compile with cp > 1"] += len(precs) * nv * nz * len(rc_opts)
-                                continue
-                            for pi, prec in enumerate(precs):
-                                for vi, (sched, vpp) in enumerate(scheds):
-                                    name = SCHEDULES[sched]  # torch's micro-batch rules, no compiled split backward
-                                    if microbatch_rule(name, pp, ga) or compile_rule(name, pp, bool(comp)):
-                                        rejected[f"grad_accum or compile ({name})"] += nz * len(rc_opts)
-                                        continue
-                                    mid_rows.append((n_key, sched, vpp, n_dpc + (pi * nv + vi) * nz, nz))
-                                key_rows.append((n_lay, mbs, sp, prec, ga, comp))
-                                n_key += 1
-                    dpc_rows.extend((n_lay, prec, sched, vpp, z, ds, off) for prec in precs for sched, vpp in scheds
-                                    for z, ds, off in zds)
-                    n_dpc += len(precs) * nv * nz
+                    keys, mids_l, dpcs_l, events = _layout_rows(n_lay, pp, cp, dp, global_batch, mbss, sp_vals,
+                                                                 compiles, precs, scheds, zds, len(rc_opts))
+                    for _, name, count in sorted(events):  # the order the reasons first arise (the report's ties)
+                        rejected[name] += count
+                    mid_rows.append(mids_l + np.array([n_key, 0, 0, n_dpc, 0]))
+                    key_rows.append(keys)
+                    dpc_rows.append(dpcs_l)
+                    n_key, n_dpc = n_key + len(keys), n_dpc + len(dpcs_l)
                     lay_rows.append((tp, pp, cp, dp, ep))
                     n_lay += 1
-    arr = lambda rows, width: np.ascontiguousarray(np.array(rows, dtype=np.int64).reshape(-1, width).T)  # noqa: E731
-    mids = arr(mid_rows, 5)
-    # candidates: each mid repeated over its layout's (zero, dp_shard) pairs and the recompute modes
-    # (a split-backward schedule runs without recompute only: ``recompute_rule``)
-    pp_of_mid = (np.array(lay_rows, dtype=np.int64).reshape(-1, 5)[:, 1][np.array(key_rows, dtype=np.int64)
-                 .reshape(len(key_rows), -1)[:, 0]][mids[0]] if len(mids[0]) else mids[0])
+    cols = lambda rows, width: np.ascontiguousarray(  # noqa: E731
+        np.concatenate(rows).T if rows else np.zeros((width, 0), dtype=np.int64))
+    mids = cols(mid_rows, 5)
+    lay_arr = np.array(lay_rows, dtype=np.int64).reshape(-1, 5)
+    # candidates: each mid's grid of its layout's (zero, dp_shard, offload) rows x the recompute options
+    # (a split-backward schedule runs without recompute only: ``recompute_rule``), never stored one row each
+    key_arr = cols(key_rows, 6)
+    pp_of_mid = lay_arr[:, 1][key_arr[0]][mids[0]]
     split = np.isin(mids[1], [SCHEDULES.index(s) for s in SPLIT_BACKWARD]) & (pp_of_mid > 1)
     nr_m = np.where(split, int((0, 1) in rc_opts), len(rc_opts))
     rejected["recompute with a split backward (zero-bubble)"] += int((mids[4] * (len(rc_opts) - nr_m)).sum())
-    counts = mids[4] * nr_m
-    mid_of = np.repeat(np.arange(mids.shape[1]), counts)
-    within = np.arange(len(mid_of)) - np.repeat(np.cumsum(counts) - counts, counts)
-    nr = np.maximum(nr_m[mid_of], 1)
-    opts = np.array(rc_opts, dtype=np.int64).reshape(-1, 2)
-    cands = [mid_of, mids[3][mid_of] + within // nr, np.where(split[mid_of], 0, opts[within % nr, 0]),
-             np.where(split[mid_of], 1, opts[within % nr, 1])]
-    return Space(dict(zip(LAYOUT_FIELDS, arr(lay_rows, 5))),
-                 dict(zip(("layout", "mbs", "sp", "precision", "ga", "compile"), arr(key_rows, 6))),
+    grid = Grid(mids[3], mids[4], nr_m, split, np.array(rc_opts, dtype=np.int64).reshape(-1, 2))
+    return Space(dict(zip(LAYOUT_FIELDS, np.ascontiguousarray(lay_arr.T))),
+                 dict(zip(("layout", "mbs", "sp", "precision", "ga", "compile"), key_arr)),
                  dict(zip(("key", "schedule", "vpp"), np.ascontiguousarray(mids[:3]))),
-                 dict(zip(("layout", "precision", "schedule", "vpp", "zero", "dp_shard", "offload"), arr(dpc_rows, 7))),
-                 dict(zip(("mid", "dpc", "recompute", "recompute_every"), cands)), rejected, uneven)
+                 dict(zip(("layout", "precision", "schedule", "vpp", "zero", "dp_shard", "offload"),
+                          cols(dpc_rows, 7))),
+                 GridColumns(grid), rejected, uneven)
+
+
+def _layout_rows(lay: int, pp: int, cp: int, dp: int, global_batch: int, mbss: Sequence[int], sp_vals: Sequence[int],
+                 compiles: Sequence[int], precs: Sequence[int], scheds: Sequence[tuple[int, int]],
+                 zds: Sequence[tuple[int, int, int]], n_rc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
+    """One layout's rows, in the enumeration's order, as int64 arrays (numbered from 0 within the layout):
+    keys (mbs x (sp, compile) x precision: layout, mbs, sp, precision, ga, compile), mids (key x (schedule, vpp)
+    that torch's micro-batch and compile rules allow: key, schedule, vpp, first dpc row, dpc rows) and dpc rows
+    (precision x (schedule, vpp) x (zero, dp_shard, offload)); and the rejections as (where in the loop over
+    mbs, (sp, compile), precision, schedule the reason first arises, reason, candidates)."""
+    nv, nz, npr = len(scheds), len(zds), len(precs)
+    pairs = [(sp, c) for sp in sp_vals for c in compiles]
+    kept = [j for j, (_, c) in enumerate(pairs) if not (c and cp > 1)]  # context_compile_rule
+    names = [SCHEDULES[sched] for sched, _ in scheds]
+    mbs = np.array(mbss, dtype=np.int64)
+    ga = global_batch // (dp * mbs)
+    batch_ok = np.array([[not microbatch_rule(n, pp, int(g)) for n in names] for g in ga], dtype=bool)
+    comp_ok = np.array([[not compile_rule(n, pp, bool(pairs[j][1])) for n in names] for j in kept],
+                       dtype=bool).reshape(len(kept), nv)
+    ok = batch_ok[:, None, :] & comp_ok[None, :, :]  # (mbs, kept pair, schedule)
+    events = []
+    skipped = [j for j in range(len(pairs)) if j not in kept]
+    if skipped:
+        events.append(((0, skipped[0], -1, -1), "compile with cp > 1", len(mbs) * len(skipped) * npr * nv * nz * n_rc))
+    for name in dict.fromkeys(names):
+        vs = [v for v in range(nv) if names[v] == name]
+        bad = ~ok[:, :, vs]
+        if bad.any():
+            i, j, v = np.unravel_index(np.flatnonzero(bad)[0], bad.shape)
+            events.append(((int(i), kept[j], 0, vs[v]), f"grad_accum or compile ({name})",
+                           int(bad.sum()) * npr * nz * n_rc))
+    i, j, p = (a.reshape(-1) for a in np.indices((len(mbs), len(kept), npr)))
+    pair = np.array([pairs[k] for k in kept], dtype=np.int64).reshape(-1, 2)
+    prec = np.array(precs, dtype=np.int64)
+    keys = np.stack([np.full(len(i), lay), mbs[i], pair[j, 0], prec[p], ga[i], pair[j, 1]], axis=1)
+    mi, mj, mp, mv = np.nonzero(np.broadcast_to(ok[:, :, None, :], (len(mbs), len(kept), npr, nv)))
+    sv = np.array(scheds, dtype=np.int64).reshape(-1, 2)
+    mids = np.stack([(mi * len(kept) + mj) * npr + mp, sv[mv, 0], sv[mv, 1], (mp * nv + mv) * nz,
+                     np.full(len(mi), nz)], axis=1)
+    dp_, dv, dz = (a.reshape(-1) for a in np.indices((npr, nv, nz)))
+    z = np.array(zds, dtype=np.int64).reshape(-1, 3)
+    dpcs = np.stack([np.full(len(dp_), lay), prec[dp_], sv[dv, 0], sv[dv, 1], z[dz, 0], z[dz, 1], z[dz, 2]], axis=1)
+    return keys, mids, dpcs, events
 
 
 def _recompute_modes(model: ModelSpec, fix: Mapping[str, Any], restrict: Mapping[str, Sequence]) -> list[str]:

@@ -10,6 +10,7 @@ cost-module function named there with its formula and source. search.Tables comb
 
 from __future__ import annotations
 
+import math
 from enum import IntEnum
 from typing import Any, Callable
 
@@ -34,7 +35,7 @@ from lightning_autopar.planner.hardware import (
     ACT_BYTES, BASE_PREC, FP8, FRAGMENTATION, GRAD_REDUCE_BYTES, WEIGHT_BYTES, Hardware)
 from lightning_autopar.planner.partition import (
     Stage, UnitStage, block_weights, stage_table, unit_stage_table, unit_weights)
-from lightning_autopar.planner.space_table import THINNED_MODES, Space
+from lightning_autopar.planner.space_table import THINNED_MODES, Space, distinct
 from lightning_autopar.specs import (
     PRECISIONS, RECOMPUTE_MODES, SCHEDULES, V_SCHEDULES, BlockMeasure, Measured, ModelSpec)
 
@@ -50,7 +51,7 @@ def _unit_reps(model: ModelSpec, units: UnitArrays, hw: Hardware, space: Space, 
     weights = unit_weights(model, hw, space.weights_precision())[0]
     shape = (int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, N_REP)
     masks, rows = np.zeros(shape + (len(weights),)), np.zeros(shape + (len(UnitStage),))
-    for code in np.unique(pp * 4096 + vpp):
+    for code in distinct(pp * 4096 + vpp):
         p_, v_ = divmod(int(code), 4096)
         masks[p_, v_], rows[p_, v_] = unit_stage_table(units, weights, p_, v_, space.uneven)
     return masks[pp, vpp], rows[pp, vpp]
@@ -63,7 +64,7 @@ def _stage_reps(model: ModelSpec, hw: Hardware, space: Space, seq: int, fused: b
     weights, emb_w, head_w = block_weights(model, hw, seq, space.weights_precision(), fused)
     v = np.isin(schedule, V_CODES).astype(np.int64)
     table = np.zeros((int(pp.max(initial=1)) + 1, int(vpp.max(initial=1)) + 1, 2, N_REP, len(Stage)))
-    for code in np.unique((pp * 4096 + vpp) * 2 + v):
+    for code in distinct((pp * 4096 + vpp) * 2 + v):
         (p_, v_), shape = divmod(int(code) // 2, 4096), int(code) % 2
         table[p_, v_, shape] = stage_table(model, weights, emb_w, head_w, p_, v_, space.uneven, bool(shape))[0]
     return table[pp, vpp, v]
@@ -72,13 +73,40 @@ def _stage_reps(model: ModelSpec, hw: Hardware, space: Space, seq: int, fused: b
 def recompute_table(space: Space) -> tuple[np.ndarray, np.ndarray]:
     """The (recompute code, recompute_every) pairs in ``space`` as rows, (none, 1) first (the no-recompute base of
     the breakdown), and each candidate's row: the mid-level terms are priced once per pair (O(n), no sort)."""
-    r, k = space.cands["recompute"], space.cands["recompute_every"]
+    opts, lut, width = recompute_rows(space)
+    return opts, lut[space.cands["recompute"] * width + space.cands["recompute_every"]]
+
+
+def recompute_rows(space: Space) -> tuple[np.ndarray, np.ndarray, int]:
+    """``recompute_table``'s rows, with the lookup from a code (recompute * width + recompute_every) to its row
+    and the width; on a grid from its options alone (no candidate column read)."""
+    grid = space.grid
+    r, k = (grid.opts[:, 0], grid.opts[:, 1]) if grid is not None else (space.cands["recompute"],
+                                                                         space.cands["recompute_every"])
     width = int(k.max()) + 1 if len(k) else 2
-    codes = r * width + k
-    present = np.union1d([1], np.flatnonzero(np.bincount(codes, minlength=2)))  # code 1 = (none, 1)
+    present = distinct(np.concatenate([[1], np.flatnonzero(np.bincount(r * width + k, minlength=2))]))  # 1: (none, 1)
     lut = np.zeros(int(present[-1]) + 1, dtype=np.int64)
     lut[present] = np.arange(len(present))
-    return np.stack([present // width, present % width], axis=1), lut[codes]
+    return np.stack([present // width, present % width], axis=1), lut, width
+
+
+def dp_rows(space: Space) -> tuple[np.ndarray, np.ndarray]:
+    """The dpc rows the data-parallel terms price alike, once: (one row of each class, each row's class). A row's
+    terms read its layout, precision, zero, dp_shard, offload and its stage's contents, which the schedule sets
+    only through (vpp, V placement or not): 1f1b and gpipe, or interleaved and interleaved-zb at one vpp, or zbv
+    and dualpipev, hold the same blocks per rank (partition.stage_table), so their rows are one class."""
+    D = space.dpcs
+    cols = [D["layout"], D["precision"], D["zero"], D["dp_shard"], D["offload"], D["vpp"],
+            np.isin(D["schedule"], V_CODES).astype(np.int64)]
+    radix = [int(col.max(initial=0)) + 1 for col in cols]
+    if math.prod(radix) >= 2**62:  # too wide for one int64 key: rows compared whole
+        _, first, inverse = np.unique(np.stack(cols, axis=1), axis=0, return_index=True, return_inverse=True)
+        return first, inverse.reshape(-1)
+    key = np.zeros(len(cols[0]), dtype=np.int64)
+    for col, base in zip(cols, radix):  # mixed radix: one int64 per row, sorted once
+        key = key * base + col
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)
 
 
 def thinned_share(blocks: np.ndarray, every: int) -> np.ndarray:
@@ -179,7 +207,12 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     mk = M["key"]
     g = lambda a: np.asarray(a)[mk] if np.ndim(a) else np.full(len(mk), float(a))  # noqa: E731
     vpp_m, sched_m = f(M["vpp"]), M["schedule"]
-    reps_m = _stage_reps(m, hw, space, seq, fused, Lt["pp"][kl][mk], M["vpp"], M["schedule"])
+    # the mids' and the dpc rows' representative ranks from one partition per (pp, vpp, V) triple of either
+    dl = D["layout"]
+    n_m = len(mk)
+    reps = _stage_reps(m, hw, space, seq, fused, np.concatenate([Lt["pp"][kl][mk], Lt["pp"][dl]]),
+                       np.concatenate([M["vpp"], D["vpp"]]), np.concatenate([M["schedule"], D["schedule"]]))
+    reps_m, reps_d = reps[:n_m], reps[n_m:]
     pp_m, ga_m = g(pp), g(ga)
     p2p_mb = np.where(pp_m > 1, 2 * vpp_m * g(p2p), 0.0)
     mid = {name: [] for name in ("tf", "tb", "base", "mem")}
@@ -205,11 +238,9 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
         mid["mem"].append(mem)
 
     # ---- dpc level (layout x precision x schedule/vpp x zero/dp_shard): data-parallel traffic and model states
-    dl = D["layout"]
     tp_d, pp_d, cp_d, dp_d, ep_d = (f(Lt[n][dl]) for n in ("tp", "pp", "cp", "dp", "ep"))
     zero, prec_d = D["zero"], D["precision"]
     ds = np.where(D["dp_shard"] > 0, D["dp_shard"], Lt["dp"][dl]).astype(float)
-    reps_d = _stage_reps(m, hw, space, seq, fused, Lt["pp"][dl], D["vpp"], D["schedule"])
     p_dense_blk, p_moe_shared, p_moe_expert, p_emb, p_head = rank_param_counts(m, tp_d, ep_d, pp_d, has_moe)
     h_dense, h_shared, _, h_emb, h_head = rank_param_counts(m, tp_d, ep_d, pp_d, has_moe, held=True)
     unit = np.maximum(p_dense_blk, p_moe_shared + p_moe_expert if has_moe else 0.0)
