@@ -236,7 +236,8 @@ def model_capabilities(root: nn.Module, transformer: nn.Module | None, analysis:
             check_sp(analysis, transformer, 2, runner=root, capabilities=caps)
         except ConfigError as err:
             caps.exclude("sp", [False], str(err))
-        vocab_modules(root, transformer, analysis, caps)
+        if transformer is not None:  # without the model (a structure-only check) the vocabulary stays unchecked
+            vocab_modules(root, transformer, analysis, caps)
     try:
         check_cp(analysis, transformer, 2, capabilities=caps)
     except ConfigError as err:
