@@ -25,6 +25,10 @@ os.environ["AUTOPAR_CACHE"] = tempfile.mkdtemp(prefix="autopar_cache")  # tests 
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar_inductor")
 DIST = Path(__file__).resolve().parent / "dist"
 sys.path.insert(0, str(DIST))
+# this process's own work (single-process references, planner and meta tests) on one core: the launches beside it
+# take the other (the lanes below), and with two intra-op threads each small op here would also wait on a spinning
+# second thread (measured: 25% more CPU, slower, for the same tests); the launches' workers run one thread each
+torch.set_num_threads(1)
 
 
 def free_port() -> int:
