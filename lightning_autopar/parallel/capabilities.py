@@ -11,6 +11,8 @@ for the restrictions is not checked again when the plan has tp=2. Nothing lives 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Hashable
 
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
     from lightning_autopar.profile.analyze import ModelAnalysis
 
 NOT_CHECKED = "the model was not checked"
+# memos holding modules of the model they were made from, which an identical copy of it must make again
+MODULE_MEMOS = ("pipeline split",)
 
 
 @dataclass(eq=False)
@@ -46,6 +50,12 @@ class Capabilities:
     def of(cls, analysis: ModelAnalysis) -> Capabilities:
         """A new record for the model of ``analysis`` (its name and the unused parameters its trace found)."""
         return cls(analysis.spec.name, unused=list(analysis.unused_params))
+
+    def for_copy(self) -> Capabilities:
+        """This record for an identical copy of its model (a simulation builds one per rank): every fact, check
+        outcome and memo, bar the memos holding this model's own modules (``MODULE_MEMOS``)."""
+        kept = {key: value for key, value in self._memo.items() if key not in MODULE_MEMOS}
+        return copy.deepcopy(dataclasses.replace(self, _memo=kept))
 
     def ties(self, root: nn.Module) -> list[Any]:
         """The tie groups of ``root`` (``parallel.units.TieGroup``), found once per model."""
