@@ -477,39 +477,6 @@ def value_checks_pass() -> Iterator[None]:
         torch.equal, torch.allclose, context.self_check = saved
 
 
-class _ShapesInferred(Exception):
-    """Stops a pipeline schedule's run once it has inferred its stages' shapes (``shapes_only``)."""
-
-
-@contextlib.contextmanager
-def shapes_only() -> Iterator[None]:
-    """A pipeline step inside stops once the schedule has inferred its stages' shapes (each stage's forward and
-    backward of one micro-batch, its metadata sent to the next): all the measured step needs of the step before
-    it bar the optimizer's states (``_first_states``), where the whole first step costs as much as the measured
-    one again (every micro-batch of every chunk). torch 2.13's schedules infer the shapes in
-    ``_initialize_stage`` (one stage per rank) or ``_initialize_stages`` (several), which record that they did."""
-    from torch.distributed.pipelining import schedules
-
-    def stopping(initialize: Callable[..., None]) -> Callable[..., None]:
-        def run(schedule: Any, *args: Any, **kwargs: Any) -> None:
-            initialize(schedule, *args, **kwargs)
-            raise _ShapesInferred
-
-        return run
-
-    saved = [(owner, name, getattr(owner, name)) for owner, name in (
-        (schedules.PipelineScheduleSingle, "_initialize_stage"), (schedules.PipelineScheduleMulti, "_initialize_stages"))]
-    for owner, name, initialize in saved:
-        setattr(owner, name, stopping(initialize))
-    try:
-        yield
-    except _ShapesInferred:
-        pass
-    finally:
-        for owner, name, initialize in saved:
-            setattr(owner, name, initialize)
-
-
 def _local_bytes(tensors: Sequence[Any]) -> int:
     """Bytes of this rank's part of ``tensors`` (a DTensor's local shard)."""
     total, seen = 0, set()
@@ -573,10 +540,9 @@ def simulate_rank(model: Any, spec: ModelSpec | None, priced: PricedPlan, rank: 
             batch = _fake_batch(batch, module, spec, global_batch, seq_len, device)
             trial, applied = _build(module, plan, layout, batch, device, priced.layers_per_stage or None, shared)
             if plan.pp > 1:  # the schedule's first step also infers the stages' shapes: not a step like the others
-                with shapes_only():
-                    trial.step(batch)
-                trial.env.hold.take_pipeline()  # what the stopped step set aside, which no optimizer step took
-            _first_states(module, trial.optimizer)
+                trial.step(batch)
+            else:
+                _first_states(module, trial.optimizer)
             states: list[tuple[int, int, int]] = []
             handle = trial.optimizer.register_step_pre_hook(
                 lambda opt, args, kwargs: states.append(_states(module, opt)))
