@@ -54,8 +54,12 @@ class Capabilities:
     def for_copy(self) -> Capabilities:
         """This record for an identical copy of its model (a simulation builds one per rank): every fact, check
         outcome and memo, bar the memos holding this model's own modules (``MODULE_MEMOS``)."""
-        kept = {key: value for key, value in self._memo.items() if key not in MODULE_MEMOS}
-        return copy.deepcopy(dataclasses.replace(self, _memo=kept))
+        # the containers are the copy's own (its checks add to them); their values -- check outcomes (ConfigErrors,
+        # which do not deep-copy), traced facts -- are read, never changed, so both records hold the same ones
+        return dataclasses.replace(
+            self, allowed=copy.deepcopy(self.allowed), excluded=dict(self.excluded), unpaddable=dict(self.unpaddable),
+            unused=list(self.unused), _checks=dict(self._checks),
+            _memo={key: value for key, value in self._memo.items() if key not in MODULE_MEMOS})
 
     def ties(self, root: nn.Module) -> list[Any]:
         """The tie groups of ``root`` (``parallel.units.TieGroup``), found once per model."""
