@@ -538,7 +538,8 @@ def simulate_rank(model: Any, spec: ModelSpec | None, priced: PricedPlan, rank: 
         with FakeTensorMode(allow_non_fake_inputs=True):
             module.to_empty(device=device)
             batch = _fake_batch(batch, module, spec, global_batch, seq_len, device)
-            trial, applied = _build(module, plan, layout, batch, device, priced.layers_per_stage or None, shared)
+            trial, applied = _build(module, plan, layout, batch, device, priced.layers_per_stage or None, shared,
+                                    fake=True)
             if plan.pp > 1:  # the schedule's first step also infers the stages' shapes: not a step like the others
                 trial.step(batch)
             else:

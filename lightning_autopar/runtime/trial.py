@@ -150,8 +150,9 @@ class SharedAnalysis:
 
 def _build(module: nn.Module, plan: Plan, layout: Any, batch: Any, device: torch.device,
            layers_per_stage: Sequence[int] | None,
-           shared: SharedAnalysis | None = None) -> tuple[_TrialModel, Any]:
-    """The trial model: ``module`` analysed (or given ``shared``'s analysis), ``plan`` applied, its optimizer."""
+           shared: SharedAnalysis | None = None, fake: bool = False) -> tuple[_TrialModel, Any]:
+    """The trial model: ``module`` analysed (or given ``shared``'s analysis), ``plan`` applied, its optimizer.
+    ``fake``: ``module`` holds fake tensors (a simulation), whose values no broadcast need make the same."""
     from lightning_autopar.parallel.apply import apply_plan
     from lightning_autopar.parallel.precision import ShardedGradScaler
     from lightning_autopar.runtime.analysis import sequence_length
@@ -167,7 +168,8 @@ def _build(module: nn.Module, plan: Plan, layout: Any, batch: Any, device: torch
     env = StepEnv(module, DataParallelGroup(layout["dp_flat"], device), context, context)
     scaler = ShardedGradScaler(device=device.type) if plan.precision == "fp16-mixed" else None
     pipeline = PipelineSteps(env, lambda: scaler)
-    broadcast_module(module)
+    if not fake:
+        broadcast_module(module)
     applied = apply_plan(module, model, analysis, plan, layout, dp_mesh(layout, plan), device,
                          loss_fn=pipeline.loss, layers_per_stage=layers_per_stage, example=example,
                          capabilities=capabilities)
