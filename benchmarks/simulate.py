@@ -24,13 +24,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # batches are the smallest the plan allows (one micro-batch per data-parallel rank, pp micro-batches with a
 # pipeline): a step of fake tensors costs its ops, so the time grows with micro-batches x layers per rank.
 COMMON = "mbs=1,recompute=full,compile=false,precision=bf16-mixed"
+PP_70B = "tp=8,sp=true,pp=4,vpp=2,schedule=interleaved,dp=16,zero=1,grad_accum=4"  # one stage, and all four
 CASES = {  # name -> (model, cluster, nodes, global batch, seq, fix, ranks)
     name: (model, "h100-sxm-dgx", nodes, batch, seq, f"{fix},{COMMON}", ranks)
     for name, model, nodes, batch, seq, fix, ranks in [
         ("llama3-8b-dp8", "llama3-8b", 1, 8, 8192, "dp=8,zero=3,tp=1,pp=1,cp=1,grad_accum=1", None),
         ("llama3-8b-128", "llama3-8b", 16, 16, 8192, "dp=16,tp=8,sp=true,zero=3,pp=1,cp=1,grad_accum=1", None),
-        ("llama3-70b-512-pp", "llama3-70b", 64, 64, 8192,
-         "tp=8,sp=true,pp=4,vpp=2,schedule=interleaved,dp=16,zero=1,grad_accum=4", "first"),
+        ("llama3-70b-512-pp", "llama3-70b", 64, 64, 8192, PP_70B, "first"),
+        ("llama3-70b-512-pp-stages", "llama3-70b", 64, 64, 8192, PP_70B, "all-stages"),  # issue 27's target
         ("llama3-70b-512", "llama3-70b", 64, 64, 8192, "tp=8,sp=true,pp=1,dp=64,zero=3,cp=1,grad_accum=1", None),
         ("llama3-405b-cp2-1024", "llama3-405b", 128, 64, 8192,
          "tp=8,sp=true,cp=2,pp=1,dp=64,zero=3,grad_accum=1", None),

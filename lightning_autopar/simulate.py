@@ -28,10 +28,13 @@ import contextlib
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.specs import ClusterSpec, ModelSpec, PricedPlan
+
+if TYPE_CHECKING:
+    from lightning_autopar.runtime.trial import SharedAnalysis
 
 GIB = 2**30
 MEMORY_KEYS = ("params_gib", "grads_gib", "optimizer_gib", "activations_gib", "peak_gib")
@@ -509,9 +512,11 @@ def _first_states(module: Any, optimizer: Any) -> None:
 
 def simulate_rank(model: Any, spec: ModelSpec | None, priced: PricedPlan, rank: int, world: int,
                   global_batch: int, seq_len: int, mailbox: StageMailbox | None = None,
-                  batch: Any = None) -> RankResult:
+                  batch: Any = None, shared: SharedAnalysis | None = None) -> RankResult:
     """One rank of ``priced.plan`` simulated (module doc); ``batch``: a global batch whose tensors' shapes and
-    dtypes the step takes (the user's first batch), else token windows of ``global_batch`` x ``seq_len``."""
+    dtypes the step takes (the user's first batch), else token windows of ``global_batch`` x ``seq_len``;
+    ``shared``: the model's analysis from an earlier rank (``runtime.trial.SharedAnalysis``, filled here when
+    empty)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -533,7 +538,8 @@ def simulate_rank(model: Any, spec: ModelSpec | None, priced: PricedPlan, rank: 
         with FakeTensorMode(allow_non_fake_inputs=True):
             module.to_empty(device=device)
             batch = _fake_batch(batch, module, spec, global_batch, seq_len, device)
-            trial, applied = _build(module, plan, layout, batch, device, priced.layers_per_stage or None)
+            trial, applied = _build(module, plan, layout, batch, device, priced.layers_per_stage or None, shared,
+                                    fake=True)
             if plan.pp > 1:  # the schedule's first step also infers the stages' shapes: not a step like the others
                 trial.step(batch)
             else:
@@ -639,6 +645,7 @@ def simulate(model: Any, cluster: str | ClusterSpec, global_batch: int, seq_len:
     No default process group may exist when it is called; none is left after."""
     from lightning_autopar.planner.search import plan as plan_model
     from lightning_autopar.planner.traffic import predicted_rank
+    from lightning_autopar.runtime.trial import SharedAnalysis
     from lightning_autopar.specs import load_cluster_spec, load_model_spec
 
     started = time.perf_counter()
@@ -664,9 +671,9 @@ def simulate(model: Any, cluster: str | ClusterSpec, global_batch: int, seq_len:
     check_simulable(priced.plan, planned_spec)
     chosen = parse_ranks(ranks, priced.plan, world)
     results = []
-    mailbox = StageMailbox()
+    mailbox, shared = StageMailbox(), SharedAnalysis()  # every rank builds the same model: analysed once
     for rank in sorted(chosen, key=lambda r: (r * priced.plan.pp // world, r)):  # stages in order (StageMailbox)
-        result = simulate_rank(model, spec, priced, rank, world, global_batch, seq, mailbox, batch)
+        result = simulate_rank(model, spec, priced, rank, world, global_batch, seq, mailbox, batch, shared)
         result.predicted, result.predicted_collectives = predicted_rank(planned_spec, clus, priced, result.stage,
                                                                         seq)
         results.append(result)

@@ -81,3 +81,20 @@ def test_the_facts_live_in_the_record_not_in_module_registries():
         apply.check_batch_length(Plan(tp=1, cp=2), Capabilities("m", causal=False), 9)
     assert context.priced_length(None, "m", 9, 2) == 9  # not traced: priced as it is
     assert context.priced_length(True, "m", 9, 2) == 12
+
+
+def test_a_copy_of_the_record_keeps_the_facts_and_outcomes_not_the_models_modules():
+    # a simulation builds one copy of the model per rank and checks the first only (runtime.trial.SharedAnalysis)
+    caps = Capabilities("m", causal=True, unpaddable={2: ""})
+    caps.record("sp", 2, ConfigError("plan.sp", "m: no", "use sp=false"))
+    caps.memo("attention calls", lambda: {"blocks.0": [True]})
+    caps.memo("pipeline split", lambda: object())  # modules of this copy
+    copied = caps.for_copy()
+    assert copied.causal is True and copied.unpaddable_at(2) == ""
+    with pytest.raises(ConfigError, match="^plan.sp: m: no"):
+        copied.checked("sp", 2, lambda: None)
+    assert copied.memo("attention calls", lambda: None) == {"blocks.0": [True]}
+    made = object()
+    assert copied.memo("pipeline split", lambda: made) is made  # made again for the copy
+    copied.unpaddable[4] = ""
+    assert caps.unpaddable_at(4) != ""  # the copy is its own record

@@ -11,6 +11,8 @@ for the restrictions is not checked again when the plan has tp=2. Nothing lives 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Hashable
 
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
     from lightning_autopar.profile.analyze import ModelAnalysis
 
 NOT_CHECKED = "the model was not checked"
+# memos holding modules of the model they were made from, which an identical copy of it must make again
+MODULE_MEMOS = ("pipeline split",)
 
 
 @dataclass(eq=False)
@@ -46,6 +50,16 @@ class Capabilities:
     def of(cls, analysis: ModelAnalysis) -> Capabilities:
         """A new record for the model of ``analysis`` (its name and the unused parameters its trace found)."""
         return cls(analysis.spec.name, unused=list(analysis.unused_params))
+
+    def for_copy(self) -> Capabilities:
+        """This record for an identical copy of its model (a simulation builds one per rank): every fact, check
+        outcome and memo, bar the memos holding this model's own modules (``MODULE_MEMOS``)."""
+        # the containers are the copy's own (its checks add to them); their values -- check outcomes (ConfigErrors,
+        # which do not deep-copy), traced facts -- are read, never changed, so both records hold the same ones
+        return dataclasses.replace(
+            self, allowed=copy.deepcopy(self.allowed), excluded=dict(self.excluded), unpaddable=dict(self.unpaddable),
+            unused=list(self.unused), _checks=dict(self._checks),
+            _memo={key: value for key, value in self._memo.items() if key not in MODULE_MEMOS})
 
     def ties(self, root: nn.Module) -> list[Any]:
         """The tie groups of ``root`` (``parallel.units.TieGroup``), found once per model."""

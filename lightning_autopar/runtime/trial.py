@@ -119,13 +119,45 @@ class _TrialModel:
         self.optimizer.zero_grad()
 
 
+@dataclass
+class SharedAnalysis:
+    """A transformer's analysis and its capabilities record, made by the first of several builds of identical
+    copies of one model (a simulation builds a fresh copy per rank) and given to the others: the analysis traces
+    the whole model and the plan's checks run meta forwards, each the same for every copy. Empty until the first
+    build fills it; a model analysed from the user's call (unit form) is analysed by every build, its call's
+    tensors belonging to that build."""
+
+    path: str | None = None  # the analysed model's path in the root
+    analysis: Any = None  # as analysed, before any build changed it
+    capabilities: Any = None  # the first build's record, filled by its checks
+
+    def analysed(self, module: nn.Module, batch: Any) -> tuple[nn.Module, Any, tuple[tuple, dict] | None, Any]:
+        """(the model the plan applies to, its analysis, the user's call of it or None, the capabilities record
+        to build with or None) for ``module``, a copy of the model the first build analysed."""
+        from lightning_autopar.parallel.capabilities import Capabilities
+        from lightning_autopar.runtime.analysis import analyse, step_model_call
+
+        if self.path is not None:
+            return (module.get_submodule(self.path), copy.deepcopy(self.analysis), None,
+                    self.capabilities.for_copy())
+        model, analysis, example = analyse(module, lambda: step_model_call(module, batch, "training_step"))
+        if example is not None:
+            return model, analysis, example, None
+        self.path = next(name for name, child in module.named_modules() if child is model)
+        self.analysis, self.capabilities = copy.deepcopy(analysis), Capabilities.of(analysis)
+        return model, analysis, None, self.capabilities
+
+
 def _build(module: nn.Module, plan: Plan, layout: Any, batch: Any, device: torch.device,
-           layers_per_stage: Sequence[int] | None) -> tuple[_TrialModel, Any]:
+           layers_per_stage: Sequence[int] | None,
+           shared: SharedAnalysis | None = None, fake: bool = False) -> tuple[_TrialModel, Any]:
+    """The trial model: ``module`` analysed (or given ``shared``'s analysis), ``plan`` applied, its optimizer.
+    ``fake``: ``module`` holds fake tensors (a simulation), whose values no broadcast need make the same."""
     from lightning_autopar.parallel.apply import apply_plan
     from lightning_autopar.parallel.precision import ShardedGradScaler
-    from lightning_autopar.runtime.analysis import analyse, sequence_length, step_model_call
+    from lightning_autopar.runtime.analysis import sequence_length
 
-    model, analysis, example = analyse(module, lambda: step_model_call(module, batch, "training_step"))
+    model, analysis, example, capabilities = (shared or SharedAnalysis()).analysed(module, batch)
     if analysis.spec.unit_form:
         analysis.spec.seq_len = 1
     elif example is None:
@@ -136,9 +168,11 @@ def _build(module: nn.Module, plan: Plan, layout: Any, batch: Any, device: torch
     env = StepEnv(module, DataParallelGroup(layout["dp_flat"], device), context, context)
     scaler = ShardedGradScaler(device=device.type) if plan.precision == "fp16-mixed" else None
     pipeline = PipelineSteps(env, lambda: scaler)
-    broadcast_module(module)
+    if not fake:
+        broadcast_module(module)
     applied = apply_plan(module, model, analysis, plan, layout, dp_mesh(layout, plan), device,
-                         loss_fn=pipeline.loss, layers_per_stage=layers_per_stage, example=example)
+                         loss_fn=pipeline.loss, layers_per_stage=layers_per_stage, example=example,
+                         capabilities=capabilities)
     if any(t.device != device for t in (*module.parameters(), *module.buffers())):
         module.to(device)  # (a simulation's fake tensors are on it: their DDP-wrapped parameters cannot be swapped)
     env.fsdp_roots = applied.fsdp_roots
