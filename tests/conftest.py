@@ -56,10 +56,9 @@ def check_launch(proc: subprocess.CompletedProcess, what: str) -> None:
 
 # ------------------------------------------------------------------------- lanes beside the main thread
 #
-# This machine has 2 cores, and the main thread's single-process tests use one of them. Lanes (one thread each)
-# run the launches beside it from the moment collection ends:
-# * "batches": one launch per world size (run_batch, below), in the order the tests first need them, the one with
-#   the most scenarios (the suite's longest launch) alone on a lane of its own ("batches-long") from the start;
+# This machine has 2 cores, and the main thread's single-process tests use one of them. Two lanes (one thread
+# each) run the launches beside it from the moment collection ends:
+# * "batches": one launch per world size (run_batch, below), in the order the tests first need them;
 # * "waiting": launches that mostly wait (a collective's timeout and a restart, two torchrun agents' rendezvous,
 #   killed and restarted ranks): module fixtures whose body is decorated with @background_launch.
 # Modules that need no launch run first (pytest_collection_modifyitems), so the launches overlap them; a fixture or
@@ -208,12 +207,10 @@ def pytest_collection_finish(session):
                     todo = _planned.setdefault(nproc, [])
                     todo += [(script, n) for n in names if (script, n) not in todo]
             _declaring = None
-    longest = max(_planned, key=lambda n: len(_planned[n]) * n, default=None)
     for nproc, todo in _planned.items():  # in the order the tests first ask for them
         _launched[nproc] = factory.mktemp(f"batch_w{nproc}")
         _attempted.update((nproc, *s) for s in todo)
-        lane = "batches-long" if nproc == longest else "batches"
-        _BATCHES[nproc] = _submit(lane, run_batch, _launched[nproc], nproc, list(todo))
+        _BATCHES[nproc] = _submit("batches", run_batch, _launched[nproc], nproc, list(todo))
 
 
 def run_scenarios(tmp_path_factory, nproc: int, names: list[str], script: str = "scenarios.py") -> Path:
