@@ -61,7 +61,7 @@ def check_launch(proc: subprocess.CompletedProcess, what: str) -> None:
 # * "batches": one launch per world size (run_batch, below), in the order the tests first need them;
 # * "waiting": launches that mostly wait (a collective's timeout and a restart, two torchrun agents' rendezvous,
 #   killed and restarted ranks): module fixtures whose body is decorated with @background_launch.
-# Tests that need no launch run first (pytest_collection_modifyitems), so the launches overlap them; a fixture or
+# Modules that need no launch run first (pytest_collection_modifyitems), so the launches overlap them; a fixture or
 # run_scenarios call that needs a launch's result waits for it there (its failure, a pytest.fail included, is
 # raised there). Lane bodies only launch and collect; they start from the environment as the session began, so a
 # main-thread test's monkeypatched variable never leaks into a launch.
@@ -120,10 +120,9 @@ def _uses_launch(item) -> bool:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Tests that need no launch first (in their order), then the others (in theirs): see the lanes. By test, not by
-    module: a launching module's own single-process tests (an inductor build, MemTracker runs) then overlap the
-    launches instead of running after them on one core."""
-    items[:] = sorted(items, key=_uses_launch)
+    """Test modules that need no launch first (in their order), then the others (in theirs): see the lanes."""
+    launching = {item.path for item in items if _uses_launch(item)}
+    items[:] = sorted(items, key=lambda item: item.path in launching)
 
 
 def pytest_sessionfinish(session, exitstatus):
