@@ -63,7 +63,7 @@ class AutoParallelMixin(PlanningMixin):
 
     def __init__(self, *args: Any, simulate: bool = False, simulate_ranks: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if simulate and kwargs.get("cluster") is None:
+        if simulate and self._cluster_arg is None:
             from lightning_autopar.errors import ConfigError
 
             raise ConfigError("simulate", "simulate=True plans for a cluster this process is not on",
