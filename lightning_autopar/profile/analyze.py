@@ -11,9 +11,12 @@ Parameters are swapped for meta tensors (``torch.func.functional_call``), so a m
   MLP from ``intermediate.dense`` to ``output.dense``);
 * otherwise by structure and shapes rather than attribute names: the attention (the module that calls
   ``scaled_dot_product_attention`` or a 4-D softmax; its linears split into q/k/v/o or fused qkv), the MLP
-  (linears hidden -> ffn [gate, up] and ffn -> hidden [down]); and, always by structure, MoE layers (a router
-  hidden -> E next to a list of E identical MLPs, or -- the fused layout of Hugging Face Mixtral -- a router
-  module with a weight [E, hidden] next to an experts module holding 3-D parameters [E, ...]);
+  (linears hidden -> ffn [gate, up] and ffn -> hidden [down]);
+* MoE layers from what the traced code does (profile/routing.py): a router's scores (a product with a 2-D
+  weight) selected top-k, the selection deciding which expert modules, or which slices of stacked expert weights
+  [E, ...], process which tokens -- whatever the containers or config flags; without a trace, by structure (a
+  router hidden -> E next to a list of E identical MLPs, or a router weight [E, hidden] next to a module holding
+  3-D parameters [E, ...]);
 * embeddings (token, position), the final norm and the LM head (tied or not);
 * per block: parameters, forward+backward FLOPs (``FlopCounterMode``) and saved-activation bytes;
 * for tensor parallelism, from what the traced code does: projections that multiply ``x @ W`` (GPT-2's Conv1D,
@@ -37,6 +40,7 @@ from torch import nn
 
 from lightning_autopar.profile.records import (AttentionInfo, BlockInfo, MLPInfo, ModelAnalysis, MoEInfo,  # noqa: F401
                                                _join)
+from lightning_autopar.profile.routing import RoutedLayer, Routing, within
 from lightning_autopar.profile.tp_layout import (MAX_DRY_RUNS, divide_attributes, fused_layout,  # noqa: F401
                                                  leaf_width_attributes, local_width_attributes, _tp_feasibility)
 from lightning_autopar.profile.trace import (ATTENTION_MARK, BlockCost, Dataflow, Example, ParameterUses,  # noqa: F401
@@ -360,12 +364,34 @@ def _expert_call(experts: nn.Module) -> str:
     return "indices" if len(positional) == 3 else ""
 
 
+def _fused_experts(experts: nn.Module, num: int, hidden: int) -> tuple[list[str], int, bool] | None:
+    """(parameters, one expert's FFN width, gated) of a module holding E = ``num`` experts' stacked weights: its
+    parameters all have E along dim 0, at least one 3-D. Projections as nn.Linear stores them ([out, in]), or
+    transposed when the experts module says ``is_transposed``: inputs read ``hidden``, the output projection
+    writes it; one input of width 2*ffn is a fused gate+up. None for another module."""
+    params = dict(experts.named_parameters(recurse=False))
+    if not params or any(p.dim() < 2 or p.shape[0] != num for p in params.values()) \
+            or not any(p.dim() == 3 for p in params.values()) \
+            or _param_count(experts) != sum(p.numel() for p in params.values()):
+        return None
+    flip = bool(getattr(experts, "is_transposed", False))
+    shapes = {n: (p.shape[2], p.shape[1]) if flip else (p.shape[1], p.shape[2])
+              for n, p in params.items() if p.dim() == 3}  # name -> (out, in)
+    ins = [n for n, (o, i) in shapes.items() if i == hidden and o != hidden]
+    outs = [n for n, (o, i) in shapes.items() if o == hidden and i != hidden]
+    if len(outs) != 1:
+        return None
+    ffn = shapes[outs[0]][1]
+    widths = sorted(shapes[n][0] for n in ins)
+    if widths not in ([ffn], [2 * ffn], [ffn, ffn]):
+        return None
+    return list(params), ffn, widths != [ffn]
+
+
 def _classify_fused_moe(fqn: str, module: nn.Module, hidden: int) -> MoEInfo | None:
-    """The fused layout: a router child whose ``weight`` is [E, hidden] (not an nn.Linear; or a router module
-    holding one gate nn.Linear [E, hidden], as torchtitan's) and an experts child
-    whose parameters all have E along dim 0, at least one 3-D. Projections as nn.Linear stores them ([out, in]),
-    or transposed when the experts module says ``is_transposed``: inputs read ``hidden``, the output projection
-    writes it; one input of width 2*ffn is a fused gate+up."""
+    """The fused layout by structure (no trace): a router child whose ``weight`` is [E, hidden] (not an
+    nn.Linear; or a router module holding one gate nn.Linear [E, hidden], as torchtitan's) and an experts child
+    holding the E experts' stacked weights (``_fused_experts``)."""
     children = dict(module.named_children())
     for r_name, router in children.items():
         if isinstance(router, nn.Linear):
@@ -379,25 +405,12 @@ def _classify_fused_moe(fqn: str, module: nn.Module, hidden: int) -> MoEInfo | N
             continue
         num = weight.shape[0]
         for e_name, experts in children.items():
-            params = dict(experts.named_parameters(recurse=False))
-            if e_name == r_name or not params or any(p.dim() < 2 or p.shape[0] != num for p in params.values()) \
-                    or not any(p.dim() == 3 for p in params.values()) or _param_count(experts) != sum(
-                        p.numel() for p in params.values()):
-                continue
-            flip = bool(getattr(experts, "is_transposed", False))
-            shapes = {n: (p.shape[2], p.shape[1]) if flip else (p.shape[1], p.shape[2])
-                      for n, p in params.items() if p.dim() == 3}  # name -> (out, in)
-            ins = [n for n, (o, i) in shapes.items() if i == hidden and o != hidden]
-            outs = [n for n, (o, i) in shapes.items() if o == hidden and i != hidden]
-            if len(outs) != 1:
-                continue
-            ffn = shapes[outs[0]][1]
-            widths = sorted(shapes[n][0] for n in ins)
-            if widths not in ([ffn], [2 * ffn], [ffn, ffn]):
-                continue
-            return MoEInfo(fqn=fqn, router=r_name, experts=e_name, num_experts=num, top_k=_top_k(module, router),
-                           fused_params=list(params), ffn_hidden=ffn, gated=widths != [ffn],
-                           expert_call=_expert_call(experts))
+            found = _fused_experts(experts, num, hidden) if e_name != r_name else None
+            if found is not None:
+                params, ffn, gated = found
+                return MoEInfo(fqn=fqn, router=r_name, experts=e_name, num_experts=num,
+                               top_k=_top_k(module, router), fused_params=params, ffn_hidden=ffn, gated=gated,
+                               expert_call=_expert_call(experts))
     return None
 
 
@@ -415,11 +428,41 @@ def _classify_moe(fqn: str, module: nn.Module, hidden: int, orient: Orientation 
                        if l.in_features == hidden and l.out_features == len(experts)]
         if not routers:
             continue
-        expert_mlp = _classify_mlp("", experts[0], hidden, orient)
-        return MoEInfo(fqn=fqn, router=routers[0], experts=name, num_experts=len(experts), top_k=_top_k(module),
-                       expert_mlp=expert_mlp, ffn_hidden=expert_mlp.ffn_hidden if expert_mlp else 0,
-                       gated=bool(expert_mlp and expert_mlp.gate))
+        return _listed_moe(fqn, routers[0], name, experts[0], len(experts), _top_k(module), hidden, orient)
     return _classify_fused_moe(fqn, module, hidden)
+
+
+def _listed_moe(fqn: str, router: str, experts: str, first: nn.Module, num: int, top_k: int, hidden: int,
+                orient: Orientation | None) -> MoEInfo:
+    """An MoE layer whose experts are modules of their own (``experts`` holds them; ``first`` is one)."""
+    expert_mlp = _classify_mlp("", first, hidden, orient)
+    return MoEInfo(fqn=fqn, router=router, experts=experts, num_experts=num, top_k=top_k, expert_mlp=expert_mlp,
+                   ffn_hidden=expert_mlp.ffn_hidden if expert_mlp else 0, gated=bool(expert_mlp and expert_mlp.gate))
+
+
+def _routed_moe(block: nn.Module, block_fqn: str, routed: list[RoutedLayer], hidden: int,
+                orient: Orientation | None) -> MoEInfo | None:
+    """The block's MoE layer from the trace's routing (``profile.routing``): the innermost module holding the
+    router and the experts; the experts' container (a list of E expert modules) or the module holding their
+    stacked weights. None when the trace saw no routing in the block, or experts of neither kind."""
+    layer = next((r for r in routed if within(r.router, block_fqn)), None)
+    if layer is None:
+        return None
+    router, experts = _under(block_fqn, layer.router), [_under(block_fqn, e) for e in layer.experts]
+    holder = _common_module(experts) if len(experts) > 1 else experts[0]
+    fqn = _common_module([router, holder])
+    if len(experts) > 1:
+        if len(experts) != layer.num_experts or any(_parent(e) != holder for e in experts):
+            return None
+        return _listed_moe(fqn, _under(fqn, router), _under(fqn, holder), block.get_submodule(experts[0]),
+                           layer.num_experts, layer.top_k, hidden, orient)
+    found = _fused_experts(block.get_submodule(holder), layer.num_experts, hidden)
+    if found is None:
+        return None
+    params, ffn, gated = found
+    return MoEInfo(fqn=fqn, router=_under(fqn, router), experts=_under(fqn, holder), num_experts=layer.num_experts,
+                   top_k=layer.top_k, fused_params=params, ffn_hidden=ffn, gated=gated,
+                   expert_call="indices" if layer.indices_call else "")
 
 
 def plain_moe_layout(module: nn.Module, info: MoEInfo) -> bool:
@@ -444,7 +487,8 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, block_fqns: list[str],
     run on meta tensors stand in as identity. The forward gets ``example`` (a real call's arguments, e.g. a ViT's
     pixel values) when given, else token ids of shape (batch, seq_len)."""
     call = token_ids(batch, seq_len) if example is None else meta_example(example, batch)
-    recorders = [BlockCost(block_fqns), ParameterUses(), Dataflow(block_fqns[0] if block_fqns else None, weights=True)]
+    recorders = [BlockCost(block_fqns), ParameterUses(), Dataflow(block_fqns[0] if block_fqns else None, weights=True),
+                 Routing()]
     return meta_forward(model, call, recorders, backward=True, stand_in=[model.get_submodule(f) for f in block_fqns])
 
 
@@ -601,6 +645,9 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
     if flow_attn is not None and flow_attn.fqn:
         skipped.append(flow_attn.fqn)
 
+    # MoE layers: from the trace's routing (a router's top-k selection feeding experts) where the trace ran
+    # through the blocks (or saw routing before a block stood in); from the structure without a trace
+    routed = seen.routing if traced is not None and (seen.routing or not traced.stood_in) else None
     infos: list[BlockInfo] = []
     ffn_hidden, ffn_kind, experts, top_k, moe_every_hits, replayed = 0, "gelu", 0, 0, [], False
     for i, block in enumerate(blocks):
@@ -612,19 +659,21 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
         elif attn_site is not None and heads:
             info.attention = _classify_attention(attn_site, block.get_submodule(attn_site), hidden, heads,
                                                  head_dim, kv_heads, orient)
+        info.moe = None if routed is None else _routed_moe(block, block_fqns[i], routed, hidden, orient)
         for name, mod in block.named_modules():
             if any(name == s or name.startswith(s + ".") for s in skipped):
                 continue
-            if info.moe is None and (moe := _classify_moe(name, mod, hidden, orient)) is not None:
-                replayed = replayed or plain_moe_layout(mod, moe)
-                info.moe = moe
-                moe_every_hits.append(i)
-                experts, top_k = moe.num_experts, moe.top_k or top_k
-                if moe.ffn_hidden:
-                    ffn_hidden = ffn_hidden or moe.ffn_hidden
-                    ffn_kind = "swiglu" if moe.gated else ffn_kind
+            if routed is None and info.moe is None:
+                info.moe = _classify_moe(name, mod, hidden, orient)
             if info.mlp is None and info.moe is None and (mlp := _classify_mlp(name, mod, hidden, orient)) is not None:
                 info.mlp = mlp
+        if info.moe is not None:
+            replayed = replayed or plain_moe_layout(block.get_submodule(info.moe.fqn), info.moe)
+            moe_every_hits.append(i)
+            experts, top_k = info.moe.num_experts, info.moe.top_k or top_k
+            if info.moe.ffn_hidden:
+                ffn_hidden = ffn_hidden or info.moe.ffn_hidden
+                ffn_kind = "swiglu" if info.moe.gated else ffn_kind
         if info.moe is None and flow_mlp is not None and _fits(block, flow_mlp.fqn, mlp_parts, blocks[0]):
             info.mlp = copy.deepcopy(flow_mlp)
         if info.mlp is not None:

@@ -409,6 +409,8 @@ class Trace:
     # the model's own torch.distributed calls ("torch.distributed.all_reduce in 'blocks.0.mlp'"), in call order,
     # once each: seen, not run (``meta_shims.collectives_seen``)
     collectives: list[str] = field(default_factory=list)
+    # Routing (profile/routing.py): the MoE layers, each a router's selection and the experts it feeds
+    routing: list[Any] = field(default_factory=list)
 
     @property
     def order(self) -> dict[str, int]:
@@ -447,7 +449,7 @@ class Trace:
             flops={rel(k): v for k, v in self.flops.items()}, saved={rel(k): v for k, v in self.saved.items()},
             total_flops=self.total_flops, costs=self.costs, outputs=self.outputs, output_shape=self.output_shape,
             stood_in=self.stood_in, stopped=self.stopped, sdpa={rel(k): v for k, v in self.sdpa.items()},
-            output=self.output)
+            output=self.output, routing=[r.relative(rel) for r in self.routing if r.router.startswith(inside)])
 
 
 # ------------------------------------------------------------------------------------------- recorders
