@@ -364,15 +364,17 @@ def _expert_call(experts: nn.Module) -> str:
     return "indices" if len(positional) == 3 else ""
 
 
-def _fused_experts(experts: nn.Module, num: int, hidden: int) -> tuple[list[str], int, bool] | None:
+def _fused_experts(experts: nn.Module, num: int, hidden: int,
+                   alone: bool = True) -> tuple[list[str], int, bool] | None:
     """(parameters, one expert's FFN width, gated) of a module holding E = ``num`` experts' stacked weights: its
-    parameters all have E along dim 0, at least one 3-D. Projections as nn.Linear stores them ([out, in]), or
-    transposed when the experts module says ``is_transposed``: inputs read ``hidden``, the output projection
-    writes it; one input of width 2*ffn is a fused gate+up. None for another module."""
+    own parameters all have E along dim 0, at least one 3-D (``alone``: and its children hold none). Projections
+    as nn.Linear stores them ([out, in]), or transposed when the experts module says ``is_transposed``: inputs
+    read ``hidden``, the output projection writes it; one input of width 2*ffn is a fused gate+up. None for
+    another module."""
     params = dict(experts.named_parameters(recurse=False))
     if not params or any(p.dim() < 2 or p.shape[0] != num for p in params.values()) \
             or not any(p.dim() == 3 for p in params.values()) \
-            or _param_count(experts) != sum(p.numel() for p in params.values()):
+            or (alone and _param_count(experts) != sum(p.numel() for p in params.values())):
         return None
     flip = bool(getattr(experts, "is_transposed", False))
     shapes = {n: (p.shape[2], p.shape[1]) if flip else (p.shape[1], p.shape[2])
@@ -456,7 +458,8 @@ def _routed_moe(block: nn.Module, block_fqn: str, routed: list[RoutedLayer], hid
             return None
         return _listed_moe(fqn, _under(fqn, router), _under(fqn, holder), block.get_submodule(experts[0]),
                            layer.num_experts, layer.top_k, hidden, orient)
-    found = _fused_experts(block.get_submodule(holder), layer.num_experts, hidden)
+    # the stacked weights may sit in the MoE layer itself, beside its router
+    found = _fused_experts(block.get_submodule(holder), layer.num_experts, hidden, alone=holder != fqn)
     if found is None:
         return None
     params, ffn, gated = found

@@ -108,6 +108,16 @@ def make_olmoe(**_: object) -> L.LightningModule:
     return _hf_lit(tf.OlmoeForCausalLM(config))
 
 
+def make_olmoe_default(**_: object) -> L.LightningModule:
+    """OlmoeForCausalLM at the library's defaults for the router (output_router_logits=False: no router logits
+    returned, no balance loss): the MoE found from the traced routing alone (issue 26, item 6)."""
+    import transformers as tf
+
+    config = tf.OlmoeConfig(num_key_value_heads=HEADS, intermediate_size=FFN, num_experts=EXPERTS,
+                            num_experts_per_tok=TOP_K, tie_word_embeddings=False, **_hf_common())
+    return _hf_lit(tf.OlmoeForCausalLM(config))
+
+
 def make_qwen2_moe(**_: object) -> L.LightningModule:
     """Qwen2MoeForCausalLM with the library's defaults for the router (output_router_logits=False: no balance
     loss, the MoE found from the structure alone): fused 3-D experts beside a shared expert and its gate."""
@@ -627,7 +637,8 @@ MODELS: dict[str, ThirdPartyModel] = {
     "qwen2": ThirdPartyModel(make_qwen2),
     "phi3": ThirdPartyModel(make_phi3),
     "olmoe": ThirdPartyModel(make_olmoe, moe=True, balance_loss=True),
-    # issue 26: an HF MoE at its default config (no router logits), where expert parallelism is the point
+    # issue 26: HF MoEs at their default configs (no router logits), where expert parallelism is the point
+    "olmoe_default": ThirdPartyModel(make_olmoe_default, moe=True, not_run=("zero3", "tp2", "pp2", "ga2")),
     "qwen2_moe": ThirdPartyModel(make_qwen2_moe, moe=True, not_run=("auto", "zero3", "tp2", "pp2", "ga2")),
     "litgpt": ThirdPartyModel(make_litgpt),
     "litgpt_moe": ThirdPartyModel(make_litgpt_moe, moe=True),
