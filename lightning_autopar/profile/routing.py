@@ -23,6 +23,7 @@ flags: a router is what produces the scores a selection reads, experts are what 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, ContextManager
 
@@ -80,24 +81,26 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
     def __init__(self) -> None:
         torch.overrides.TorchFunctionMode.__init__(self)
         self.run: Run | None = None
-        self.params: dict[int, tuple[torch.Tensor, str]] = {}  # a parameter, or a view of one -> its name
+        self.params: dict[int, tuple[weakref.ref, str]] = {}  # a parameter, or a view of one -> its name
         self.shapes: dict[str, torch.Size] = {}  # parameter name -> its shape
-        self.scores: dict[int, tuple[torch.Tensor, str]] = {}  # computed from one parameter's product
-        self.routed: dict[int, tuple[torch.Tensor, int]] = {}  # -> the selection it comes from
+        self.scores: dict[int, tuple[weakref.ref, str]] = {}  # computed from one parameter's product
+        self.routed: dict[int, tuple[weakref.ref, int]] = {}  # -> the selection it comes from
         self.selections: list[_Selection] = []
         self.inside: list[int] = []  # the selections whose expert is running (its ops are not followed)
 
     # ------------------------------------------------------------------------------------------- tensors
 
     @staticmethod
-    def _get(table: dict[int, tuple[torch.Tensor, Any]], value: Any) -> Any:
+    def _get(table: dict[int, tuple[weakref.ref, Any]], value: Any) -> Any:
         entry = table.get(id(value)) if isinstance(value, torch.Tensor) else None
-        return entry[1] if entry is not None and entry[0] is value else None
+        return entry[1] if entry is not None and entry[0]() is value else None
 
-    def _mark(self, table: dict[int, tuple[torch.Tensor, Any]], value: Any, tag: Any) -> None:
+    @staticmethod
+    def _mark(table: dict[int, tuple[weakref.ref, Any]], value: Any, tag: Any) -> None:
+        """Tag the tensors of ``value``, held weakly: the trace frees what the model frees."""
         for leaf in tree_leaves(value):
             if isinstance(leaf, torch.Tensor):
-                table[id(leaf)] = (leaf, tag)
+                table[id(leaf)] = (weakref.ref(leaf), tag)
 
     def _active(self, index: int) -> bool:
         sel = self.selections[index]
@@ -199,9 +202,9 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
 
     def hooks(self, run: Run) -> list[Any]:
         self.run, self._expert_names = run, []
-        self.params = {id(t): (t, run.state.names.get(id(t), [_join(run.stack.prefix, n)])[0])
-                       for n, t in run.state.params.items()}
-        self.shapes = {name: t.shape for t, name in self.params.values()}
+        names = {n: run.state.names.get(id(t), [_join(run.stack.prefix, n)])[0] for n, t in run.state.params.items()}
+        self.params = {id(t): (weakref.ref(t), names[n]) for n, t in run.state.params.items()}
+        self.shapes = {names[n]: t.shape for n, t in run.state.params.items()}
         handles = []
         for name, mod in run.model.named_modules():
             full = _join(run.stack.prefix, name)
