@@ -5,7 +5,7 @@
 * scores: the output of an op that multiplies by a 2-D parameter (``F.linear``, ``x @ W.T``: the router's
   weight, an ``nn.Linear``'s or a plain parameter) and whatever is computed from it alone (softmax, a cast, a
   bias) carries that parameter;
-* a selection: ``topk`` over scores whose last dimension is one of the parameter's (E
+* a selection: ``topk`` (``argmax``: top-1, as Switch Transformers route) over scores whose last dimension is one of the parameter's (E
   experts, E > k) starts a routing. Its outputs and everything computed from them (the expert ids, the masks
   compared against them, the token rows picked with them, their weights) are routed, for as long as the module
   calling the selecting module runs (the MoE layer);
@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_autopar.profile.trace import Recorder, Run, Trace, _join, _leaves
 
-_SELECT = (torch.topk, torch.Tensor.topk)
+_SELECT = {torch.topk: 0, torch.Tensor.topk: 0, torch.argmax: 1, torch.Tensor.argmax: 1}  # -> k (0: its argument)
 _COUNTS = (torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere)
 
 
@@ -124,7 +124,7 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
         scores = args[0] if args else None
         param = self._get(self.scores, scores)
         shape = self.shapes.get(param, ()) if param else ()
-        k = kwargs.get("k", args[1] if len(args) > 1 else 0)
+        k = _SELECT[func] or kwargs.get("k", args[1] if len(args) > 1 else 0)
         width = scores.shape[-1] if isinstance(scores, torch.Tensor) and scores.dim() else 0
         if len(shape) != 2 or width not in shape or not isinstance(k, int) or not 0 < k < width:
             return
