@@ -203,8 +203,8 @@ def test_fused_experts_tp_split_checked_on_their_forward():
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "mixtral"])
 def test_default_configs_are_moe_and_offer_ep(family):
     """Issue 26: with the library's default ``output_router_logits=False`` (no router logits returned, no balance
-    loss) the MoE layers are found from the model's structure (a router [experts, hidden] beside 3-D expert
-    weights), ep=2 is offered and a pinned ep=2 is planned."""
+    loss) the MoE layers are found from the traced routing (the router's top-k selection feeding the experts
+    module with the expert ids: profile/routing.py), ep=2 is offered and a pinned ep=2 is planned."""
     from lightning_autopar.models.hf import LitCausalLM
     from lightning_autopar.runtime.setup import SetupOptions, Workload, analyse_model, find_capabilities, plan_model
     from lightning_autopar.runtime.trial import SetupSettings
@@ -228,6 +228,8 @@ def test_default_configs_are_moe_and_offer_ep(family):
     options = SetupOptions(fix={"ep": 2}, settings=SetupSettings(trials=0, profile=False))
     analysed = analyse_model(work, lambda: pytest.fail("a transformer needs no model call"), None, 4)
     assert (analysed.analysis.spec.experts, analysed.analysis.spec.top_k) == (4, 2)
+    routed = analysed.analysis.blocks[0].moe
+    assert (routed.router, routed.experts, routed.expert_call) == ("gate", "experts", "indices")
     capable = find_capabilities(module, analysed.model, analysed.analysis, analysed.example, options, world_size=4)
     assert capable.capabilities.moe == "ep" and "ep" not in capable.capabilities.excluded
     planned = plan_model(analysed, capable, load_cluster_spec("cpu", nodes=1, devices_per_node=4), "32-true", options)

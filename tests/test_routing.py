@@ -124,3 +124,15 @@ def test_stacked_expert_weights_indexed_by_the_selection():
 def test_dense_models_are_not_moe(make):
     analysis = analyze(LM(make), seq_len=SEQ)
     assert analysis.spec.experts == 0 and not any(b.moe for b in analysis.blocks)
+
+
+@pytest.mark.parametrize("make", [DictMoE, StackedMoE])
+def test_layouts_expert_parallelism_cannot_drive_are_refused_in_one_line(make):
+    """Found as MoE (priced so), but ep=2 is refused by the runtime's own check with the part and the fix."""
+    from lightning_autopar.errors import ConfigError
+    from lightning_autopar.parallel.experts import check_ep
+
+    model = LM(make)
+    with pytest.raises(ConfigError, match=r"^plan\.ep: blocks\.0\.ffn.*fix: use ep=1") as err:
+        check_ep(analyze(model, seq_len=SEQ), model, 2)
+    assert "\n" not in str(err.value)
