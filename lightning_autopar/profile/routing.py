@@ -98,7 +98,7 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
     @staticmethod
     def _mark(table: dict[int, tuple[weakref.ref, Any]], value: Any, tag: Any) -> None:
         """Tag the tensors of ``value``, held weakly: the trace frees what the model frees."""
-        for leaf in tree_leaves(value):
+        for leaf in (value,) if isinstance(value, torch.Tensor) else tree_leaves(value):
             if isinstance(leaf, torch.Tensor):
                 table[id(leaf)] = (weakref.ref(leaf), tag)
 
@@ -169,13 +169,21 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
     def _product(self, leaves: Any, result: Any) -> None:
         """Views of parameters keep their name; a product with a 2-D one and what follows from it alone carry
         it as scores."""
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        params = [n for t in tensors if (n := self._get(self.params, t)) is not None]
-        if params and len(params) == len(tensors):
+        params: list[str] = []
+        others, score = 0, None
+        for t in leaves:
+            if not isinstance(t, torch.Tensor):
+                continue
+            name = self._get(self.params, t)
+            if name is not None:
+                params.append(name)
+                continue
+            others += 1
+            score = score or self._get(self.scores, t)
+        if params and not others:
             self._mark(self.params, result, params[0])
             return
-        weight = next((n for n in params if len(self.shapes[n]) == 2), None)
-        tag = weight or next((s for t in tensors if (s := self._get(self.scores, t)) is not None), None)
+        tag = next((n for n in params if len(self.shapes[n]) == 2), None) or score
         if tag is not None:
             self._mark(self.scores, result, tag)
 
