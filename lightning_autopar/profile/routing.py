@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any, ContextManager
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_autopar.profile.trace import Recorder, Run, Trace, _join, _leaves
@@ -87,6 +86,7 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
         self.routed: dict[int, tuple[weakref.ref, int]] = {}  # -> the selection it comes from
         self.selections: list[_Selection] = []
         self.inside: list[int] = []  # the selections whose expert is running (its ops are not followed)
+        self.running: list[str] = []  # those experts, innermost last
 
     # ------------------------------------------------------------------------------------------- tensors
 
@@ -159,7 +159,7 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
             result = func(*args, **kwargs)
         if index is not None:
             self._param_use(index, leaves)
-            if not (args and result is args[0] and self._get(self.routed, args[0]) is None):  # in place on a token
+            if not (args and result is args[0] and self._get(self.routed, args[0]) is None):  # in place on tokens not routed
                 self._mark(self.routed, result, index)
         self._product(leaves, result)
         if func in _SELECT:
@@ -201,15 +201,15 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
                   t.shape[-1] == sel.top_k for t in leaves if isinstance(t, torch.Tensor))
         sel.experts[name] = sel.experts.get(name, False) or ids
         self.inside.append(index)
-        self._expert_names.append(name)
+        self.running.append(name)
 
     def _returned(self, name: str) -> None:
-        if self._expert_names and self._expert_names[-1] == name:
-            self._expert_names.pop()
+        if self.running and self.running[-1] == name:
+            self.running.pop()
             self.inside.pop()
 
     def hooks(self, run: Run) -> list[Any]:
-        self.run, self._expert_names = run, []
+        self.run = run
         names = {n: run.state.names.get(id(t), [_join(run.stack.prefix, n)])[0] for n, t in run.state.params.items()}
         self.params = {id(t): (weakref.ref(t), names[n]) for n, t in run.state.params.items()}
         self.shapes = {names[n]: t.shape for n, t in run.state.params.items()}
@@ -229,8 +229,3 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
         trace.routing = [RoutedLayer(s.router, tuple(s.experts), s.num_experts, s.top_k, any(s.experts.values()))
                          for s in self.selections if s.experts]
 
-
-def routed_layers(model: nn.Module, trace: Trace) -> list[RoutedLayer]:
-    """The trace's routings whose modules are all in ``model`` (names relative to it)."""
-    names = dict(model.named_modules())
-    return [r for r in trace.routing if r.router in names and all(e in names for e in r.experts)]
