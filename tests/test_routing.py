@@ -136,3 +136,16 @@ def test_layouts_expert_parallelism_cannot_drive_are_refused_in_one_line(make):
     with pytest.raises(ConfigError, match=r"^plan\.ep: blocks\.0\.ffn.*fix: use ep=1") as err:
         check_ep(analyze(model, seq_len=SEQ), model, 2)
     assert "\n" not in str(err.value)
+
+
+def test_plain_loop_moe_runs_to_its_experts_on_meta():
+    """The project's own MoE GPT (``torch.where(ids == e)`` per expert: a nonzero) no longer stands in on meta: the
+    routed count is the expected one, so the MoE block's FLOPs hold its k experts per token (more than the dense
+    block's one MLP of the same width)."""
+    from lightning_autopar.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab=VOCAB, seq_len=SEQ, hidden=HIDDEN, heads=2, layers=2, ffn_hidden=FFN, experts=EXPERTS,
+                    top_k=TOP_K, moe_every=2)
+    analysis = analyze(GPT(cfg), seq_len=SEQ)
+    assert not analysis.unclassified and [b.moe is not None for b in analysis.blocks] == [False, True]
+    assert analysis.blocks[1].flops > analysis.blocks[0].flops
