@@ -16,7 +16,11 @@ bytes in the step beside ``planner.traffic.step_collectives``.
 
 Pipelines (pp > 1) run torch's schedule itself; what its stages tell each other that a fake group cannot carry
 (warm-up votes, stage metadata, the runtime's object gathers) passes inside this process (``StageMailbox``), so
-the stages are simulated in order, and the measured step is the second (the first infers the stages' shapes).
+the stages are simulated in order; before the measured step, the schedule infers the stages' shapes (each stage's
+forward and backward of one micro-batch) and stops (``shapes_only``). DTensor's sharding propagation infers an
+op's output on tensors of the global shapes inside the active FakeTensorMode on a cache miss; that runs in a fake
+mode of its own while measuring (``propagation_in_own_fake_mode``), so the step's memory does not depend on what
+earlier steps cached.
 The runtime's checks on tensor values (CP's position and mask tests, its numeric self-check) are taken as passed
 (``value_checks_pass``): a live run still makes them. Not simulated (``check_simulable`` refuses them in one line): MoE models (the routing sizes the expert batches
 from the tokens' values) and plain DDP (its C++ reducer builds buckets from the parameters' data).
@@ -497,6 +501,19 @@ def _states(module: Any, optimizer: Any) -> tuple[int, int, int]:
     return _local_bytes(params), _local_bytes(grads), _local_bytes(states)
 
 
+def _before_measured_step(trial: Any, module: Any, batch: Any, pipelined: bool) -> None:
+    """What a training run did before the step measured: a pipeline's schedule inferred its stages' shapes (the
+    first step, stopped once they are known: ``parallel.pipeline.stage.shapes_only``; the gradients it set aside
+    are dropped), and the optimizer's states exist (``_first_states``)."""
+    from lightning_autopar.parallel.pipeline.stage import shapes_only
+
+    if pipelined:
+        with shapes_only():
+            trial.step(batch)
+        trial.env.hold.take_pipeline()
+    _first_states(module, trial.optimizer)
+
+
 def _first_states(module: Any, optimizer: Any) -> None:
     """The optimizer's states created (its first step on zero gradients), as a training run's first step did before
     the one measured."""
@@ -521,6 +538,7 @@ def simulate_rank(model: Any, spec: ModelSpec | None, priced: PricedPlan, rank: 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import torch.distributed._tools.fake_collectives  # noqa: F401 (c10d ops under FakeTensorMode)
+    from lightning_autopar.parallel.dtensor_private import propagation_in_own_fake_mode
     from lightning_autopar.profile.memory import _from_tracker, _tracker
     from lightning_autopar.runtime.trial import _build
     from lightning_autopar.topology.mesh import build_mesh, mesh_outside_fake_mode
@@ -540,17 +558,14 @@ def simulate_rank(model: Any, spec: ModelSpec | None, priced: PricedPlan, rank: 
             batch = _fake_batch(batch, module, spec, global_batch, seq_len, device)
             trial, applied = _build(module, plan, layout, batch, device, priced.layers_per_stage or None, shared,
                                     fake=True)
-            if plan.pp > 1:  # the schedule's first step also infers the stages' shapes: not a step like the others
-                trial.step(batch)
-            else:
-                _first_states(module, trial.optimizer)
+            _before_measured_step(trial, module, batch, plan.pp > 1)
             states: list[tuple[int, int, int]] = []
             handle = trial.optimizer.register_step_pre_hook(
                 lambda opt, args, kwargs: states.append(_states(module, opt)))
             # a pipeline stage's backward runs autograd.grad, which MemTracker's backward hooks break (profile.memory)
             tracker = _tracker(module, trial.optimizer, backward_hooks=plan.pp == 1, module_peaks=False)
-            try:
-                with tracker, recorder.recording():
+            try:  # (DTensor's shape inference on a cache miss is no allocation: propagation_in_own_fake_mode)
+                with tracker, recorder.recording(), propagation_in_own_fake_mode():
                     trial.step(batch)
             finally:
                 handle.remove()

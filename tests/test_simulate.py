@@ -91,9 +91,9 @@ def test_tensor_parallel_layout():
     for rank in report.ranks:
         m, p = rank.measured, rank.predicted
         assert m["params_gib"] * GIB == tp_params * 4  # zero 0: FSDP2 on a replicate mesh keeps them whole
-        # the planner holds the same (less the learned positions); at zero 0 on FSDP2 it also counts the unsharded
-        # compute copy beside the (here whole) shard: twice the weights
-        assert p["params_gib"] * GIB == pytest.approx(2 * (tp_params - POS) * 4)
+        # the planner holds the same (less the learned positions); its unsharded compute copy beside the (here
+        # whole) shard, which FSDP2 frees after backward, is left to the peak (planner.traffic.compute_copy_bytes)
+        assert p["params_gib"] * GIB == pytest.approx((tp_params - POS) * 4)
     ar = collective(report, "tp", "all_reduce")
     tokens = 1 * SEQ * 64 * 4  # one micro-batch's hidden states, fp32
     # per block: o_proj and down_proj forward (g); backward q, k, v and up_proj's inputs (f, one per projection:

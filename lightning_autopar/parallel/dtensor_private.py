@@ -34,6 +34,9 @@ the planner or the profiler must not load it.
   ``MeshTopoInfo.build_from_mesh`` and the single-dim strategy cache. A mesh of a new process group equals one of a
   destroyed group when its shape and ranks do, so a cached plan would name groups that no longer resolve; ``autopar
   simulate`` builds a new fake group per simulated rank and clears them.
+* ``ShardingPropagator._propagate_tensor_meta_non_cached`` (``propagation_in_own_fake_mode``): on a cache miss
+  the propagator runs the op on tensors of the global shapes inside whatever FakeTensorMode is active; ``autopar
+  simulate`` gives it one of its own while it measures a step, so its memory tracker does not count them.
 * ``DTensor.__new__(cls, local, spec, requires_grad=...)`` and ``DTensor._spec`` (``as_dtensor_subclass``): a
   DTensor subclass instance sharing a DTensor's local tensor and spec (``vocab.VocabLogits``, the vocab-sharded
   logits whose ``__torch_function__`` decides between the sharded loss and a gather). ``from_local`` and
@@ -44,7 +47,8 @@ the planner or the profiler must not load it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from torch import nn
 
@@ -164,6 +168,29 @@ def clear_sharding_caches() -> None:
     native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if native is not None:
         native()
+
+
+@contextmanager
+def propagation_in_own_fake_mode() -> Iterator[None]:
+    """While active, DTensor's sharding propagator infers an op's output metadata (it runs the op on tensors of the
+    global shapes) under a FakeTensorMode of its own, not the active one, which it otherwise reuses
+    (``ShardingPropagator._propagate_tensor_meta_non_cached``): a memory tracker inside a simulation's
+    FakeTensorMode then sees only the local ops (MemTracker skips ops under another fake mode), not the global-shape
+    tensors of a propagation that a cache miss runs, which no device allocates."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    infer = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def isolated(self: Any, op_schema: Any) -> Any:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return infer(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = isolated
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = infer
 
 
 # ------------------------------------------------------------------------------------------- DTensor subclasses

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from lightning_autopar.dims import runs_fsdp, runs_plain_ddp
-from lightning_autopar.planner.cost_memory import vocab_split
+from lightning_autopar.planner.cost_memory import fsdp_shard_copy_bytes, vocab_split
 from lightning_autopar.planner.hardware import ACT_BYTES, GRAD_REDUCE_BYTES, WEIGHT_BYTES, Hardware
 from lightning_autopar.planner.terms import DPC_TERMS, _dp_rank_terms, rank_param_counts
 from lightning_autopar.specs import OFFLOAD_MODES, PRECISIONS, ModelSpec, Plan, PricedPlan
@@ -73,7 +73,18 @@ def predicted_states(model: ModelSpec, cluster: Any, plan: Plan, layers_per_stag
     _dp_rank_terms(hw, dpc, np.array([plan.zero]), np.array([PRECISIONS.index(plan.precision)]), a(plan.dp),
                    a(plan.cp), a(plan.tp), a(plan.ep), a(ds), a(p_d), a(p_e), a(unit), a(0.0), a(plan.pp),
                    np.array([OFFLOAD_MODES.index(plan.offload)]), trains=model.trainable_share(), held_d=a(held_d))
-    return tuple(float(dpc[name][0][0]) / GIB for name in ("m_params", "m_grads", "m_optim"))  # type: ignore
+    params, grads, optim = (float(dpc[name][0][0]) / GIB for name in ("m_params", "m_grads", "m_optim"))
+    return params - compute_copy_bytes(plan, held_d + p_e, p_e > 0) / GIB, grads, optim
+
+
+def compute_copy_bytes(plan: Plan, params: float, has_moe: bool) -> float:
+    """FSDP2's unsharded compute copy of ``params`` at zero 0-2 (``cost_memory.fsdp_shard_copy_bytes`` with no
+    sharding: w*P), which the search counts in the parameters. The runtime holds it from the step's first forward
+    to its last backward, not at the optimizer step where a simulation reads the parameters (the local shards):
+    the report leaves it to the peak, as the simulation does."""
+    fsdp = runs_fsdp(plan.zero, plan.dp, plan.tp, plan.pp, plan.ep, plan.cp, has_moe)
+    prec = PRECISIONS.index(plan.precision)
+    return float(fsdp_shard_copy_bytes(params, np.asarray(plan.zero), 1.0, prec, fsdp))
 
 
 def step_collectives(model: ModelSpec, plan: Plan, layers_per_stage: list[int], stage: int,

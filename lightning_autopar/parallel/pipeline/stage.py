@@ -20,6 +20,10 @@ Overrides of ``PipelineStage`` methods the schedules call (``stage_class``, both
   could then route MoE tokens differently and their collectives would no longer match. Zeros are the same
   everywhere.
 
+``shapes_only`` (``autopar simulate``): a schedule's step stopped right after ``_initialize_stage`` (one stage per
+rank) or ``_initialize_stages`` (several), where torch 2.13 infers the stages' shapes, so a simulation infers them
+without running every micro-batch of a whole step before the one it measures.
+
 The traced pipeline (``traced_stage_class``, ``split_points``, ``split_traced``, ``graph_to_device``):
 
 * ``_prepare_forward_infra`` / ``_prepare_backward_infra`` again: the inference forward updates BatchNorm
@@ -98,6 +102,38 @@ def stage_class() -> type:
                 Stage.inferring = False
 
     return Stage
+
+
+class _ShapesInferred(Exception):
+    """Stops a schedule's step once it has inferred its stages' shapes (``shapes_only``)."""
+
+
+@contextmanager
+def shapes_only() -> Iterator[None]:
+    """A pipeline step inside stops once the schedule has inferred its stages' shapes (each stage's forward and
+    backward of one micro-batch, its metadata sent to the next; module doc); the step's other micro-batches, its
+    gradient reduction and optimizer step do not run."""
+    from torch.distributed.pipelining import schedules
+
+    def stopping(initialize: Any) -> Any:
+        def run(schedule: Any, *args: Any, **kwargs: Any) -> None:
+            initialize(schedule, *args, **kwargs)
+            raise _ShapesInferred
+
+        return run
+
+    saved = [(owner, name, getattr(owner, name)) for owner, name in (
+        (schedules.PipelineScheduleSingle, "_initialize_stage"),
+        (schedules.PipelineScheduleMulti, "_initialize_stages"))]
+    for owner, name, initialize in saved:
+        setattr(owner, name, stopping(initialize))
+    try:
+        yield
+    except _ShapesInferred:
+        pass
+    finally:
+        for owner, name, initialize in saved:
+            setattr(owner, name, initialize)
 
 
 def traced_stage_class() -> type:
