@@ -96,8 +96,12 @@ def dp_rows(space: Space) -> tuple[np.ndarray, np.ndarray]:
     only through (vpp, V placement or not): 1f1b and gpipe, or interleaved and interleaved-zb at one vpp, or zbv
     and dualpipev, hold the same blocks per rank (partition.stage_table), so their rows are one class."""
     D = space.dpcs
-    cols = [D["layout"], D["precision"], D["zero"], D["dp_shard"], D["offload"], D["vpp"],
-            np.isin(D["schedule"], V_CODES).astype(np.int64)]
+    return row_classes([D["layout"], D["precision"], D["zero"], D["dp_shard"], D["offload"], D["vpp"],
+                        np.isin(D["schedule"], V_CODES).astype(np.int64)])
+
+
+def row_classes(cols: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows alike in every non-negative int column of ``cols``: (the first row of each class, each row's class)."""
     radix = [int(col.max(initial=0)) + 1 for col in cols]
     if math.prod(radix) >= 2**62:  # too wide for one int64 key: rows compared whole
         _, first, inverse = np.unique(np.stack(cols, axis=1), axis=0, return_index=True, return_inverse=True)
@@ -107,6 +111,18 @@ def dp_rows(space: Space) -> tuple[np.ndarray, np.ndarray]:
         key = key * base + col
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     return first, inverse.reshape(-1)
+
+
+def rank_classes(row_cols: list[np.ndarray], contents: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (row, representative rank) pairs whose terms read the same values, priced once: the row's fields
+    ``row_cols`` and the rank's stage ``contents`` (rows, N_REP, columns; whole numbers >= 0) alike. Ranks share
+    a stage where pp = 1 (one stage) or the middle rank is the first's, and rows differing only in vpp or the
+    schedule often hold the same blocks per rank. Returns (row, rank) of one pair per class and each pair's
+    class, (rows, N_REP)."""
+    n = len(contents)
+    flat = contents.transpose(1, 0, 2).reshape(n * N_REP, -1).astype(np.int64)  # rank-major: pair r * n + row
+    first, inverse = row_classes([np.tile(col, N_REP) for col in row_cols] + list(flat.T))
+    return first % n, first // n, inverse.reshape(N_REP, n).T
 
 
 def thinned_share(blocks: np.ndarray, every: int) -> np.ndarray:
@@ -244,20 +260,22 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     p_dense_blk, p_moe_shared, p_moe_expert, p_emb, p_head = rank_param_counts(m, tp_d, ep_d, pp_d, has_moe)
     h_dense, h_shared, _, h_emb, h_head = rank_param_counts(m, tp_d, ep_d, pp_d, has_moe, held=True)
     unit = np.maximum(p_dense_blk, p_moe_shared + p_moe_expert if has_moe else 0.0)
+    # each distinct (dpc row's fields, rank's stage contents) priced once, as one vector
+    content = reps_d[..., [Stage.DENSE, Stage.MOE, Stage.EMBEDDING, Stage.HEAD]]
+    at, rank, pair = rank_classes([dl, prec_d, zero, D["dp_shard"], D["offload"]], content)
+    nd, nm, he, hh = content[at, rank].T
+    p_d = nd * p_dense_blk[at] + nm * p_moe_shared[at] + he * p_emb[at] + hh * p_head[at]
+    p_e = nm * p_moe_expert[at]
+    # one FSDP unit per block plus one for the stage's embedding / norm / head: the first unit's gather and
+    # the last unit's reduction have no compute to hide behind
+    edge = he * p_emb[at] + hh * p_head[at]
+    tail = np.minimum(1.0, np.where(edge > 0, edge, unit[at]) / np.maximum(p_d + p_e, 1.0))
+    kept = edge + np.where(nd > 0, p_dense_blk[at], p_moe_shared[at])  # the root unit and the last block
+    held_d = nd * h_dense[at] + nm * h_shared[at] + he * h_emb[at] + hh * h_head[at]
     dpc: dict[str, list] = {name: [] for name in DPC_TERMS}
-    for r in range(N_REP):
-        nd, nm, he, hh = (reps_d[:, r, c] for c in (Stage.DENSE, Stage.MOE, Stage.EMBEDDING, Stage.HEAD))
-        p_d = nd * p_dense_blk + nm * p_moe_shared + he * p_emb + hh * p_head
-        p_e = nm * p_moe_expert
-        # one FSDP unit per block plus one for the stage's embedding / norm / head: the first unit's gather and
-        # the last unit's reduction have no compute to hide behind
-        edge = he * p_emb + hh * p_head
-        tail = np.minimum(1.0, np.where(edge > 0, edge, unit) / np.maximum(p_d + p_e, 1.0))
-        kept = edge + np.where(nd > 0, p_dense_blk, p_moe_shared)  # the root unit and the last block
-        held_d = nd * h_dense + nm * h_shared + he * h_emb + hh * h_head
-        _dp_rank_terms(hw, dpc, zero, prec_d, dp_d, cp_d, tp_d, ep_d, ds, p_d, p_e, unit, tail, pp_d, D["offload"],
-                       m.trainable_share(), kept, held_d)
-    return mid, dpc
+    _dp_rank_terms(hw, dpc, zero[at], prec_d[at], dp_d[at], cp_d[at], tp_d[at], ep_d[at], ds[at], p_d, p_e,
+                   unit[at], tail, pp_d[at], D["offload"][at], m.trainable_share(), kept, held_d)
+    return mid, {name: [np.asarray(v[0])[pair[:, r]] for r in range(N_REP)] for name, v in dpc.items()}
 
 
 def unit_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, measured: Measured | None,
