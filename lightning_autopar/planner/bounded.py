@@ -143,11 +143,16 @@ class GridSearch:
         return self.fit.dpc_row[g.dpc0[mids][:, None] + np.arange(g.nz[mids[0]])[None, :]]
 
     def _memory(self, mids: np.ndarray) -> np.ndarray:
-        """Device memory (mids, dpc rows, options) of a block, float32, as Tables.step_memory sums it."""
-        a, d = self.mem_rc[self._option_rows(mids)], self.mem_d[self._dpc_rows(mids)]
-        mem = a[:, None, :, 0] + d[:, :, None, 0]
-        np.maximum(mem, a[:, None, :, 1] + d[:, :, None, 1], out=mem)
-        return np.maximum(mem, a[:, None, :, 2] + d[:, :, None, 2], out=mem)
+        """Device memory (mids, dpc rows, options) of a block, float32, as Tables.step_memory sums it: summed rank
+        by rank as (mids, options, dpc rows), the long axis innermost, and returned as a view."""
+        rank_major = lambda x: np.ascontiguousarray(np.moveaxis(x, -1, 0))  # noqa: E731
+        a = rank_major(self.mem_rc[self._option_rows(mids)])[..., None]  # (ranks, mids, options, 1)
+        d = rank_major(self.mem_d[self._dpc_rows(mids)])[:, :, None, :]  # (ranks, mids, 1, dpc rows)
+        mem = a[0] + d[0]
+        rank = np.empty_like(mem)
+        for r in range(1, len(a)):
+            np.maximum(mem, np.add(a[r], d[r], out=rank), out=mem)
+        return mem.transpose(0, 2, 1)
 
     def _memory_bounds(self) -> tuple[np.ndarray, np.ndarray]:
         """Per mid, the least and the most memory any of its candidates can need: per rank the float32 sum of its
@@ -247,11 +252,11 @@ class GridSearch:
         the window). Each piece is the float32 expression the step adds, or less, and float32 sums and products
         of non-negative terms are monotone, so the bound never exceeds a price ``_step`` computes."""
         t, g = self.t, self.grid
-        d = t.by_dpc[t.dpc_row]  # every dpc row, (rows, ranks, Dpc)
+        d = t.by_dpc  # the distinct dpc rows, (rows, ranks, Dpc): the parts once per row, then every dpc row's
         floor = lambda a, b: b + t.f_sm * (a - b) if t.f_sm else b  # noqa: E731  overlapped_exposed's floor
         parts = np.stack([d[..., Dpc.MB], floor(d[..., Dpc.A1], d[..., Dpc.B1]), floor(d[..., Dpc.A2], d[..., Dpc.B2]),
                           floor(d[..., Dpc.A3], d[..., Dpc.B3]) + d[..., Dpc.C3] + d[..., Dpc.OPT]], axis=-1)
-        least = tile_reduce(np.minimum, parts, g.dpc0[mids], g.nz[mids])  # (mids, ranks, 4)
+        least = tile_reduce(np.minimum, parts[t.dpc_row], g.dpc0[mids], g.nz[mids])  # (mids, ranks, 4)
         base = t.by_rc[..., Rc.BASE].reshape(-1, t.n_opts, 3).min(axis=1)[mids]
         slot = base + least[..., 0]
         slot += least[..., 1]

@@ -12,6 +12,7 @@ EP groups are carved from the data-parallel ranks (ep divides dp).
 from __future__ import annotations
 
 from collections import Counter
+from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -123,6 +124,7 @@ def check_fix(model: ModelSpec, world: int, global_batch: int, seq_len: int, fix
         raise ConfigError("fix.dp_shard", f"{fix['dp_shard']} does not divide dp={fix['dp']}", "choose a divisor of dp")
 
 
+@lru_cache(maxsize=None)  # pure; asked per layout with few distinct arguments
 def microbatch_rule(schedule: str, pp: int, microbatches: int) -> str | None:
     """Why ``microbatches`` per step cannot run ``schedule`` over ``pp`` ranks, or None. Interleaved schedules:
     micro-batches % pp == 0 (Megatron's rule; it also meets torch's "a multiple of max(1, m // pp) rounds" of
@@ -158,6 +160,7 @@ def context_compile_rule(cp: int, compile: bool) -> str | None:
     return None
 
 
+@lru_cache(maxsize=None)  # pure; asked per layout with few distinct arguments
 def compile_rule(schedule: str, pp: int, compile: bool) -> str | None:
     """Why ``compile`` cannot run with ``schedule``, or None: torch's zero-bubble schedules refuse compiled stage
     modules (schedules._check_torch_compile_compatibility: no input/weight backward split under torch.compile)."""
@@ -221,6 +224,10 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
     sps = _allowed("sp", [False, True], fix, restrict)
     compiles = [int(c) for c in _allowed("compile", [False, True], fix, restrict)]  # eager first: wins ties
 
+    # asked once per layout, answered once per distinct (dp, cp) and pp
+    zero_rows = lru_cache(maxsize=None)(lambda dp, cp: with_offload(_zero_shards(dp, cp, zeros, fix, restrict),
+                                                                    offloads))
+    schedule_rows = lru_cache(maxsize=None)(lambda pp: _schedules(L, pp, schedules, fix, restrict))
     lay_rows: list[tuple] = []
     key_rows: list[tuple] = []
     mid_rows: list[tuple] = []
@@ -262,8 +269,7 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
                     if not mbss:
                         rejected["global_batch % (dp*mbs)"] += 1
                         continue
-                    zds = with_offload(_zero_shards(dp, cp, zeros, fix, restrict), offloads)
-                    scheds = _schedules(L, pp, schedules, fix, restrict)
+                    zds, scheds = zero_rows(dp, cp), schedule_rows(pp)
                     sp_vals = [int(s) for s in sps if tp > 1 or not s]
                     if not zds or not scheds or not sp_vals:
                         rejected["zero/dp_shard, schedule/vpp or sp"] += 1

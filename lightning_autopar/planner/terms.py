@@ -109,8 +109,11 @@ def row_classes(cols: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     key = np.zeros(len(cols[0]), dtype=np.int64)
     for col, base in zip(cols, radix):  # mixed radix: one int64 per row, sorted once
         key = key * base + col
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    return first, inverse.reshape(-1)
+    _, inverse = np.unique(key, return_inverse=True)  # return_index would sort stably: several times slower
+    inverse = inverse.reshape(-1)
+    first = np.full(int(inverse.max(initial=-1)) + 1, len(inverse))
+    np.minimum.at(first, inverse, np.arange(len(inverse)))
+    return first, inverse
 
 
 def rank_classes(row_cols: list[np.ndarray], contents: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -231,25 +234,31 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     reps_m, reps_d = reps[:n_m], reps[n_m:]
     pp_m, ga_m = g(pp), g(ga)
     p2p_mb = np.where(pp_m > 1, 2 * vpp_m * g(p2p), 0.0)
+    # the terms of a rank that read only its key and its blocks, once per distinct (key, stage contents): ranks
+    # sharing a stage, and mids of a key differing only in schedule or vpp, often hold the same blocks
+    at, rank, pair = rank_classes([mk], reps_m[..., :Stage.RANK])
+    ck = mk[at]
+    g = lambda a: np.asarray(a)[ck] if np.ndim(a) else np.full(len(ck), float(a))  # noqa: E731
+    nd, nm, he, hh = reps_m[at, rank, :Stage.RANK].T
+    nb = nd + nm
+    tf = nd * g(dense.fwd) + nm * g(moe.fwd) + he * g(emb_f) + hh * g(head_f)
+    tb = nd * g(dense.bwd) + nm * g(moe.bwd) + he * g(emb_b) + hh * g(head_b)
+    comm = nb * g(tp_f + tp_b + cp_f + cp_b) + nm * g(ep_f + ep_b) + (he + hh) * g(tp_edge) + hh * g(loss_comm)
+    comm_rc = nb * g(tp_f + cp_f) + nm * g(ep_f)  # full and ops recompute re-run the forward's collectives
+    trc = [0.0 * tf, nd * g(dense.attn_fwd) + nm * g(moe.attn_fwd), nd * g(dense.fwd) + nm * g(moe.fwd) + comm_rc,
+           nb * g(ops_rc) + comm_rc]
+    bufs = hh * g(buf_last) + np.where(nm > 0, g(buf_moe), 0.0) + g(buf_p2p)
+    one_layer = np.where(nm > 0, g(act_moe[0]), g(act[0]))  # full recompute rebuilds one block at a time
+    kept = [nd * g(act[i]) + nm * g(act_moe[i]) for i in modes]
     mid = {name: [] for name in ("tf", "tb", "base", "mem")}
     frag = 1 + FRAGMENTATION
-    for r in range(N_REP):
-        nd, nm, he, hh, stage = (reps_m[:, r, c] for c in Stage)
-        nb = nd + nm
-        tf = nd * g(dense.fwd) + nm * g(moe.fwd) + he * g(emb_f) + hh * g(head_f)
-        tb = nd * g(dense.bwd) + nm * g(moe.bwd) + he * g(emb_b) + hh * g(head_b)
-        comm = (nb * g(tp_f + tp_b + cp_f + cp_b) + nm * g(ep_f + ep_b) + (he + hh) * g(tp_edge) + hh * g(loss_comm)
-                + p2p_mb)
-        comm_rc = nb * g(tp_f + cp_f) + nm * g(ep_f)  # full and ops recompute re-run the forward's collectives
-        trc = [0.0 * tf, nd * g(dense.attn_fwd) + nm * g(moe.attn_fwd), nd * g(dense.fwd) + nm * g(moe.fwd) + comm_rc,
-               nb * g(ops_rc) + comm_rc]
-        inflight = inflight_microbatches(sched_m, pp_m, vpp_m, ga_m, stage)
-        bufs = hh * g(buf_last) + np.where(nm > 0, g(buf_moe), 0.0) + g(buf_p2p)
-        one_layer = np.where(nm > 0, g(act_moe[0]), g(act[0]))  # full recompute rebuilds one block at a time
-        mid["tf"].append(tf)
-        mid["tb"].append(tb)
-        kept = [nd * g(act[i]) + nm * g(act_moe[i]) for i in modes]
-        base, mem = _mix_options(opts, nb, tf + tb + comm, trc, inflight, kept, bufs, one_layer, frag)
+    for r in range(N_REP):  # then per mid: its schedule's activations in flight and pipeline traffic
+        c = pair[:, r]
+        inflight = inflight_microbatches(sched_m, pp_m, vpp_m, ga_m, reps_m[:, r, Stage.RANK])
+        mid["tf"].append(tf[c])
+        mid["tb"].append(tb[c])
+        base, mem = _mix_options(opts, nb[c], tf[c] + tb[c] + (comm[c] + p2p_mb), [t[c] for t in trc], inflight,
+                                 [k[c] for k in kept], bufs[c], one_layer[c], frag)
         mid["base"].append(base)
         mid["mem"].append(mem)
 
