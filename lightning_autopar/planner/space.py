@@ -333,18 +333,18 @@ def _layout_rows(lay: int, pp: int, cp: int, dp: int, global_batch: int, mbss: S
             i, j, v = np.unravel_index(np.flatnonzero(bad)[0], bad.shape)
             events.append(((int(i), kept[j], 0, vs[v]), f"grad_accum or compile ({name})",
                            int(bad.sum()) * npr * nz * n_rc))
-    i, j, p = (a.reshape(-1) for a in np.indices((len(mbs), len(kept), npr)))
+    i, j, p = np.unravel_index(np.arange(len(mbs) * len(kept) * npr), (len(mbs), len(kept), npr))
     pair = np.array([pairs[k] for k in kept], dtype=np.int64).reshape(-1, 2)
     prec = np.array(precs, dtype=np.int64)
-    keys = np.stack([np.full(len(i), lay), mbs[i], pair[j, 0], prec[p], ga[i], pair[j, 1]], axis=1)
+    keys = np.array([np.full(len(i), lay), mbs[i], pair[j, 0], prec[p], ga[i], pair[j, 1]]).T
     mi, mj, mp, mv = np.nonzero(np.broadcast_to(ok[:, :, None, :], (len(mbs), len(kept), npr, nv)))
     sv = np.array(scheds, dtype=np.int64).reshape(-1, 2)
-    mids = np.stack([(mi * len(kept) + mj) * npr + mp, sv[mv, 0], sv[mv, 1], (mp * nv + mv) * nz,
-                     np.full(len(mi), nz)], axis=1)
-    dp_, dv, dz = (a.reshape(-1) for a in np.indices((npr, nv, nz)))
+    mids = np.array([(mi * len(kept) + mj) * npr + mp, sv[mv, 0], sv[mv, 1], (mp * nv + mv) * nz,
+                     np.full(len(mi), nz)]).T
+    dp_, dv, dz = np.unravel_index(np.arange(npr * nv * nz), (npr, nv, nz))
     z = np.array(zds, dtype=np.int64).reshape(-1, 3)
-    dpcs = np.stack([np.full(len(dp_), lay), prec[dp_], sv[dv, 0], sv[dv, 1], z[dz, 0], z[dz, 1], z[dz, 2]], axis=1)
-    return keys, mids, dpcs, events
+    dpcs = np.array([np.full(len(dp_), lay), prec[dp_], sv[dv, 0], sv[dv, 1], z[dz, 0], z[dz, 1], z[dz, 2]]).T
+    return keys, mids, dpcs, events  # (rows, columns) views: np.array(...).T is several times cheaper than stack
 
 
 def _recompute_modes(model: ModelSpec, fix: Mapping[str, Any], restrict: Mapping[str, Sequence]) -> list[str]:
