@@ -11,6 +11,7 @@ cost-module function named there with its formula and source. search.Tables comb
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Callable
 
@@ -114,6 +115,19 @@ def row_classes(cols: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     first = np.full(int(inverse.max(initial=-1)) + 1, len(inverse))
     np.minimum.at(first, inverse, np.arange(len(inverse)))
     return first, inverse
+
+
+@dataclass
+class ClassTerms:
+    """Terms priced once per class of (row, representative rank) pairs (``rank_classes``): ``values[name]`` per
+    class, ``pair`` (rows, N_REP) each pair's class. ``terms[name]`` is the per-rank list the other forms return;
+    search.Tables packs the classes first, then gathers rows (cheaper than packing every pair)."""
+
+    values: dict[str, np.ndarray]
+    pair: np.ndarray
+
+    def __getitem__(self, name: str) -> list[np.ndarray]:
+        return [self.values[name][self.pair[:, r]] for r in range(N_REP)]
 
 
 def rank_classes(row_cols: list[np.ndarray], contents: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -284,7 +298,7 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     dpc: dict[str, list] = {name: [] for name in DPC_TERMS}
     _dp_rank_terms(hw, dpc, zero[at], prec_d[at], dp_d[at], cp_d[at], tp_d[at], ep_d[at], ds[at], p_d, p_e,
                    unit[at], tail, pp_d[at], D["offload"][at], m.trainable_share(), kept, held_d)
-    return mid, {name: [np.asarray(v[0])[pair[:, r]] for r in range(N_REP)] for name, v in dpc.items()}
+    return mid, ClassTerms({name: np.asarray(v[0]) for name, v in dpc.items()}, pair)
 
 
 def unit_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, measured: Measured | None,
