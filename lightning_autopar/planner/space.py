@@ -33,6 +33,7 @@ RECOMPUTE_EVERY = (1, 2)
 EXTRA_RESTRICT = ("uneven",)  # restrict-only switch: allow uneven pipeline partitions (default True)
 
 
+@lru_cache(maxsize=None)  # asked per layout for a few distinct n; callers only read the list
 def divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
