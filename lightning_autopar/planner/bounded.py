@@ -103,6 +103,8 @@ class GridSearch:
         fit = self.fit
         self.mem_rc = np.ascontiguousarray(fit.by_rc[..., Rc.MEM])
         self.mem_d = np.ascontiguousarray(fit.by_dpc[..., Dpc.MEM])
+        # and rank-major, (ranks, rows): a block gathers contiguous (mids, options) and (mids, dpc rows) per rank
+        self.mem_rc_r, self.mem_d_r = np.ascontiguousarray(self.mem_rc.T), np.ascontiguousarray(self.mem_d.T)
         host = fit.by_dpc[..., Dpc.HOST]
         self.host_d = np.maximum(np.maximum(host[:, 0], host[:, 1]), host[:, 2])
         self.priced_mids = np.zeros(len(grid.nz), dtype=bool)
@@ -145,9 +147,8 @@ class GridSearch:
     def _memory(self, mids: np.ndarray) -> np.ndarray:
         """Device memory (mids, dpc rows, options) of a block, float32, as Tables.step_memory sums it: summed rank
         by rank as (mids, options, dpc rows), the long axis innermost, and returned as a view."""
-        rank_major = lambda x: np.ascontiguousarray(np.moveaxis(x, -1, 0))  # noqa: E731
-        a = rank_major(self.mem_rc[self._option_rows(mids)])[..., None]  # (ranks, mids, options, 1)
-        d = rank_major(self.mem_d[self._dpc_rows(mids)])[:, :, None, :]  # (ranks, mids, 1, dpc rows)
+        a = self.mem_rc_r[:, self._option_rows(mids)][..., None]  # (ranks, mids, options, 1)
+        d = self.mem_d_r[:, self._dpc_rows(mids)][:, :, None, :]  # (ranks, mids, 1, dpc rows)
         mem = a[0] + d[0]
         rank = np.empty_like(mem)
         for r in range(1, len(a)):
