@@ -327,13 +327,16 @@ def _layout_rows(lay: int, pp: int, cp: int, dp: int, global_batch: int, mbss: S
     skipped = [j for j in range(len(pairs)) if j not in kept]
     if skipped:
         events.append(((0, skipped[0], -1, -1), "compile with cp > 1", len(mbs) * len(skipped) * npr * nv * nz * n_rc))
-    for name in dict.fromkeys(names):
-        vs = [v for v in range(nv) if names[v] == name]
-        bad = ~ok[:, :, vs]
-        if bad.any():
-            i, j, v = np.unravel_index(np.flatnonzero(bad)[0], bad.shape)
-            events.append(((int(i), kept[j], 0, vs[v]), f"grad_accum or compile ({name})",
-                           int(bad.sum()) * npr * nz * n_rc))
+    bad = ~ok.reshape(-1, nv)  # rows (mbs, kept pair) in loop order
+    counts = bad.sum(axis=0).tolist() if bad.size else [0] * nv
+    firsts = bad.argmax(axis=0).tolist() if bad.size else [0] * nv  # each schedule's first rejected row
+    for name in dict.fromkeys(names):  # where the loop first meets it: the least row, then the least schedule
+        vs = [v for v in range(nv) if names[v] == name and counts[v]]
+        if vs:
+            v = min(vs, key=lambda u: (firsts[u], u))
+            i, j = divmod(firsts[v], len(kept))
+            events.append(((i, kept[j], 0, v), f"grad_accum or compile ({name})",
+                           sum(counts[u] for u in vs) * npr * nz * n_rc))
     i, j, p = np.unravel_index(np.arange(len(mbs) * len(kept) * npr), (len(mbs), len(kept), npr))
     pair = np.array([pairs[k] for k in kept], dtype=np.int64).reshape(-1, 2)
     prec = np.array(precs, dtype=np.int64)
