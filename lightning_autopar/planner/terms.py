@@ -252,18 +252,18 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     # sharing a stage, and mids of a key differing only in schedule or vpp, often hold the same blocks
     at, rank, pair = rank_classes([mk], reps_m[..., :Stage.RANK])
     ck = mk[at]
-    g = lambda a: np.asarray(a)[ck] if np.ndim(a) else np.full(len(ck), float(a))  # noqa: E731
+    gc = lambda a: np.asarray(a)[ck] if np.ndim(a) else np.full(len(ck), float(a))  # noqa: E731  g per class
     nd, nm, he, hh = reps_m[at, rank, :Stage.RANK].T
     nb = nd + nm
-    tf = nd * g(dense.fwd) + nm * g(moe.fwd) + he * g(emb_f) + hh * g(head_f)
-    tb = nd * g(dense.bwd) + nm * g(moe.bwd) + he * g(emb_b) + hh * g(head_b)
-    comm = nb * g(tp_f + tp_b + cp_f + cp_b) + nm * g(ep_f + ep_b) + (he + hh) * g(tp_edge) + hh * g(loss_comm)
-    comm_rc = nb * g(tp_f + cp_f) + nm * g(ep_f)  # full and ops recompute re-run the forward's collectives
-    trc = [0.0 * tf, nd * g(dense.attn_fwd) + nm * g(moe.attn_fwd), nd * g(dense.fwd) + nm * g(moe.fwd) + comm_rc,
-           nb * g(ops_rc) + comm_rc]
-    bufs = hh * g(buf_last) + np.where(nm > 0, g(buf_moe), 0.0) + g(buf_p2p)
-    one_layer = np.where(nm > 0, g(act_moe[0]), g(act[0]))  # full recompute rebuilds one block at a time
-    kept = [nd * g(act[i]) + nm * g(act_moe[i]) for i in modes]
+    tf = nd * gc(dense.fwd) + nm * gc(moe.fwd) + he * gc(emb_f) + hh * gc(head_f)
+    tb = nd * gc(dense.bwd) + nm * gc(moe.bwd) + he * gc(emb_b) + hh * gc(head_b)
+    comm = nb * gc(tp_f + tp_b + cp_f + cp_b) + nm * gc(ep_f + ep_b) + (he + hh) * gc(tp_edge) + hh * gc(loss_comm)
+    comm_rc = nb * gc(tp_f + cp_f) + nm * gc(ep_f)  # full and ops recompute re-run the forward's collectives
+    trc = [0.0 * tf, nd * gc(dense.attn_fwd) + nm * gc(moe.attn_fwd), nd * gc(dense.fwd) + nm * gc(moe.fwd) + comm_rc,
+           nb * gc(ops_rc) + comm_rc]
+    bufs = hh * gc(buf_last) + np.where(nm > 0, gc(buf_moe), 0.0) + gc(buf_p2p)
+    one_layer = np.where(nm > 0, gc(act_moe[0]), gc(act[0]))  # full recompute rebuilds one block at a time
+    kept = [nd * gc(act[i]) + nm * gc(act_moe[i]) for i in modes]
     mid = {name: [] for name in ("tf", "tb", "base", "mem")}
     frag = 1 + FRAGMENTATION
     for r in range(N_REP):  # then per mid: its schedule's activations in flight and pipeline traffic
