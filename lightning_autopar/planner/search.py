@@ -26,8 +26,8 @@ from lightning_autopar.planner.hardware import GIB, Hardware
 from lightning_autopar.planner.partition import stage_chunks
 from lightning_autopar.planner.report import PlanReport, explain
 from lightning_autopar.planner.space import Space, enumerate_space, space_from_plans
-from lightning_autopar.planner.terms import (DPC_TERMS, N_REP, Dpc, Rc, Window, dp_rows, recompute_rows,
-                                             runtime_terms)
+from lightning_autopar.planner.terms import (DPC_TERMS, N_REP, ClassTerms, Dpc, Rc, Window, dp_rows,
+                                             recompute_rows, runtime_terms)
 from lightning_autopar.specs import (
     PRECISIONS,
     Breakdown,
@@ -100,8 +100,8 @@ class Tables:
     candidate gathers (mid x recompute, mid, dpc), and the steps priced so far (NaN: not yet). ``steps`` prices
     only what can rank (the bounded search); ``price`` assembles every candidate (the exhaustive path)."""
 
-    def __init__(self, hw: Hardware, space: Space, mid: dict[str, list], dpc: dict[str, list], opt_lut: np.ndarray,
-                 opt_width: int, n_opts: int, fixed: dict[str, np.ndarray] | None,
+    def __init__(self, hw: Hardware, space: Space, mid: dict[str, list], dpc: dict[str, list] | ClassTerms,
+                 opt_lut: np.ndarray, opt_width: int, n_opts: int, fixed: dict[str, np.ndarray] | None,
                  dpc_row: np.ndarray | None = None) -> None:
         K, M = space.keys, space.mids
         mk = M["key"]
@@ -117,7 +117,8 @@ class Tables:
         self.by_rc = pack32([mid[k.name.lower()] for k in Rc]).reshape(-1, N_REP, len(Rc))
         # compute windows that can hide data-parallel traffic (x the device's overlap share)
         self.by_mid = pack32([[hw.overlap * arr for arr in mid[k.name.lower()]] for k in Window])
-        self.by_dpc = pack32([dpc[k] for k in DPC_TERMS])
+        self.by_dpc = (pack32([[dpc.values[k]] for k in DPC_TERMS])[:, 0][dpc.pair] if isinstance(dpc, ClassTerms)
+                       else pack32([dpc[k] for k in DPC_TERMS]))
         self.f_sm = np.float32(hw.comm_sm)
         # steady state + fill/drain: m * (1 + the schedule's bubble fraction) slots
         # (cost_pipeline.bubble_fraction; 1F1B: (m + (pp-1)/vpp), Narayanan et al. 2021), then the once-per-step tail

@@ -12,6 +12,7 @@ EP groups are carved from the data-parallel ranks (ep divides dp).
 from __future__ import annotations
 
 from collections import Counter
+from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -32,6 +33,7 @@ RECOMPUTE_EVERY = (1, 2)
 EXTRA_RESTRICT = ("uneven",)  # restrict-only switch: allow uneven pipeline partitions (default True)
 
 
+@lru_cache(maxsize=None)  # asked per layout for a few distinct n; callers only read the list
 def divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
@@ -123,6 +125,7 @@ def check_fix(model: ModelSpec, world: int, global_batch: int, seq_len: int, fix
         raise ConfigError("fix.dp_shard", f"{fix['dp_shard']} does not divide dp={fix['dp']}", "choose a divisor of dp")
 
 
+@lru_cache(maxsize=None)  # pure; asked per layout with few distinct arguments
 def microbatch_rule(schedule: str, pp: int, microbatches: int) -> str | None:
     """Why ``microbatches`` per step cannot run ``schedule`` over ``pp`` ranks, or None. Interleaved schedules:
     micro-batches % pp == 0 (Megatron's rule; it also meets torch's "a multiple of max(1, m // pp) rounds" of
@@ -158,6 +161,7 @@ def context_compile_rule(cp: int, compile: bool) -> str | None:
     return None
 
 
+@lru_cache(maxsize=None)  # pure; asked per layout with few distinct arguments
 def compile_rule(schedule: str, pp: int, compile: bool) -> str | None:
     """Why ``compile`` cannot run with ``schedule``, or None: torch's zero-bubble schedules refuse compiled stage
     modules (schedules._check_torch_compile_compatibility: no input/weight backward split under torch.compile)."""
@@ -221,6 +225,10 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
     sps = _allowed("sp", [False, True], fix, restrict)
     compiles = [int(c) for c in _allowed("compile", [False, True], fix, restrict)]  # eager first: wins ties
 
+    # asked once per layout, answered once per distinct (dp, cp) and pp
+    zero_rows = lru_cache(maxsize=None)(lambda dp, cp: with_offload(_zero_shards(dp, cp, zeros, fix, restrict),
+                                                                    offloads))
+    schedule_rows = lru_cache(maxsize=None)(lambda pp: _schedules(L, pp, schedules, fix, restrict))
     lay_rows: list[tuple] = []
     key_rows: list[tuple] = []
     mid_rows: list[tuple] = []
@@ -262,8 +270,7 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
                     if not mbss:
                         rejected["global_batch % (dp*mbs)"] += 1
                         continue
-                    zds = with_offload(_zero_shards(dp, cp, zeros, fix, restrict), offloads)
-                    scheds = _schedules(L, pp, schedules, fix, restrict)
+                    zds, scheds = zero_rows(dp, cp), schedule_rows(pp)
                     sp_vals = [int(s) for s in sps if tp > 1 or not s]
                     if not zds or not scheds or not sp_vals:
                         rejected["zero/dp_shard, schedule/vpp or sp"] += 1
@@ -320,25 +327,28 @@ def _layout_rows(lay: int, pp: int, cp: int, dp: int, global_batch: int, mbss: S
     skipped = [j for j in range(len(pairs)) if j not in kept]
     if skipped:
         events.append(((0, skipped[0], -1, -1), "compile with cp > 1", len(mbs) * len(skipped) * npr * nv * nz * n_rc))
-    for name in dict.fromkeys(names):
-        vs = [v for v in range(nv) if names[v] == name]
-        bad = ~ok[:, :, vs]
-        if bad.any():
-            i, j, v = np.unravel_index(np.flatnonzero(bad)[0], bad.shape)
-            events.append(((int(i), kept[j], 0, vs[v]), f"grad_accum or compile ({name})",
-                           int(bad.sum()) * npr * nz * n_rc))
-    i, j, p = (a.reshape(-1) for a in np.indices((len(mbs), len(kept), npr)))
+    bad = ~ok.reshape(-1, nv)  # rows (mbs, kept pair) in loop order
+    counts = bad.sum(axis=0).tolist() if bad.size else [0] * nv
+    firsts = bad.argmax(axis=0).tolist() if bad.size else [0] * nv  # each schedule's first rejected row
+    for name in dict.fromkeys(names):  # where the loop first meets it: the least row, then the least schedule
+        vs = [v for v in range(nv) if names[v] == name and counts[v]]
+        if vs:
+            v = min(vs, key=lambda u: (firsts[u], u))
+            i, j = divmod(firsts[v], len(kept))
+            events.append(((i, kept[j], 0, v), f"grad_accum or compile ({name})",
+                           sum(counts[u] for u in vs) * npr * nz * n_rc))
+    i, j, p = np.unravel_index(np.arange(len(mbs) * len(kept) * npr), (len(mbs), len(kept), npr))
     pair = np.array([pairs[k] for k in kept], dtype=np.int64).reshape(-1, 2)
     prec = np.array(precs, dtype=np.int64)
-    keys = np.stack([np.full(len(i), lay), mbs[i], pair[j, 0], prec[p], ga[i], pair[j, 1]], axis=1)
+    keys = np.array([np.full(len(i), lay), mbs[i], pair[j, 0], prec[p], ga[i], pair[j, 1]]).T
     mi, mj, mp, mv = np.nonzero(np.broadcast_to(ok[:, :, None, :], (len(mbs), len(kept), npr, nv)))
     sv = np.array(scheds, dtype=np.int64).reshape(-1, 2)
-    mids = np.stack([(mi * len(kept) + mj) * npr + mp, sv[mv, 0], sv[mv, 1], (mp * nv + mv) * nz,
-                     np.full(len(mi), nz)], axis=1)
-    dp_, dv, dz = (a.reshape(-1) for a in np.indices((npr, nv, nz)))
+    mids = np.array([(mi * len(kept) + mj) * npr + mp, sv[mv, 0], sv[mv, 1], (mp * nv + mv) * nz,
+                     np.full(len(mi), nz)]).T
+    dp_, dv, dz = np.unravel_index(np.arange(npr * nv * nz), (npr, nv, nz))
     z = np.array(zds, dtype=np.int64).reshape(-1, 3)
-    dpcs = np.stack([np.full(len(dp_), lay), prec[dp_], sv[dv, 0], sv[dv, 1], z[dz, 0], z[dz, 1], z[dz, 2]], axis=1)
-    return keys, mids, dpcs, events
+    dpcs = np.array([np.full(len(dp_), lay), prec[dp_], sv[dv, 0], sv[dv, 1], z[dz, 0], z[dz, 1], z[dz, 2]]).T
+    return keys, mids, dpcs, events  # (rows, columns) views: np.array(...).T is several times cheaper than stack
 
 
 def _recompute_modes(model: ModelSpec, fix: Mapping[str, Any], restrict: Mapping[str, Sequence]) -> list[str]:

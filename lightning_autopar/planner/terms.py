@@ -11,6 +11,7 @@ cost-module function named there with its formula and source. search.Tables comb
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Callable
 
@@ -96,8 +97,12 @@ def dp_rows(space: Space) -> tuple[np.ndarray, np.ndarray]:
     only through (vpp, V placement or not): 1f1b and gpipe, or interleaved and interleaved-zb at one vpp, or zbv
     and dualpipev, hold the same blocks per rank (partition.stage_table), so their rows are one class."""
     D = space.dpcs
-    cols = [D["layout"], D["precision"], D["zero"], D["dp_shard"], D["offload"], D["vpp"],
-            np.isin(D["schedule"], V_CODES).astype(np.int64)]
+    return row_classes([D["layout"], D["precision"], D["zero"], D["dp_shard"], D["offload"], D["vpp"],
+                        np.isin(D["schedule"], V_CODES).astype(np.int64)])
+
+
+def row_classes(cols: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows alike in every non-negative int column of ``cols``: (the first row of each class, each row's class)."""
     radix = [int(col.max(initial=0)) + 1 for col in cols]
     if math.prod(radix) >= 2**62:  # too wide for one int64 key: rows compared whole
         _, first, inverse = np.unique(np.stack(cols, axis=1), axis=0, return_index=True, return_inverse=True)
@@ -105,8 +110,36 @@ def dp_rows(space: Space) -> tuple[np.ndarray, np.ndarray]:
     key = np.zeros(len(cols[0]), dtype=np.int64)
     for col, base in zip(cols, radix):  # mixed radix: one int64 per row, sorted once
         key = key * base + col
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    return first, inverse.reshape(-1)
+    _, inverse = np.unique(key, return_inverse=True)  # return_index would sort stably: several times slower
+    inverse = inverse.reshape(-1)
+    first = np.full(int(inverse.max(initial=-1)) + 1, len(inverse))
+    np.minimum.at(first, inverse, np.arange(len(inverse)))
+    return first, inverse
+
+
+@dataclass
+class ClassTerms:
+    """Terms priced once per class of (row, representative rank) pairs (``rank_classes``): ``values[name]`` per
+    class, ``pair`` (rows, N_REP) each pair's class. ``terms[name]`` is the per-rank list the other forms return;
+    search.Tables packs the classes first, then gathers rows (cheaper than packing every pair)."""
+
+    values: dict[str, np.ndarray]
+    pair: np.ndarray
+
+    def __getitem__(self, name: str) -> list[np.ndarray]:
+        return [self.values[name][self.pair[:, r]] for r in range(N_REP)]
+
+
+def rank_classes(row_cols: list[np.ndarray], contents: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (row, representative rank) pairs whose terms read the same values, priced once: the row's fields
+    ``row_cols`` and the rank's stage ``contents`` (rows, N_REP, columns; whole numbers >= 0) alike. Ranks share
+    a stage where pp = 1 (one stage) or the middle rank is the first's, and rows differing only in vpp or the
+    schedule often hold the same blocks per rank. Returns (row, rank) of one pair per class and each pair's
+    class, (rows, N_REP)."""
+    n = len(contents)
+    flat = contents.transpose(1, 0, 2).reshape(n * N_REP, -1).astype(np.int64)  # rank-major: pair r * n + row
+    first, inverse = row_classes([np.tile(col, N_REP) for col in row_cols] + list(flat.T))
+    return first % n, first // n, inverse.reshape(N_REP, n).T
 
 
 def thinned_share(blocks: np.ndarray, every: int) -> np.ndarray:
@@ -215,25 +248,31 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     reps_m, reps_d = reps[:n_m], reps[n_m:]
     pp_m, ga_m = g(pp), g(ga)
     p2p_mb = np.where(pp_m > 1, 2 * vpp_m * g(p2p), 0.0)
+    # the terms of a rank that read only its key and its blocks, once per distinct (key, stage contents): ranks
+    # sharing a stage, and mids of a key differing only in schedule or vpp, often hold the same blocks
+    at, rank, pair = rank_classes([mk], reps_m[..., :Stage.RANK])
+    ck = mk[at]
+    gc = lambda a: np.asarray(a)[ck] if np.ndim(a) else np.full(len(ck), float(a))  # noqa: E731  g per class
+    nd, nm, he, hh = reps_m[at, rank, :Stage.RANK].T
+    nb = nd + nm
+    tf = nd * gc(dense.fwd) + nm * gc(moe.fwd) + he * gc(emb_f) + hh * gc(head_f)
+    tb = nd * gc(dense.bwd) + nm * gc(moe.bwd) + he * gc(emb_b) + hh * gc(head_b)
+    comm = nb * gc(tp_f + tp_b + cp_f + cp_b) + nm * gc(ep_f + ep_b) + (he + hh) * gc(tp_edge) + hh * gc(loss_comm)
+    comm_rc = nb * gc(tp_f + cp_f) + nm * gc(ep_f)  # full and ops recompute re-run the forward's collectives
+    trc = [0.0 * tf, nd * gc(dense.attn_fwd) + nm * gc(moe.attn_fwd), nd * gc(dense.fwd) + nm * gc(moe.fwd) + comm_rc,
+           nb * gc(ops_rc) + comm_rc]
+    bufs = hh * gc(buf_last) + np.where(nm > 0, gc(buf_moe), 0.0) + gc(buf_p2p)
+    one_layer = np.where(nm > 0, gc(act_moe[0]), gc(act[0]))  # full recompute rebuilds one block at a time
+    kept = [nd * gc(act[i]) + nm * gc(act_moe[i]) for i in modes]
     mid = {name: [] for name in ("tf", "tb", "base", "mem")}
     frag = 1 + FRAGMENTATION
-    for r in range(N_REP):
-        nd, nm, he, hh, stage = (reps_m[:, r, c] for c in Stage)
-        nb = nd + nm
-        tf = nd * g(dense.fwd) + nm * g(moe.fwd) + he * g(emb_f) + hh * g(head_f)
-        tb = nd * g(dense.bwd) + nm * g(moe.bwd) + he * g(emb_b) + hh * g(head_b)
-        comm = (nb * g(tp_f + tp_b + cp_f + cp_b) + nm * g(ep_f + ep_b) + (he + hh) * g(tp_edge) + hh * g(loss_comm)
-                + p2p_mb)
-        comm_rc = nb * g(tp_f + cp_f) + nm * g(ep_f)  # full and ops recompute re-run the forward's collectives
-        trc = [0.0 * tf, nd * g(dense.attn_fwd) + nm * g(moe.attn_fwd), nd * g(dense.fwd) + nm * g(moe.fwd) + comm_rc,
-               nb * g(ops_rc) + comm_rc]
-        inflight = inflight_microbatches(sched_m, pp_m, vpp_m, ga_m, stage)
-        bufs = hh * g(buf_last) + np.where(nm > 0, g(buf_moe), 0.0) + g(buf_p2p)
-        one_layer = np.where(nm > 0, g(act_moe[0]), g(act[0]))  # full recompute rebuilds one block at a time
-        mid["tf"].append(tf)
-        mid["tb"].append(tb)
-        kept = [nd * g(act[i]) + nm * g(act_moe[i]) for i in modes]
-        base, mem = _mix_options(opts, nb, tf + tb + comm, trc, inflight, kept, bufs, one_layer, frag)
+    for r in range(N_REP):  # then per mid: its schedule's activations in flight and pipeline traffic
+        c = pair[:, r]
+        inflight = inflight_microbatches(sched_m, pp_m, vpp_m, ga_m, reps_m[:, r, Stage.RANK])
+        mid["tf"].append(tf[c])
+        mid["tb"].append(tb[c])
+        base, mem = _mix_options(opts, nb[c], tf[c] + tb[c] + (comm[c] + p2p_mb), [t[c] for t in trc], inflight,
+                                 [k[c] for k in kept], bufs[c], one_layer[c], frag)
         mid["base"].append(base)
         mid["mem"].append(mem)
 
@@ -244,20 +283,22 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     p_dense_blk, p_moe_shared, p_moe_expert, p_emb, p_head = rank_param_counts(m, tp_d, ep_d, pp_d, has_moe)
     h_dense, h_shared, _, h_emb, h_head = rank_param_counts(m, tp_d, ep_d, pp_d, has_moe, held=True)
     unit = np.maximum(p_dense_blk, p_moe_shared + p_moe_expert if has_moe else 0.0)
+    # each distinct (dpc row's fields, rank's stage contents) priced once, as one vector
+    content = reps_d[..., [Stage.DENSE, Stage.MOE, Stage.EMBEDDING, Stage.HEAD]]
+    at, rank, pair = rank_classes([dl, prec_d, zero, D["dp_shard"], D["offload"]], content)
+    nd, nm, he, hh = content[at, rank].T
+    p_d = nd * p_dense_blk[at] + nm * p_moe_shared[at] + he * p_emb[at] + hh * p_head[at]
+    p_e = nm * p_moe_expert[at]
+    # one FSDP unit per block plus one for the stage's embedding / norm / head: the first unit's gather and
+    # the last unit's reduction have no compute to hide behind
+    edge = he * p_emb[at] + hh * p_head[at]
+    tail = np.minimum(1.0, np.where(edge > 0, edge, unit[at]) / np.maximum(p_d + p_e, 1.0))
+    kept = edge + np.where(nd > 0, p_dense_blk[at], p_moe_shared[at])  # the root unit and the last block
+    held_d = nd * h_dense[at] + nm * h_shared[at] + he * h_emb[at] + hh * h_head[at]
     dpc: dict[str, list] = {name: [] for name in DPC_TERMS}
-    for r in range(N_REP):
-        nd, nm, he, hh = (reps_d[:, r, c] for c in (Stage.DENSE, Stage.MOE, Stage.EMBEDDING, Stage.HEAD))
-        p_d = nd * p_dense_blk + nm * p_moe_shared + he * p_emb + hh * p_head
-        p_e = nm * p_moe_expert
-        # one FSDP unit per block plus one for the stage's embedding / norm / head: the first unit's gather and
-        # the last unit's reduction have no compute to hide behind
-        edge = he * p_emb + hh * p_head
-        tail = np.minimum(1.0, np.where(edge > 0, edge, unit) / np.maximum(p_d + p_e, 1.0))
-        kept = edge + np.where(nd > 0, p_dense_blk, p_moe_shared)  # the root unit and the last block
-        held_d = nd * h_dense + nm * h_shared + he * h_emb + hh * h_head
-        _dp_rank_terms(hw, dpc, zero, prec_d, dp_d, cp_d, tp_d, ep_d, ds, p_d, p_e, unit, tail, pp_d, D["offload"],
-                       m.trainable_share(), kept, held_d)
-    return mid, dpc
+    _dp_rank_terms(hw, dpc, zero[at], prec_d[at], dp_d[at], cp_d[at], tp_d[at], ep_d[at], ds[at], p_d, p_e,
+                   unit[at], tail, pp_d[at], D["offload"][at], m.trainable_share(), kept, held_d)
+    return mid, ClassTerms({name: np.asarray(v[0]) for name, v in dpc.items()}, pair)
 
 
 def unit_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, measured: Measured | None,
