@@ -6,7 +6,6 @@ Exit codes (contract): 0 ok; 2 bad input (one line naming the field and the fix)
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Sequence
 
@@ -22,11 +21,6 @@ SUBCOMMANDS = {
                  "fake tensors): memory and collectives per rank beside the planner's"),
     "probe": ("lightning_autopar.runtime.probe", "measure collective bandwidth on the live group (torchrun)"),
 }
-
-
-# subcommands whose numpy work is elementwise: OpenBLAS's thread pool, which starts as numpy loads, only costs them
-# start-up time (~0.08 s of an ``autopar plan`` call on 2 cores); one BLAS thread unless the user set a count
-ONE_BLAS_THREAD = ("plan",)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,8 +46,6 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    if command in ONE_BLAS_THREAD and "numpy" not in sys.modules:  # a fresh process: nothing else shares the setting
-        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     args = build_parser(command if command in SUBCOMMANDS else None).parse_args(argv)
     try:
         return int(args._run(args) or 0)
