@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,10 +20,12 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-os.environ["AUTOPAR_CACHE"] = tempfile.mkdtemp(prefix="autopar_cache")  # tests never read or write a user's cache
-# inductor's compiled kernels: shared by the session's processes (a graph built once is loaded by the next process
-# that compiles it), never by an earlier session's, so a run does not depend on what ran before it
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar_inductor")
+_SESSION_DIRS = {"AUTOPAR_CACHE": tempfile.mkdtemp(prefix="autopar_cache"),  # tests never touch a user's cache
+                 # inductor's compiled kernels: shared by the session's processes (a graph built once is loaded by
+                 # the next process that compiles it), never by an earlier session's, so a run does not depend on
+                 # what ran before it
+                 "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="autopar_inductor")}
+os.environ.update(_SESSION_DIRS)
 DIST = Path(__file__).resolve().parent / "dist"
 sys.path.insert(0, str(DIST))
 # this process's own work (single-process references, planner and meta tests) on one core: the launches beside it
@@ -129,6 +132,12 @@ def pytest_sessionfinish(session, exitstatus):
     """Launches not yet begun are dropped when the session ends early (-x, an interrupt)."""
     for lane in _LANES.values():
         lane.shutdown(wait=False, cancel_futures=True)
+
+
+def pytest_unconfigure(config):
+    """The session's cache directories go with it (they were left in the temp dir by every run)."""
+    for path in _SESSION_DIRS.values():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_addoption(parser):
