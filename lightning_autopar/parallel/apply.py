@@ -297,13 +297,23 @@ def check_pipeline_once(root: nn.Module, transformer: nn.Module, analysis: Model
     caps.checked("pp", (pp, vpp), run)
 
 
+def call_trace(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis, caps: Capabilities,
+               example: tuple[tuple, dict] | None = None) -> Any:
+    """The meta trace of the model's call (``units.trace_calls``), once per model and call: the vocabulary check
+    and the choice of units both read it. It holds module and parameter names only, so a copy of the model
+    (``Capabilities.for_copy``) reads the same one."""
+    from lightning_autopar.parallel.units import trace_calls
+
+    return caps.memo("call trace" if example is None else "call trace of the example", lambda: trace_calls(
+        root, transformer, analysis.spec.seq_len, [b.fqn for b in analysis.blocks], example))
+
+
 def vocab_modules(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
                   caps: Capabilities) -> VocabModules | None:
     """The embedding and LM head vocabulary parallelism would shard (None where it cannot: ``caps.vocab`` says
     why), found once per model from the untouched model: the head may sit in the pipeline split's wrapper (an HF
     ``*ForCausalLM``), and the trace of the model's call tells whether their weights are used outside their
     modules."""
-    from lightning_autopar.parallel.units import trace_calls
     from lightning_autopar.parallel.vocab import find_modules, module_refusal
 
     def find() -> tuple[VocabModules | None, str]:
@@ -312,7 +322,7 @@ def vocab_modules(root: nn.Module, transformer: nn.Module, analysis: ModelAnalys
         where = find_modules(root, transformer, analysis, split_analysis, split)
         if isinstance(where, str):
             return None, where
-        trace = trace_calls(root, transformer, analysis.spec.seq_len, [b.fqn for b in analysis.blocks])
+        trace = call_trace(root, transformer, analysis, caps)
         return where, module_refusal(root, where, trace.uses if trace.traced else None)
 
     where, caps.vocab = caps.memo("vocab", find)
@@ -393,7 +403,8 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     units = None
     if plan.pp == 1:  # chosen on the untouched model: TP and EP below change its parameters
         units = choose_units(root, transformer, [b.fqn for b in analysis.blocks], analysis.spec.seq_len,
-                             wrap_blocks=not plain_ddp(plan, analysis), example=example)
+                             wrap_blocks=not plain_ddp(plan, analysis), example=example,
+                             trace=call_trace(root, transformer, analysis, caps, example))
     pipeline = split = None
     context = None
     if plan.cp > 1 and plan.pp > 1:  # 2b. CP, before the split: hooks on every piece, the whole model checked
