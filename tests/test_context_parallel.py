@@ -18,7 +18,8 @@ from lightning_autopar.profile.analyze import analyze, find_transformer
 
 WORLD4 = ["memory", "gpt_cp2_dp2", "gpt_cp2_dp2_zero0_accum", "gpt_cp4", "gpt_tp2_cp2", "gpt_tp2_cp2_sp",
           "gpt_pp2_cp2",
-          "llama_cp2_dp2", "refuse_padding", "refuse_rope"]
+          "llama_cp2_dp2", "refuse_padding", "refuse_rope",
+          "gpt_cp2_dp2_heads", "gpt_cp4_heads", "gpt_tp2_cp2_sp_heads", "llama_cp4_heads"]
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +91,13 @@ def test_litgpt_whose_blocks_run_from_a_module_dict_is_refused():
 
 
 @pytest.mark.parametrize("name, cp, sp", [("gpt_cp2_dp2", 2, False), ("gpt_cp4", 4, False),
-                                         ("gpt_tp2_cp2", 2, False), ("gpt_tp2_cp2_sp", 2, True)])
+                                         ("gpt_tp2_cp2", 2, False), ("gpt_tp2_cp2_sp", 2, True),
+                                         ("gpt_cp2_dp2_heads", 2, False), ("gpt_cp4_heads", 4, False),
+                                         ("gpt_tp2_cp2_sp_heads", 2, True)])
 def test_gpt_matches_single_process(world4, name, cp, sp):
     result = load(world4, name)
-    assert (result["plan"]["cp"], result["plan"]["sp"]) == (cp, sp)
+    kind = "heads" if name.endswith("_heads") else "gather"
+    assert (result["plan"]["cp"], result["plan"]["sp"], result["plan"]["cp_kind"]) == (cp, sp, kind)
     assert_equivalent(result, *reference_run())
 
 
@@ -107,10 +111,13 @@ def test_gpt_pipeline_matches(world4):
     assert_equivalent(result, *reference_run(micro_batches=4))
 
 
-def test_hf_llama_gqa_matches(world4):
+@pytest.mark.parametrize("name", ["llama_cp2_dp2", "llama_cp4_heads"])
+def test_hf_llama_gqa_matches(world4, name):
     from tests_hf import hf_reference_run
 
-    assert_equivalent(load(world4, "llama_cp2_dp2"), *hf_reference_run(8))
+    result = load(world4, name)
+    assert result["plan"]["cp_kind"] == ("heads" if name.endswith("_heads") else "gather")
+    assert_equivalent(result, *hf_reference_run(8))
 
 
 @pytest.mark.parametrize("name, words", [("refuse_padding", "given a mask"),

@@ -211,7 +211,7 @@ def chunk_slots(cp: int) -> list[int]:
     return [2 * b if b < cp else 2 * (2 * cp - 1 - b) + 1 for b in range(2 * cp)]
 
 
-def _reorder(x: torch.Tensor, slots: list[int], chunk: int) -> torch.Tensor:
+def reorder_chunks(x: torch.Tensor, slots: list[int], chunk: int) -> torch.Tensor:
     """Chunks of ``x`` (dim -2) taken in the order ``slots``: one copy."""
     return torch.cat([x[..., s * chunk:(s + 1) * chunk, :] for s in slots], -2)
 
@@ -275,7 +275,7 @@ class _ChunkedCausalAttention(torch.autograd.Function):
                 scale: float | None) -> torch.Tensor:
         chunk = q.shape[-2] // 2
         slots = chunk_slots(cp)
-        k, v = _reorder(k, slots, chunk), _reorder(v, slots, chunk)
+        k, v = reorder_chunks(k, slots, chunk), reorder_chunks(v, slots, chunk)
         fwd, _ = _chunk_kernels(q.device)
         outs, lses = [], []
         for q_slot, a in enumerate((rank, 2 * cp - 1 - rank)):
@@ -316,7 +316,7 @@ class _ChunkedCausalAttention(torch.autograd.Function):
                 dv[..., :a * chunk, :] += gv
         # back to the all-gather's order: gathered slot s holds global chunk order[s]
         order = sorted(range(2 * cp), key=chunk_slots(cp).__getitem__)
-        return dq, _reorder(dk, order, chunk), _reorder(dv, order, chunk), None, None, None
+        return dq, reorder_chunks(dk, order, chunk), reorder_chunks(dv, order, chunk), None, None, None
 
 
 def chunked_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cp: CPGroup,
@@ -588,15 +588,18 @@ def _unset(forward: Callable[..., Any], name: str, args: tuple, kwargs: dict) ->
 
 
 def apply_context_parallel(transformer: nn.Module, blocks: list[nn.Module], cp_group: Any, model: str,
-                           root: nn.Module | None = None, causal: bool = False) -> ContextParallel:
+                           root: nn.Module | None = None, causal: bool = False,
+                           attention: Callable[..., Callable[..., torch.Tensor]] | None = None) -> ContextParallel:
     """Install the cp hooks on ``transformer`` (sequence in/out, positions), on ``blocks`` (attention) and on the
     modules of ``root`` outside the transformer that own parameters (``replicated_modules``). ``causal``: the
-    attention is causal by itself in every block (``Capabilities.causal``, from ``check_cp``)."""
+    attention is causal by itself in every block (``Capabilities.causal``, from ``check_cp``). ``attention``: the
+    flavour, ``(original sdpa, CPGroup, model, MaskAgreement) -> sdpa`` -- ``cp_attention`` (K/V all-gathered,
+    the default) or ``context_heads.heads_attention`` (all-to-all over heads, ``plan.cp_kind="heads"``)."""
     import torch.distributed as dist
 
     cp = CPGroup(cp_group, dist.get_world_size(cp_group), dist.get_rank(cp_group))
     masks = MaskAgreement(cp, causal=causal)
-    patch = _Patch(cp_attention(F.scaled_dot_product_attention, cp, model, masks))
+    patch = _Patch((attention or cp_attention)(F.scaled_dot_product_attention, cp, model, masks))
     state = ContextParallel(cp, model, patch, masks, transformer.forward)
     _INSTALLED.add(state)
 
