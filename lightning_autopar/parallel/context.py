@@ -174,14 +174,7 @@ def cp_attention(original: Callable[..., torch.Tensor], cp: CPGroup, model: str,
     @functools.wraps(original)
     def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **kwargs: Any) -> Any:
-        if query.shape[-2] != key.shape[-2]:
-            raise ConfigError("plan.cp", f"{model}: an attention whose queries and keys differ in length "
-                              "(cross-attention, a KV cache) cannot be split over the sequence", "use cp=1")
-        seq = query.shape[-2] * cp.size
-        why = masks.verify(attn_mask, is_causal, seq)
-        if masks.any(why is not None, query.device):
-            raise ConfigError("plan.cp", f"{model}: {why or 'another cp rank refused its attention mask'}, which a "
-                              "sequence split over cp ranks cannot apply", "use cp=1")
+        seq = checked_call(query, key, attn_mask, is_causal, cp, model, masks)
         if masks.keys is not None and kwargs.pop("enable_gqa", False):
             # the model may repeat K/V itself where it passes a mask, not where it passes none (Hugging Face), and a
             # padding mask can vanish from one rank's part: every rank gathers K/V at the query's head count
@@ -200,6 +193,22 @@ def cp_attention(original: Callable[..., torch.Tensor], cp: CPGroup, model: str,
 
     return sdpa
 
+
+
+def checked_call(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+                 cp: CPGroup, model: str, masks: MaskAgreement) -> int:
+    """The whole sequence's length of this rank's attention call, after the refusals both cp flavours share
+    (``cp_attention``, ``context_heads.heads_attention``): queries and keys of different lengths, and a mask no cp
+    rank can apply (``MaskAgreement.verify``, agreed over the group so all refuse together)."""
+    if query.shape[-2] != key.shape[-2]:
+        raise ConfigError("plan.cp", f"{model}: an attention whose queries and keys differ in length "
+                          "(cross-attention, a KV cache) cannot be split over the sequence", "use cp=1")
+    seq = query.shape[-2] * cp.size
+    why = masks.verify(attn_mask, is_causal, seq)
+    if masks.any(why is not None, query.device):
+        raise ConfigError("plan.cp", f"{model}: {why or 'another cp rank refused its attention mask'}, which a "
+                          "sequence split over cp ranks cannot apply", "use cp=1")
+    return seq
 
 
 # ------------------------------------------------------------------------------------- mask-free causal attention

@@ -27,7 +27,7 @@ import torch
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.parallel.collectives import all_to_all_along
-from lightning_autopar.parallel.context import CPGroup, MaskAgreement, chunk_slots, reorder_chunks
+from lightning_autopar.parallel.context import CPGroup, MaskAgreement, checked_call, chunk_slots, reorder_chunks
 from lightning_autopar.planner.space import heads_rule
 
 HEADS, SEQ = -3, -2  # the dims of SDPA's [batch, heads, sequence, head_dim] inputs
@@ -69,18 +69,11 @@ def heads_attention(original: Callable[..., torch.Tensor], cp: CPGroup, model: s
     @functools.wraps(original)
     def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **kwargs: Any) -> Any:
-        if query.shape[-2] != key.shape[-2]:
-            raise ConfigError("plan.cp", f"{model}: an attention whose queries and keys differ in length "
-                              "(cross-attention, a KV cache) cannot be split over the sequence", "use cp=1")
-        if query.dim() != 4 or query.shape[HEADS] % cp.size:
+        if query.dim() != 4 or query.shape[HEADS] % cp.size:  # the same on every cp rank
             raise ConfigError("plan.cp_kind", f"{model}: an attention call with {query.shape[HEADS]} query heads "
                               f"per rank cannot deal them out over cp={cp.size} ranks",
                               "use cp_kind=gather, or a cp dividing heads/tp")
-        seq = query.shape[SEQ] * cp.size
-        why = masks.verify(attn_mask, is_causal, seq)
-        if masks.any(why is not None, query.device):
-            raise ConfigError("plan.cp", f"{model}: {why or 'another cp rank refused its attention mask'}, which a "
-                              "sequence split over cp ranks cannot apply", "use cp=1")
+        seq = checked_call(query, key, attn_mask, is_causal, cp, model, masks)
         if key.shape[HEADS] % cp.size:  # GQA with fewer kv heads than cp: repeated to the query heads
             rep = query.shape[HEADS] // key.shape[HEADS]
             key, value = key.repeat_interleave(rep, HEADS), value.repeat_interleave(rep, HEADS)
