@@ -1,7 +1,9 @@
 """Context parallelism (``parallel.context``): the load-balanced sequence layout, the refusals found from the
 model's structure, and (one torchrun at world 4, tests/dist/cp_scenarios.py) training under strategy="autopar"
 equal to the single-process loop -- our GPT at cp2 x dp2 (zero 3; zero 0 with accumulation and full recompute),
-cp4, tp2 x cp2 (sp off and on), pp2 x cp2, the tiny Hugging Face Llama (GQA) at cp2 x dp2 --, one-line refusals of a padding mask
+cp4, tp2 x cp2 (sp off and on), pp2 x cp2, the tiny Hugging Face Llama (GQA) at cp2 x dp2; the heads flavour
+(cp_kind=heads) at cp2 x dp2, cp4 and tp2+sp x cp2 for our GPT, the Llama at cp4 and with right padding at cp2 x
+dp2 --, one-line refusals of a padding mask
 and of a RoPE computed from the sequence length, and less activation memory at cp2 than at cp1."""
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from lightning_autopar.profile.analyze import analyze, find_transformer
 WORLD4 = ["memory", "gpt_cp2_dp2", "gpt_cp2_dp2_zero0_accum", "gpt_cp4", "gpt_tp2_cp2", "gpt_tp2_cp2_sp",
           "gpt_pp2_cp2",
           "llama_cp2_dp2", "refuse_padding", "refuse_rope",
-          "gpt_cp2_dp2_heads", "gpt_cp4_heads", "gpt_tp2_cp2_sp_heads", "llama_cp4_heads"]
+          "gpt_cp2_dp2_heads", "gpt_cp4_heads", "gpt_tp2_cp2_sp_heads", "llama_cp4_heads",
+          "llama_cp2_heads_right_padding"]
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +114,14 @@ def test_gpt_pipeline_matches(world4):
     assert_equivalent(result, *reference_run(micro_batches=4))
 
 
-@pytest.mark.parametrize("name", ["llama_cp2_dp2", "llama_cp4_heads"])
+@pytest.mark.parametrize("name", ["llama_cp2_dp2", "llama_cp4_heads", "llama_cp2_heads_right_padding"])
 def test_hf_llama_gqa_matches(world4, name):
+    from cp_scenarios import make_for
     from tests_hf import hf_reference_run
 
     result = load(world4, name)
-    assert result["plan"]["cp_kind"] == ("heads" if name.endswith("_heads") else "gather")
-    assert_equivalent(result, *hf_reference_run(8))
+    assert result["plan"]["cp_kind"] == ("gather" if name == "llama_cp2_dp2" else "heads")
+    assert_equivalent(result, *hf_reference_run(8, make=make_for(name) if "padding" in name else None))
 
 
 @pytest.mark.parametrize("name, words", [("refuse_padding", "given a mask"),

@@ -175,11 +175,7 @@ def cp_attention(original: Callable[..., torch.Tensor], cp: CPGroup, model: str,
     def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **kwargs: Any) -> Any:
         seq = checked_call(query, key, attn_mask, is_causal, cp, model, masks)
-        if masks.keys is not None and kwargs.pop("enable_gqa", False):
-            # the model may repeat K/V itself where it passes a mask, not where it passes none (Hugging Face), and a
-            # padding mask can vanish from one rank's part: every rank gathers K/V at the query's head count
-            rep = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
+        key, value = same_heads_on_every_rank(query, key, value, masks, kwargs)
         keys = _AllGather.apply(key, key.dim() - 2, cp, True)
         values = _AllGather.apply(value, value.dim() - 2, cp, True)
         if masks.keys is None and is_causal and dropout_p == 0.0 and set(kwargs) <= {"enable_gqa"}:
@@ -209,6 +205,18 @@ def checked_call(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor
         raise ConfigError("plan.cp", f"{model}: {why or 'another cp rank refused its attention mask'}, which a "
                           "sequence split over cp ranks cannot apply", "use cp=1")
     return seq
+
+
+def same_heads_on_every_rank(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masks: MaskAgreement,
+                             kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V with as many heads on every cp rank (both flavours exchange them): with a padding mask, the model
+    may repeat K/V itself where it passes a mask, not where it passes none (Hugging Face), and the padding can
+    vanish from one rank's part -- so GQA's K/V (``enable_gqa``, popped from ``kwargs``) are repeated to the
+    query's head count on every rank."""
+    if masks.keys is not None and kwargs.pop("enable_gqa", False):
+        rep = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
+    return key, value
 
 
 # ------------------------------------------------------------------------------------- mask-free causal attention

@@ -27,7 +27,8 @@ import torch
 
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.parallel.collectives import all_to_all_along
-from lightning_autopar.parallel.context import CPGroup, MaskAgreement, checked_call, chunk_slots, reorder_chunks
+from lightning_autopar.parallel.context import (CPGroup, MaskAgreement, checked_call, chunk_slots, reorder_chunks,
+                                               same_heads_on_every_rank)
 from lightning_autopar.planner.space import heads_rule
 
 HEADS, SEQ = -3, -2  # the dims of SDPA's [batch, heads, sequence, head_dim] inputs
@@ -74,6 +75,7 @@ def heads_attention(original: Callable[..., torch.Tensor], cp: CPGroup, model: s
                               f"per rank cannot deal them out over cp={cp.size} ranks",
                               "use cp_kind=gather, or a cp dividing heads/tp")
         seq = checked_call(query, key, attn_mask, is_causal, cp, model, masks)
+        key, value = same_heads_on_every_rank(query, key, value, masks, kwargs)
         if key.shape[HEADS] % cp.size:  # GQA with fewer kv heads than cp: repeated to the query heads
             rep = query.shape[HEADS] // key.shape[HEADS]
             key, value = key.repeat_interleave(rep, HEADS), value.repeat_interleave(rep, HEADS)

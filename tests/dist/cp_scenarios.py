@@ -36,6 +36,7 @@ PLANS = {
     "gpt_cp4_heads": "cp=4,dp=1,cp_kind=heads",
     "gpt_tp2_cp2_sp_heads": "tp=2,cp=2,dp=1,sp=true,cp_kind=heads",
     "llama_cp4_heads": "cp=4,dp=1,cp_kind=heads",
+    "llama_cp2_heads_right_padding": "cp=2,dp=2,zero=2,cp_kind=heads",
 }
 
 
@@ -48,6 +49,19 @@ class PaddedLM(LitLM):
         idx, targets = batch
         mask = torch.ones_like(idx)
         mask[:, 0] = 0
+        return lm_loss(self.model(idx, attention_mask=mask).logits, targets)
+
+
+class RightPaddedLM(LitLM):
+    """The tiny Llama called with a padding mask whose last 3 tokens of each row are padding (right padding: every
+    query still sees a real key), which the heads flavour applies over the whole sequence."""
+
+    def loss(self, batch) -> torch.Tensor:
+        from lightning_autopar.models.gpt import lm_loss
+
+        idx, targets = batch
+        mask = torch.ones_like(idx)
+        mask[:, -3:] = 0
         return lm_loss(self.model(idx, attention_mask=mask).logits, targets)
 
 
@@ -80,6 +94,8 @@ class RopeAttention(nn.Module):
 def make_for(name: str):
     from tests_hf import make_hf_module
 
+    if name.endswith("_right_padding"):
+        return lambda **_: RightPaddedLM(make_hf_module().model)
     if name.startswith("llama"):
         return lambda **_: make_hf_module()
     if name == "refuse_padding":
