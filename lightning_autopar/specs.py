@@ -33,6 +33,10 @@ RECOMPUTE_MODES = ("none", "selective", "full", "ops")
 # the optimizer states on the host, each unit's parameters copied in for its forward and backward). Both need
 # zero >= 1: what moves is this rank's shard.
 OFFLOAD_MODES = ("none", "optimizer", "params")
+# cp_kind (issue 29): how context-parallel attention meets the other ranks' tokens -- gather (K/V all-gathered
+# along the sequence, Llama 3) or heads (q/k/v all-to-all from sequence parts to head parts, DeepSpeed-Ulysses;
+# each rank's query heads, heads/tp, must divide by cp). Without cp it changes nothing.
+CP_KINDS = ("gather", "heads")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "fp8-mixed")  # fp8-mixed: fp8 GEMMs, the rest bf16 (planner only)
 FFN_KINDS = ("gelu", "swiglu")
 # what a unit contains (UnitSpec.kinds); the cost model prices conv at the device's conv efficiency and norms /
@@ -458,7 +462,7 @@ class RuntimeProfile:
 PLAN_INT_FIELDS = ("dp", "zero", "dp_shard", "tp", "pp", "vpp", "ep", "cp", "mbs", "grad_accum", "recompute_every")
 PLAN_BOOL_FIELDS = ("sp", "compile")
 PLAN_CHOICE_FIELDS = {"schedule": SCHEDULES, "recompute": RECOMPUTE_MODES, "precision": PRECISIONS,
-                      "offload": OFFLOAD_MODES}
+                      "offload": OFFLOAD_MODES, "cp_kind": CP_KINDS}
 
 
 @dataclass
@@ -482,6 +486,7 @@ class Plan:
     compile: bool = False  # torch.compile per block (contract additions 2026-12-01)
     recompute_every: int = 1  # the recompute mode on one block in k (1: every block); issue 17
     offload: str = "none"  # OFFLOAD_MODES: model states this rank shards kept on the host; issue 17
+    cp_kind: str = "gather"  # CP_KINDS: K/V all-gathered, or all-to-all over heads (DeepSpeed-Ulysses); issue 29
 
     @property
     def world_size(self) -> int:
@@ -511,7 +516,7 @@ class Plan:
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
         if self.cp > 1:
-            parts.append(f"cp={self.cp}")
+            parts.append(f"cp={self.cp}" + ("/heads" if self.cp_kind == "heads" else ""))
         parts.append(f"mbs={self.mbs} ga={self.grad_accum}")
         if self.recompute != "none":
             parts.append(f"rc={self.recompute}" + (f"/{self.recompute_every}" if self.recompute_every > 1 else ""))
@@ -649,6 +654,8 @@ def _coerce(name: str, raw: Any) -> Any:
     aliases = {"32": "fp32", "32-true": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed", "16-mixed": "fp16-mixed",
                "fp8": "fp8-mixed"}
     text = aliases.get(text, text) if name == "precision" else text
+    if name == "cp_kind":
+        text = {"ulysses": "heads", "all-to-all": "heads", "allgather": "gather", "all-gather": "gather"}.get(text, text)
     if text not in choices:
         raise ConfigError(f"fix.{name}", f"unknown {raw!r}", f"use one of {', '.join(choices)}")
     return text

@@ -373,7 +373,21 @@ def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer
         check_pipeline_once(root, transformer, analysis, plan.pp, plan.vpp, caps)
     check_ep(analysis, transformer, plan.ep)
     check_cp(analysis, transformer, plan.cp, plan.compile, capabilities=caps)
+    if plan.cp > 1 and plan.cp_kind == "heads":
+        from lightning_autopar.parallel.context_heads import check_heads
+
+        check_heads(analysis.spec.name, analysis.spec.heads, analysis.spec.kv_heads, plan.tp, plan.cp)
     return caps
+
+
+def cp_flavour(plan: Plan) -> Callable[..., Any] | None:
+    """The cp attention ``plan.cp_kind`` asks for (``context.apply_context_parallel``'s ``attention``): None for
+    the K/V all-gather, ``context_heads.heads_attention`` for the all-to-all over heads."""
+    if plan.cp_kind != "heads":
+        return None
+    from lightning_autopar.parallel.context_heads import heads_attention
+
+    return heads_attention
 
 
 def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis, plan: Plan, layout: MeshLayout,
@@ -410,7 +424,7 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     if plan.cp > 1 and plan.pp > 1:  # 2b. CP, before the split: hooks on every piece, the whole model checked
         context = apply_context_parallel(transformer, [transformer.get_submodule(b.fqn) for b in analysis.blocks],
                                          layout["cp"].get_group(), analysis.spec.name, root,
-                                         causal=bool(caps.causal))
+                                         causal=bool(caps.causal), attention=cp_flavour(plan))
         self_check(transformer, context, analysis.spec.vocab, analysis.spec.seq_len)
     if plan.pp > 1:  # 1. PP split
         if loss_fn is None:
@@ -436,7 +450,7 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     if plan.cp > 1 and plan.pp == 1:  # 2b. CP
         context = apply_context_parallel(transformer, [transformer.get_submodule(b.fqn) for b in local.blocks],
                                          layout["cp"].get_group(), analysis.spec.name, root,
-                                         causal=bool(caps.causal))
+                                         causal=bool(caps.causal), attention=cp_flavour(plan))
         self_check(transformer, context, analysis.spec.vocab, analysis.spec.seq_len)
     if plan.cp > 1:
         dp_mesh = layout.dp_mesh(plan)

@@ -37,3 +37,16 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group: Any, size: int) -> to
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
     dist.reduce_scatter_tensor(out, front, group=group)
     return out.movedim(0, dim).contiguous()
+
+
+def all_to_all_along(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Any, size: int) -> torch.Tensor:
+    """``x`` cut into ``size`` parts along ``scatter_dim``, part ``j`` sent to rank ``j``; the parts received
+    concatenated along ``gather_dim`` in rank order (one ``all_to_all_single``; the reverse exchange is the same
+    call with the two dims swapped). CP's head flavour (``parallel.context_heads``) exchanges sequence for heads."""
+    import torch.distributed as dist
+
+    scatter_dim, gather_dim = scatter_dim % x.dim(), gather_dim % x.dim()
+    parts = x.unflatten(scatter_dim, (size, x.shape[scatter_dim] // size)).movedim(scatter_dim, 0).contiguous()
+    out = torch.empty_like(parts)
+    dist.all_to_all_single(out, parts, group=group)
+    return out.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)

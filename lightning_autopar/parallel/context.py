@@ -174,19 +174,8 @@ def cp_attention(original: Callable[..., torch.Tensor], cp: CPGroup, model: str,
     @functools.wraps(original)
     def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, **kwargs: Any) -> Any:
-        if query.shape[-2] != key.shape[-2]:
-            raise ConfigError("plan.cp", f"{model}: an attention whose queries and keys differ in length "
-                              "(cross-attention, a KV cache) cannot be split over the sequence", "use cp=1")
-        seq = query.shape[-2] * cp.size
-        why = masks.verify(attn_mask, is_causal, seq)
-        if masks.any(why is not None, query.device):
-            raise ConfigError("plan.cp", f"{model}: {why or 'another cp rank refused its attention mask'}, which a "
-                              "sequence split over cp ranks cannot apply", "use cp=1")
-        if masks.keys is not None and kwargs.pop("enable_gqa", False):
-            # the model may repeat K/V itself where it passes a mask, not where it passes none (Hugging Face), and a
-            # padding mask can vanish from one rank's part: every rank gathers K/V at the query's head count
-            rep = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
+        seq = checked_call(query, key, attn_mask, is_causal, cp, model, masks)
+        key, value = same_heads_on_every_rank(query, key, value, masks, kwargs)
         keys = _AllGather.apply(key, key.dim() - 2, cp, True)
         values = _AllGather.apply(value, value.dim() - 2, cp, True)
         if masks.keys is None and is_causal and dropout_p == 0.0 and set(kwargs) <= {"enable_gqa"}:
@@ -202,6 +191,34 @@ def cp_attention(original: Callable[..., torch.Tensor], cp: CPGroup, model: str,
 
 
 
+def checked_call(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+                 cp: CPGroup, model: str, masks: MaskAgreement) -> int:
+    """The whole sequence's length of this rank's attention call, after the refusals both cp flavours share
+    (``cp_attention``, ``context_heads.heads_attention``): queries and keys of different lengths, and a mask no cp
+    rank can apply (``MaskAgreement.verify``, agreed over the group so all refuse together)."""
+    if query.shape[-2] != key.shape[-2]:
+        raise ConfigError("plan.cp", f"{model}: an attention whose queries and keys differ in length "
+                          "(cross-attention, a KV cache) cannot be split over the sequence", "use cp=1")
+    seq = query.shape[-2] * cp.size
+    why = masks.verify(attn_mask, is_causal, seq)
+    if masks.any(why is not None, query.device):
+        raise ConfigError("plan.cp", f"{model}: {why or 'another cp rank refused its attention mask'}, which a "
+                          "sequence split over cp ranks cannot apply", "use cp=1")
+    return seq
+
+
+def same_heads_on_every_rank(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masks: MaskAgreement,
+                             kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V with as many heads on every cp rank (both flavours exchange them): with a padding mask, the model
+    may repeat K/V itself where it passes a mask, not where it passes none (Hugging Face), and the padding can
+    vanish from one rank's part -- so GQA's K/V (``enable_gqa``, popped from ``kwargs``) are repeated to the
+    query's head count on every rank."""
+    if masks.keys is not None and kwargs.pop("enable_gqa", False):
+        rep = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
+    return key, value
+
+
 # ------------------------------------------------------------------------------------- mask-free causal attention
 
 def chunk_slots(cp: int) -> list[int]:
@@ -211,7 +228,7 @@ def chunk_slots(cp: int) -> list[int]:
     return [2 * b if b < cp else 2 * (2 * cp - 1 - b) + 1 for b in range(2 * cp)]
 
 
-def _reorder(x: torch.Tensor, slots: list[int], chunk: int) -> torch.Tensor:
+def reorder_chunks(x: torch.Tensor, slots: list[int], chunk: int) -> torch.Tensor:
     """Chunks of ``x`` (dim -2) taken in the order ``slots``: one copy."""
     return torch.cat([x[..., s * chunk:(s + 1) * chunk, :] for s in slots], -2)
 
@@ -275,7 +292,7 @@ class _ChunkedCausalAttention(torch.autograd.Function):
                 scale: float | None) -> torch.Tensor:
         chunk = q.shape[-2] // 2
         slots = chunk_slots(cp)
-        k, v = _reorder(k, slots, chunk), _reorder(v, slots, chunk)
+        k, v = reorder_chunks(k, slots, chunk), reorder_chunks(v, slots, chunk)
         fwd, _ = _chunk_kernels(q.device)
         outs, lses = [], []
         for q_slot, a in enumerate((rank, 2 * cp - 1 - rank)):
@@ -316,7 +333,7 @@ class _ChunkedCausalAttention(torch.autograd.Function):
                 dv[..., :a * chunk, :] += gv
         # back to the all-gather's order: gathered slot s holds global chunk order[s]
         order = sorted(range(2 * cp), key=chunk_slots(cp).__getitem__)
-        return dq, _reorder(dk, order, chunk), _reorder(dv, order, chunk), None, None, None
+        return dq, reorder_chunks(dk, order, chunk), reorder_chunks(dv, order, chunk), None, None, None
 
 
 def chunked_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cp: CPGroup,
@@ -588,15 +605,18 @@ def _unset(forward: Callable[..., Any], name: str, args: tuple, kwargs: dict) ->
 
 
 def apply_context_parallel(transformer: nn.Module, blocks: list[nn.Module], cp_group: Any, model: str,
-                           root: nn.Module | None = None, causal: bool = False) -> ContextParallel:
+                           root: nn.Module | None = None, causal: bool = False,
+                           attention: Callable[..., Callable[..., torch.Tensor]] | None = None) -> ContextParallel:
     """Install the cp hooks on ``transformer`` (sequence in/out, positions), on ``blocks`` (attention) and on the
     modules of ``root`` outside the transformer that own parameters (``replicated_modules``). ``causal``: the
-    attention is causal by itself in every block (``Capabilities.causal``, from ``check_cp``)."""
+    attention is causal by itself in every block (``Capabilities.causal``, from ``check_cp``). ``attention``: the
+    flavour, ``(original sdpa, CPGroup, model, MaskAgreement) -> sdpa`` -- ``cp_attention`` (K/V all-gathered,
+    the default) or ``context_heads.heads_attention`` (all-to-all over heads, ``plan.cp_kind="heads"``)."""
     import torch.distributed as dist
 
     cp = CPGroup(cp_group, dist.get_world_size(cp_group), dist.get_rank(cp_group))
     masks = MaskAgreement(cp, causal=causal)
-    patch = _Patch(cp_attention(F.scaled_dot_product_attention, cp, model, masks))
+    patch = _Patch((attention or cp_attention)(F.scaled_dot_product_attention, cp, model, masks))
     state = ContextParallel(cp, model, patch, masks, transformer.forward)
     _INSTALLED.add(state)
 

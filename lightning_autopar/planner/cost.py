@@ -31,13 +31,13 @@ from lightning_autopar.planner.hardware import (  # noqa: F401
     slowest_device_factor)
 from lightning_autopar.planner.cost_kernels import TILE_FILL_S  # noqa: F401
 from lightning_autopar.planner.cost_comm import (  # noqa: F401
-    allreduce_time, alltoall_time, cp_comm_per_block, group_nodes, p2p_time, reduce_scatter_time, ring_allgather,
+    allreduce_time, alltoall_time, cp_comm_by_kind, cp_comm_per_block, cp_heads_comm_per_block, group_nodes, p2p_time, reduce_scatter_time, ring_allgather,
     ring_allreduce, tp_comm_per_block, tree_allreduce)
 from lightning_autopar.planner.cost_pipeline import (  # noqa: F401
     WGRAD_SHARE, bubble_fraction, inflight_microbatches, partition_layers)
 from lightning_autopar.planner.cost_memory import (  # noqa: F401
-    activation_bytes_per_block, ddp_bucket_bytes, fsdp_buffer_bytes, fsdp_shard_copy_bytes, host_step_copy_bytes,
-    logits_bytes, model_state_bytes, model_state_parts, offloaded_state_bytes)
+    activation_bytes_per_block, cp_heads_saved_elements, ddp_bucket_bytes, fsdp_buffer_bytes, fsdp_shard_copy_bytes,
+    host_step_copy_bytes, logits_bytes, model_state_bytes, model_state_parts, offloaded_state_bytes)
 from lightning_autopar.planner.cost_units import UnitArrays, unit_time  # noqa: F401
 from lightning_autopar.planner.cost_runtime import (  # noqa: F401
     FSDP2_OPS_PER_UNIT_CALL, RUNTIME_TERMS, collective_calls, collective_sync_time, ep_dispatch_time,
@@ -132,27 +132,32 @@ def attention_work_quantisation(hw: Hardware, mbs: Any, heads: Any, sq: Any, seq
     return n_kv / (n_kv + 1.0) * wave
 
 
-def cp_attention_calls(cp: Any) -> Any:
-    """4 attention kernel calls per layer with cp > 1 (1 without): each of a rank's two query chunks attends to
-    the keys before it in one call and to its own chunk causally in another (parallel/context.py
-    ``_ChunkedCausalAttention``; rank 0's first chunk has none before it, and the step waits for the slowest
-    rank)."""
-    return np.where(np.asarray(cp, dtype=float) > 1, 4.0, 1.0)
+def cp_attention_calls(cp: Any, cp_kind: Any = 0) -> Any:
+    """4 attention kernel calls per layer with cp > 1 in the gather flavour (1 without, and 1 in the heads
+    flavour, ``cp_kind`` 1: one causal call over the whole sequence for heads/cp heads, parallel/context_heads.py):
+    each of a rank's two query chunks attends to the keys before it in one call and to its own chunk causally in
+    another (parallel/context.py ``_ChunkedCausalAttention``; rank 0's first chunk has none before it, and the
+    step waits for the slowest rank)."""
+    return np.where((np.asarray(cp, dtype=float) > 1) & (np.asarray(cp_kind) == 0), 4.0, 1.0)
 
 
 def attention_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, peak: Any, elem: Any,
-                   fused: bool = True) -> tuple[Any, Any]:
+                   fused: bool = True, cp_kind: Any = 0) -> tuple[Any, Any]:
     """Fused: 4b(s/cp)s(h/tp)*causal at the kernel's fwd/bwd rate (bwd 2.5x FLOPs) x work quantisation (Dao 2023); unfused: 3 s^2 passes.
     With cp > 1 a rank's two load-balanced query chunks meet the gathered keys chunk by chunk without a mask
     (parallel/context.py ``_ChunkedCausalAttention``): the same causal share of the score blocks, in ``cp_attention_calls``
-    kernel calls (each with its launch overhead) whose partial outputs are merged by log-sum-exp."""
+    kernel calls (each with its launch overhead) whose partial outputs are merged by log-sum-exp. The heads
+    flavour (``cp_kind`` 1) runs one call over all s queries for h/(tp*cp) heads: the same FLOPs, its own work
+    quantisation (Jacobs et al. 2023)."""
     d = m.head_dim
     sq = seq / cp
     heads = m.heads / tp
-    calls = cp_attention_calls(cp)
+    calls = cp_attention_calls(cp, cp_kind)
     if fused:
         flops = 4.0 * mbs * heads * sq * seq * d * causal_fraction(seq)
-        quant = attention_work_quantisation(hw, mbs, heads, sq, seq)
+        by_heads = np.asarray(cp_kind) == 1
+        quant = attention_work_quantisation(hw, mbs, np.where(by_heads, heads / cp, heads), np.where(by_heads, seq, sq),
+                                            seq)
         q_elems = mbs * sq * heads * d
         io = elem * (2 * q_elems + 2 * mbs * sq * m.kv_heads / tp * d)  # q, k, v in, o out
         # the log-sum-exp merge: each extra call's fp32 partial output read and rescaled into the running one
@@ -254,7 +259,7 @@ def fp8_cast_time(hw: Hardware, m: ModelSpec, tokens: Any, tp: Any, sp: Any, fus
 
 
 def dense_block_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, sp: Any, peak: Any,
-                     elem: Any, fused: bool = True, fp8: Any = False) -> BlockTimes:
+                     elem: Any, fused: bool = True, fp8: Any = False, cp_kind: Any = 0) -> BlockTimes:
     """Sum of the block's matmuls (q, k, v, out, MLP; split by TP), attention core and memory-bound ops, fwd and bwd (Megatron layout).
 
     ``fp8`` (fp8-mixed): the matmuls run at the fp8 rate and pay their operand casts (fp8_cast_time); ``peak`` is
@@ -266,7 +271,7 @@ def dense_block_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp
     fk, bk = gemm_fwd_bwd(hw, T, kvd / tp, h, gp, elem)
     f1, b1 = fq + 2 * fk, bq + 2 * bk
     f2, b2 = gemm_fwd_bwd(hw, T, h, h / tp, gp, elem)
-    fa, ba = attention_time(hw, m, mbs, seq, tp, cp, peak, elem, fused)
+    fa, ba = attention_time(hw, m, mbs, seq, tp, cp, peak, elem, fused, cp_kind)
     mf, mb = mlp_time(hw, m, T, m.ffn_hidden / tp, gp, elem)
     ew_f, ew_b, k_f, k_b = block_memory_ops(m, tp, sp, hw.fused_ew, elem)
     ef = stream_time(hw, T * ew_f * elem, k_f)

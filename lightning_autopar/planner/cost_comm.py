@@ -122,6 +122,41 @@ def cp_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, c
     return fwd, bwd
 
 
+def cp_heads_kv_heads(m: ModelSpec, tp: Any, cp: Any) -> Any:
+    """Key/value heads a rank sends in the heads flavour's exchange, per TP rank: kv_heads/tp where cp divides
+    them, else heads/tp -- K and V repeated to the query heads before the all-to-all (parallel/context_heads.py)."""
+    kv = m.kv_heads / np.asarray(tp, dtype=float)
+    return np.where(np.mod(kv, np.maximum(cp, 1)) == 0, kv, m.heads / np.asarray(tp, dtype=float))
+
+
+def cp_heads_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any,
+                            elem: Any) -> tuple[Any, Any]:
+    """All-to-all over heads (DeepSpeed-Ulysses; Jacobs et al. 2023, sec. 3.1): per block forward 4 all-to-alls
+    over the cp group -- q, k, v from sequence parts to head parts and the attention output back --, each of the
+    b*(s/cp)*heads*head_dim/tp*e bytes a rank holds (k, v: their kv heads, ``cp_heads_kv_heads``); backward the
+    4 reverse all-to-alls of their gradients (parallel/context_heads.py). Inside the attention call: not hidden.
+    Per rank each moves (cp-1)/cp of its bytes, against the all-gather flavour's (cp-1)/cp of all ranks' K/V:
+    a factor (2h + 2kv)/(2kv*cp) of the traffic -- less for cp > 2 with as many kv heads as heads (MHA)."""
+    stride = dim_strides(1, 1, cp, tp)["cp"]
+    local = mbs * seq / cp * m.head_dim * elem
+    q = alltoall_time(hw, local * m.heads / tp, cp, stride)
+    kv = alltoall_time(hw, local * cp_heads_kv_heads(m, tp, cp), cp, stride)
+    one = np.where(cp > 1, 2 * q + 2 * kv, 0.0)  # q and the output; k and v
+    return one, one
+
+
+def cp_comm_by_kind(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any,
+                    kind: Any) -> tuple[Any, Any]:
+    """CP's traffic per block (fwd, bwd) by ``plan.cp_kind`` code (specs.CP_KINDS): 0 gather
+    (``cp_comm_per_block``), 1 heads (``cp_heads_comm_per_block``)."""
+    gf, gb = cp_comm_per_block(hw, m, mbs, seq, tp, cp, elem)
+    heads = np.asarray(kind) == 1
+    if not heads.any():
+        return gf, gb
+    hf, hb = cp_heads_comm_per_block(hw, m, mbs, seq, tp, cp, elem)
+    return np.where(heads, hf, gf), np.where(heads, hb, gb)
+
+
 def overlapped_exposed(comm: Any, window: Any, tail: Any, sm_share: float) -> Any:
     """max(c - W, tail + f*(c - tail)): compute W runs on 1-f of the SMs while collective c (NCCL channels, one CTA each) is in flight."""
     if not sm_share:

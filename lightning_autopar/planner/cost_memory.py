@@ -10,6 +10,7 @@ import numpy as np
 
 from lightning_autopar.planner.hardware import (
     FRAGMENTATION, GRAD_REDUCE_BYTES, OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS, OPTIM_BYTES, WEIGHT_BYTES, Hardware)
+from lightning_autopar.planner.cost_comm import cp_heads_kv_heads
 from lightning_autopar.specs import ModelSpec
 
 
@@ -63,14 +64,25 @@ def sp_replicated_elements(h: Any, tp: Any, sp: Any, moe: bool = False) -> Any:
     return 10.0 * h / div + (2.0 * h * (1.0 - 1.0 / div) if moe else 0.0)
 
 
+def cp_heads_saved_elements(m: ModelSpec, tp: Any, cp: Any) -> Any:
+    """The heads flavour of CP (parallel/context_heads.py; Jacobs et al. 2023), 2-byte units per local token kept
+    besides Korthikanti's: SDPA saves the exchanged q, k, v (the whole sequence for h/(tp*cp) heads: as many
+    elements as this rank's own, which they replace) and its output before the exchange back, 2h/t; K and V
+    repeated to the query heads where cp does not divide kv_heads/tp add 4(h - kv*d)/t
+    (cost_comm.cp_heads_kv_heads). No gathered K/V: O(s/cp) per rank, against the gather flavour's O(s)."""
+    repeated = (cp_heads_kv_heads(m, tp, cp) * tp - m.kv_heads) * m.head_dim
+    return (2.0 * m.hidden + 4.0 * repeated) / tp
+
+
 def activation_bytes_per_block(m: ModelSpec, mbs: Any, seq: Any, tp: Any, sp: Any, cp: Any, recompute: Any,
-                               elem: Any, fused: bool = True, moe: bool = False) -> Any:
+                               elem: Any, fused: bool = True, moe: bool = False, cp_kind: Any = 0) -> Any:
     """sbh(10 + 24/t) + 5as^2b/t (Korthikanti et al. 2022, Table 2), with SP sbh(34/t) + 5as^2b/t
     (``sp_replicated_elements``: the attention's and MLP's inputs saved as this rank's chunk, gathered again in
     backward); selective drops the s^2 term (with SP: 34sbh/t); full keeps 2sbh;
     ops (code 3) keeps the block input 2sbh (/t with SP) and the compute-bound ops' outputs (ops_saved_elements).
     cp > 1: s = seq/cp, plus the K and V the attention gathered from the other cp ranks, 2b(seq - s)kvd/t, which
-    the attention keeps for backward (all-gather CP, parallel/context.py)."""
+    the attention keeps for backward (all-gather CP, parallel/context.py); in the heads flavour (``cp_kind`` 1)
+    ``cp_heads_saved_elements`` per local token instead."""
     s = seq / cp
     b, h = mbs, m.hidden
     kvd = m.kv_heads * m.head_dim
@@ -82,6 +94,8 @@ def activation_bytes_per_block(m: ModelSpec, mbs: Any, seq: Any, tp: Any, sp: An
     rep_div = np.where(sp, tp, 1)
     replicated = sp_replicated_elements(h, tp, sp, moe)
     gathered_kv = (seq - s) * b * 4.0 * kvd / tp  # 2-byte units as above: K and V, 2 bytes each per element
+    if np.any(np.asarray(cp_kind) == 1):
+        gathered_kv = np.where(np.asarray(cp_kind) == 1, s * b * cp_heads_saved_elements(m, tp, cp), gathered_kv)
     full_layer = s * b * (replicated + split / tp + scores / tp) + gathered_kv
     selective = s * b * (replicated + split / tp) + gathered_kv
     checkpoint = s * b * 2.0 * h / rep_div

@@ -21,7 +21,7 @@ from lightning_autopar.errors import ConfigError
 from lightning_autopar.planner.forms import check_unit_fix, form_of, unit_form_restrict  # noqa: F401  re-exported
 from lightning_autopar.planner.space_table import (LAYOUT_FIELDS, THINNED_MODES, Grid, GridColumns,  # noqa: F401
                                                    Space)  # Space, LAYOUT_FIELDS, THINNED_MODES re-exported
-from lightning_autopar.specs import (INTERLEAVED_SCHEDULES, OFFLOAD_MODES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES,
+from lightning_autopar.specs import (CP_KINDS, INTERLEAVED_SCHEDULES, OFFLOAD_MODES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES,
                                       V_SCHEDULES, ModelSpec, Plan)
 
 SPLIT_BACKWARD = ("interleaved-zb",) + V_SCHEDULES  # input and weight gradients in two passes (zero bubble)
@@ -48,7 +48,8 @@ def space_from_plans(plans: Sequence[Plan], uneven: bool = True) -> Space:
     prec = col(lambda p: PRECISIONS.index(p.precision))
     sched, vpp = col(lambda p: SCHEDULES.index(p.schedule)), col(lambda p: p.vpp)
     keys = {"layout": ar, "mbs": col(lambda p: p.mbs), "sp": col(lambda p: int(p.sp)), "precision": prec,
-            "ga": col(lambda p: p.grad_accum), "compile": col(lambda p: int(p.compile))}
+            "ga": col(lambda p: p.grad_accum), "compile": col(lambda p: int(p.compile)),
+            "cp_kind": col(lambda p: CP_KINDS.index(p.cp_kind) if p.cp > 1 else 0)}
     mids = {"key": ar, "schedule": sched, "vpp": vpp}
     dpcs = {"layout": ar, "precision": prec, "schedule": sched, "vpp": vpp, "zero": col(lambda p: p.zero),
             "dp_shard": col(lambda p: 0 if p.dp_shard in (None, p.dp) else p.dp_shard),
@@ -97,6 +98,11 @@ def check_fix(model: ModelSpec, world: int, global_batch: int, seq_len: int, fix
     if cp is not None and cp > 1 and seq_len % (2 * cp):
         raise ConfigError("fix.cp", f"seq_len={seq_len} is not divisible by 2*cp={2 * cp}",
                           "choose cp with seq_len % (2*cp) == 0")
+    if fix.get("cp_kind") == "heads" and "cp" in fix:
+        reason = heads_rule(model.heads, model.kv_heads, fix.get("tp", 1), fix["cp"]) if "tp" in fix else None
+        if reason or fix["cp"] == 1:
+            raise ConfigError("fix.cp_kind", reason or "cp_kind=heads needs cp > 1",
+                              "use cp_kind=gather, or a cp dividing heads/tp")
     for name in ("dp", "tp", "pp", "cp"):
         if name in fix and world % fix[name]:
             raise ConfigError(f"fix.{name}", f"{name}={fix[name]} does not divide the world size {world}",
@@ -162,6 +168,35 @@ def context_compile_rule(cp: int, compile: bool) -> str | None:
 
 
 @lru_cache(maxsize=None)  # pure; asked per layout with few distinct arguments
+def heads_rule(heads: int, kv_heads: int, tp: int, cp: int) -> str | None:
+    """Why context parallelism by heads (``plan.cp_kind = "heads"``, parallel/context_heads.py) cannot run at
+    (``tp``, ``cp``), or None: each rank's query heads (``heads / tp``) are dealt out over the cp ranks. Key/value
+    heads that do not divide are repeated to the query heads before the exchange (priced so:
+    cost_comm.cp_heads_comm_per_block), so ``kv_heads`` never refuses."""
+    if cp > 1 and (heads % tp or (heads // tp) % cp):
+        return (f"cp_kind=heads deals each rank's query heads (heads={heads} / tp={tp}) out over cp={cp} ranks, "
+                "which does not divide them")
+    return None
+
+
+@lru_cache(maxsize=None)  # pure; asked per layout with few distinct arguments
+def heads_searched(heads: int, kv_heads: int, tp: int, cp: int) -> bool:
+    """Whether the search offers the heads flavour at (``tp``, ``cp``) beside the gather one (a fixed
+    ``cp_kind`` is always honoured): where ``heads_rule`` allows it and it moves no more bytes per rank or keeps
+    no more for backward than the all-gather of K/V -- per local token and head_dim, all-to-alls of
+    (h + kv')(cp-1)/cp^2 x2 against an all-gather of 2kv(cp-1)/cp, and saved 2h + 4(kv' - kv) against
+    4kv(cp-1) (cost_comm.cp_heads_comm_per_block, cost_memory.cp_heads_saved_elements; kv' = kv, or h where cp
+    does not divide kv/tp). Elsewhere (GQA with few kv heads at a small cp: Llama 3 at cp < 5) it is dearer in
+    both, and would only grow the space."""
+    if heads_rule(heads, kv_heads, tp, cp):
+        return False
+    kv = kv_heads // tp
+    sent = kv if kv % cp == 0 else heads // tp
+    h = heads // tp
+    return h + sent <= cp * kv or 2 * h + 4 * (sent - kv) <= 4 * kv * (cp - 1)
+
+
+@lru_cache(maxsize=None)  # pure; asked per layout with few distinct arguments
 def compile_rule(schedule: str, pp: int, compile: bool) -> str | None:
     """Why ``compile`` cannot run with ``schedule``, or None: torch's zero-bubble schedules refuse compiled stage
     modules (schedules._check_torch_compile_compatibility: no input/weight backward split under torch.compile)."""
@@ -224,6 +259,7 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
     schedules = _allowed("schedule", SCHEDULES, fix, restrict)
     sps = _allowed("sp", [False, True], fix, restrict)
     compiles = [int(c) for c in _allowed("compile", [False, True], fix, restrict)]  # eager first: wins ties
+    cp_kinds = [CP_KINDS.index(k) for k in _allowed("cp_kind", CP_KINDS, fix, restrict)]  # gather first: wins ties
 
     # asked once per layout, answered once per distinct (dp, cp) and pp
     zero_rows = lru_cache(maxsize=None)(lambda dp, cp: with_offload(_zero_shards(dp, cp, zeros, fix, restrict),
@@ -275,8 +311,14 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
                     if not zds or not scheds or not sp_vals:
                         rejected["zero/dp_shard, schedule/vpp or sp"] += 1
                         continue
+                    kinds = [0] if cp == 1 else [k for k in cp_kinds if not k or (
+                        not heads_rule(model.heads, model.kv_heads, tp, cp) if "cp_kind" in fix
+                        else heads_searched(model.heads, model.kv_heads, tp, cp))]
+                    if not kinds or (cp == 1 and 0 not in cp_kinds):
+                        rejected["cp_kind=heads: heads/tp % cp, or cp = 1"] += 1
+                        continue
                     keys, mids_l, dpcs_l, events = _layout_rows(n_lay, pp, cp, dp, global_batch, mbss, sp_vals,
-                                                                 compiles, precs, scheds, zds, len(rc_opts))
+                                                                 compiles, precs, scheds, zds, len(rc_opts), kinds)
                     for _, name, count in sorted(events):  # the order the reasons first arise (the report's ties)
                         rejected[name] += count
                     mid_rows.append(mids_l + np.array([n_key, 0, 0, n_dpc, 0]))
@@ -291,14 +333,14 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
     lay_arr = np.array(lay_rows, dtype=np.int64).reshape(-1, 5)
     # candidates: each mid's grid of its layout's (zero, dp_shard, offload) rows x the recompute options
     # (a split-backward schedule runs without recompute only: ``recompute_rule``), never stored one row each
-    key_arr = cols(key_rows, 6)
+    key_arr = cols(key_rows, 7)
     pp_of_mid = lay_arr[:, 1][key_arr[0]][mids[0]]
     split = np.isin(mids[1], [SCHEDULES.index(s) for s in SPLIT_BACKWARD]) & (pp_of_mid > 1)
     nr_m = np.where(split, int((0, 1) in rc_opts), len(rc_opts))
     rejected["recompute with a split backward (zero-bubble)"] += int((mids[4] * (len(rc_opts) - nr_m)).sum())
     grid = Grid(mids[3], mids[4], nr_m, split, np.array(rc_opts, dtype=np.int64).reshape(-1, 2))
     return Space(dict(zip(LAYOUT_FIELDS, np.ascontiguousarray(lay_arr.T))),
-                 dict(zip(("layout", "mbs", "sp", "precision", "ga", "compile"), key_arr)),
+                 dict(zip(("layout", "mbs", "sp", "precision", "ga", "compile", "cp_kind"), key_arr)),
                  dict(zip(("key", "schedule", "vpp"), np.ascontiguousarray(mids[:3]))),
                  dict(zip(("layout", "precision", "schedule", "vpp", "zero", "dp_shard", "offload"),
                           cols(dpc_rows, 7))),
@@ -307,13 +349,14 @@ def enumerate_space(model: ModelSpec, world: int, global_batch: int, seq_len: in
 
 def _layout_rows(lay: int, pp: int, cp: int, dp: int, global_batch: int, mbss: Sequence[int], sp_vals: Sequence[int],
                  compiles: Sequence[int], precs: Sequence[int], scheds: Sequence[tuple[int, int]],
-                 zds: Sequence[tuple[int, int, int]], n_rc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
+                 zds: Sequence[tuple[int, int, int]], n_rc: int,
+                 kinds: Sequence[int] = (0,)) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
     """One layout's rows, in the enumeration's order, as int64 arrays (numbered from 0 within the layout):
-    keys (mbs x (sp, compile) x precision: layout, mbs, sp, precision, ga, compile), mids (key x (schedule, vpp)
+    keys (mbs x (sp, compile) x cp_kind x precision: layout, mbs, sp, precision, ga, compile, cp_kind), mids (key x (schedule, vpp)
     that torch's micro-batch and compile rules allow: key, schedule, vpp, first dpc row, dpc rows) and dpc rows
     (precision x (schedule, vpp) x (zero, dp_shard, offload)); and the rejections as (where in the loop over
     mbs, (sp, compile), precision, schedule the reason first arises, reason, candidates)."""
-    nv, nz, npr = len(scheds), len(zds), len(precs)
+    nv, nz, npr, nk = len(scheds), len(zds), len(precs), len(kinds)
     pairs = [(sp, c) for sp in sp_vals for c in compiles]
     kept = [j for j, (_, c) in enumerate(pairs) if not (c and cp > 1)]  # context_compile_rule
     names = [SCHEDULES[sched] for sched, _ in scheds]
@@ -336,14 +379,19 @@ def _layout_rows(lay: int, pp: int, cp: int, dp: int, global_batch: int, mbss: S
             v = min(vs, key=lambda u: (firsts[u], u))
             i, j = divmod(firsts[v], len(kept))
             events.append(((i, kept[j], 0, v), f"grad_accum or compile ({name})",
-                           sum(counts[u] for u in vs) * npr * nz * n_rc))
-    i, j, p = np.unravel_index(np.arange(len(mbs) * len(kept) * npr), (len(mbs), len(kept), npr))
+                           sum(counts[u] for u in vs) * nk * npr * nz * n_rc))
+    # each kept (sp, compile) pair once per cp_kind (gather first)
+    nq = len(kept) * nk
+    i, j, p = np.unravel_index(np.arange(len(mbs) * nq * npr), (len(mbs), nq, npr))
     pair = np.array([pairs[k] for k in kept], dtype=np.int64).reshape(-1, 2)
+    kind = np.array(kinds, dtype=np.int64)
     prec = np.array(precs, dtype=np.int64)
-    keys = np.array([np.full(len(i), lay), mbs[i], pair[j, 0], prec[p], ga[i], pair[j, 1]]).T
-    mi, mj, mp, mv = np.nonzero(np.broadcast_to(ok[:, :, None, :], (len(mbs), len(kept), npr, nv)))
+    keys = np.array([np.full(len(i), lay), mbs[i], pair[j // nk, 0], prec[p], ga[i], pair[j // nk, 1],
+                     kind[j % nk]]).T
+    ok = np.repeat(ok, nk, axis=1)
+    mi, mj, mp, mv = np.nonzero(np.broadcast_to(ok[:, :, None, :], (len(mbs), nq, npr, nv)))
     sv = np.array(scheds, dtype=np.int64).reshape(-1, 2)
-    mids = np.array([(mi * len(kept) + mj) * npr + mp, sv[mv, 0], sv[mv, 1], (mp * nv + mv) * nz,
+    mids = np.array([(mi * nq + mj) * npr + mp, sv[mv, 0], sv[mv, 1], (mp * nv + mv) * nz,
                      np.full(len(mi), nz)]).T
     dp_, dv, dz = np.unravel_index(np.arange(npr * nv * nz), (npr, nv, nz))
     z = np.array(zds, dtype=np.int64).reshape(-1, 3)

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from lightning_autopar.specs import OFFLOAD_MODES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, Plan
+from lightning_autopar.specs import CP_KINDS, OFFLOAD_MODES, PRECISIONS, RECOMPUTE_MODES, SCHEDULES, Plan
 
 LAYOUT_FIELDS = ("tp", "pp", "cp", "dp", "ep")
 THINNED_MODES = (RECOMPUTE_MODES.index("full"), RECOMPUTE_MODES.index("ops"))  # modes recompute_every thins out
@@ -21,7 +21,7 @@ THINNED_MODES = (RECOMPUTE_MODES.index("full"), RECOMPUTE_MODES.index("ops"))  #
 class Space:
     """The candidate space as factor tables, so shared work is priced once per distinct value:
 
-    layouts (tp, pp, cp, dp, ep) -> keys (+ mbs, sp, compile, precision; ga derived) -> mids (+ schedule, vpp: pipeline
+    layouts (tp, pp, cp, dp, ep) -> keys (+ mbs, sp, compile, precision, cp_kind; ga derived) -> mids (+ schedule, vpp: pipeline
     stage contents) and dpcs (layout, precision, schedule, vpp, zero, dp_shard, offload: data-parallel traffic and
     model states) -> cands (mid, dpc, recompute, recompute_every). Categorical fields are indices into SCHEDULES,
     OFFLOAD_MODES etc.; dp_shard 0 = all of dp.
@@ -95,7 +95,8 @@ class Space:
                     pp=get("pp"), schedule=SCHEDULES[get("schedule")], vpp=get("vpp"), ep=get("ep"), cp=get("cp"),
                     mbs=get("mbs"), grad_accum=get("ga"), recompute=RECOMPUTE_MODES[get("recompute")],
                     precision=PRECISIONS[get("precision")], compile=bool(get("compile")),
-                    recompute_every=get("recompute_every"), offload=OFFLOAD_MODES[get("offload")])
+                    recompute_every=get("recompute_every"), offload=OFFLOAD_MODES[get("offload")],
+                    cp_kind=CP_KINDS[get("cp_kind")])
 
 
 def distinct(values: Any) -> np.ndarray:

@@ -23,7 +23,7 @@ from lightning_autopar.planner.cost import (
     grad_accumulate_time, head_time, host_optimizer_step_time, moe_block_time, offload_copy_time,
     ops_recompute_time, optimizer_time, scaled_measure, shard_copy_time)
 from lightning_autopar.planner.cost_comm import (
-    allgather_time, allreduce_time, cp_comm_per_block, ep_comm_per_block, p2p_time, reduce_scatter_time,
+    allgather_time, allreduce_time, cp_comm_by_kind, ep_comm_per_block, p2p_time, reduce_scatter_time,
     tp_comm_per_block, vocab_loss_comm_time)
 from lightning_autopar.planner.cost_memory import (
     activation_bytes_per_block, ddp_bucket_bytes, fsdp_buffer_bytes, fsdp_shard_copy_bytes, host_step_copy_bytes,
@@ -197,12 +197,13 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     kl = K["layout"]
     tp, pp, cp, dp, ep = (f(Lt[n][kl]) for n in ("tp", "pp", "cp", "dp", "ep"))
     mbs, ga, sp, prec = f(K["mbs"]), f(K["ga"]), K["sp"].astype(bool), K["precision"]
+    kind = K["cp_kind"] if "cp_kind" in K else np.zeros(len(mbs), dtype=np.int64)  # specs.CP_KINDS code
     # fp8-mixed: GEMMs at the fp8 rate (fp8), the attention core, the LM head and the rest at bf16 (peak)
     peak, elem, fp8 = hw.peak[BASE_PREC[prec]], ACT_BYTES[prec], prec == FP8
     has_moe = m.moe_layers > 0
 
     def blocks(h: Hardware) -> tuple[BlockTimes, BlockTimes]:
-        dense = dense_block_time(h, m, mbs, seq, tp, cp, sp, peak, elem, fused, fp8)
+        dense = dense_block_time(h, m, mbs, seq, tp, cp, sp, peak, elem, fused, fp8, kind)
         return dense, (moe_block_time(h, m, mbs, seq, tp, cp, ep, sp, peak, elem, fused, fp8) if has_moe else dense)
 
     dense, moe = blocks(hw)
@@ -213,7 +214,7 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     emb_f, emb_b = embedding_time(hw, m, mbs, seq, cp, elem, tp)
     head_f, head_b = head_time(hw, m, mbs, seq, tp, cp, peak, elem)
     modes = range(len(RECOMPUTE_MODES))
-    act = [activation_bytes_per_block(m, mbs, seq, tp, sp, cp, mode, elem, fused) for mode in modes]
+    act = [activation_bytes_per_block(m, mbs, seq, tp, sp, cp, mode, elem, fused, cp_kind=kind) for mode in modes]
     act_moe = ([activation_bytes_per_block(m, mbs, seq, tp, sp, cp, mode, elem, fused, moe=True)
                 for mode in modes] if has_moe else act)
     ops_rc = ops_recompute_time(hw, m, mbs, seq, tp, cp, sp, peak, elem, fp8)  # dense blocks (ops_rule: no MoE)
@@ -224,7 +225,7 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     if hw.compile_fuses and comp.any():  # async TP: compiled blocks with tp > 1 and SP on a GPU preset
         tp_f, tp_b = async_tp_exposed(hw, tp_f, tp_b, dense, tp, comp & sp & (tp > 1))
     tp_edge = allreduce_time(hw, mbs * seq / cp * m.hidden * elem, tp, 1)  # embedding fwd / head bwd
-    cp_f, cp_b = cp_comm_per_block(hw, m, mbs, seq, tp, cp, elem)
+    cp_f, cp_b = cp_comm_by_kind(hw, m, mbs, seq, tp, cp, elem, kind)
     zero_k = np.zeros_like(tp)
     ep_f, ep_b = ep_comm_per_block(hw, m, mbs, seq, tp, cp, ep, sp, elem) if has_moe else (zero_k, zero_k)
     p2p_inter = np.full(len(tp), hw.nodes > 1)  # pp is the outermost mesh dim: some stage boundary crosses nodes

@@ -8,7 +8,7 @@ tensor, an all-to-all's input, a send's tensor.
 Counts follow the cost model's units: one FSDP unit per block plus one for the stage's embedding / norm / head,
 TP's two collectives per block forward and two backward (Megatron's f and g; with SP an all-gather and a
 reduce-scatter each; full recompute re-runs the forward ones), CP's K/V all-gather per block forward and
-reduce-scatter backward, EP's dispatch and combine per MoE block each way, one p2p transfer per micro-batch each
+reduce-scatter backward (the heads flavour: four all-to-alls each way), EP's dispatch and combine per MoE block each way, one p2p transfer per micro-batch each
 way between neighbouring chunks, and the vocabulary-parallel embedding, head and loss (``vocab_collectives``)."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from lightning_autopar.dims import runs_fsdp, runs_plain_ddp
+from lightning_autopar.planner.cost_comm import cp_heads_kv_heads
 from lightning_autopar.planner.cost_memory import fsdp_shard_copy_bytes, vocab_split
 from lightning_autopar.planner.hardware import ACT_BYTES, GRAD_REDUCE_BYTES, WEIGHT_BYTES, Hardware
 from lightning_autopar.planner.terms import DPC_TERMS, _dp_rank_terms, rank_param_counts
@@ -134,7 +135,12 @@ def step_collectives(model: ModelSpec, plan: Plan, layers_per_stage: list[int], 
             add("tp", "all_reduce", n, n * one)
     for key, count, nbytes in vocab_collectives(model, plan, he, hh, tokens, elem):
         add("tp", key, count, nbytes)
-    if plan.cp > 1:
+    if plan.cp > 1 and plan.cp_kind == "heads":  # q, k, v and the output exchanged each way (context_heads.py)
+        local = tokens * model.head_dim / plan.tp * elem
+        kv_heads = float(cp_heads_kv_heads(model, plan.tp, plan.cp)) * plan.tp
+        per = 2 * local * model.heads + 2 * local * kv_heads
+        add("cp", "all_to_all", 4 * (2 * blocks + rerun) * ga, (2 * blocks + rerun) * ga * per)
+    elif plan.cp > 1:
         kv = 2 * plan.mbs * seq * model.kv_heads * model.head_dim / plan.tp * elem
         add("cp", "all_gather", (blocks + rerun) * ga, (blocks + rerun) * ga * kv)
         add("cp", "reduce_scatter", blocks * ga, blocks * ga * kv)

@@ -1,6 +1,7 @@
 """Context parallelism (``parallel.context``) under strategy="autopar": our GPT at cp2 x dp2 (zero 3; zero 0 with
 accumulation and full recompute), cp4, tp2 x cp2 (sp off and on), pp2 x cp2, the tiny Hugging Face Llama (GQA, LM head outside
-the split model) at cp2 x dp2, the refusals (a padding mask; a RoPE computed from the sequence length), and the
+the split model) at cp2 x dp2, the heads flavour (cp_kind=heads: GPT at cp2 x dp2, cp4, tp2 x cp2 + SP; the Llama
+at cp4, its kv heads repeated), the refusals (a padding mask; a RoPE computed from the sequence length), and the
 bytes saved for backward at cp1 vs cp2. Results are compared with the single-process loop
 (tests/test_context_parallel.py).
 
@@ -29,6 +30,13 @@ PLANS = {
     "gpt_tp2_cp2_sp": "tp=2,cp=2,dp=1,sp=true",
     "gpt_pp2_cp2": "pp=2,cp=2,dp=1,mbs=2,grad_accum=4",
     "llama_cp2_dp2": "cp=2,dp=2,zero=2",
+    # the heads flavour (parallel.context_heads, DeepSpeed-Ulysses): GPT's 4 heads over cp=2 and cp=4, over
+    # tp2 x cp2 with SP (one head per rank), and the Llama's 2 kv heads repeated at cp=4
+    "gpt_cp2_dp2_heads": "cp=2,dp=2,zero=3,cp_kind=heads",
+    "gpt_cp4_heads": "cp=4,dp=1,cp_kind=heads",
+    "gpt_tp2_cp2_sp_heads": "tp=2,cp=2,dp=1,sp=true,cp_kind=heads",
+    "llama_cp4_heads": "cp=4,dp=1,cp_kind=heads",
+    "llama_cp2_heads_right_padding": "cp=2,dp=2,zero=2,cp_kind=heads",
 }
 
 
@@ -41,6 +49,19 @@ class PaddedLM(LitLM):
         idx, targets = batch
         mask = torch.ones_like(idx)
         mask[:, 0] = 0
+        return lm_loss(self.model(idx, attention_mask=mask).logits, targets)
+
+
+class RightPaddedLM(LitLM):
+    """The tiny Llama called with a padding mask whose last 3 tokens of each row are padding (right padding: every
+    query still sees a real key), which the heads flavour applies over the whole sequence."""
+
+    def loss(self, batch) -> torch.Tensor:
+        from lightning_autopar.models.gpt import lm_loss
+
+        idx, targets = batch
+        mask = torch.ones_like(idx)
+        mask[:, -3:] = 0
         return lm_loss(self.model(idx, attention_mask=mask).logits, targets)
 
 
@@ -73,6 +94,8 @@ class RopeAttention(nn.Module):
 def make_for(name: str):
     from tests_hf import make_hf_module
 
+    if name.endswith("_right_padding"):
+        return lambda **_: RightPaddedLM(make_hf_module().model)
     if name.startswith("llama"):
         return lambda **_: make_hf_module()
     if name == "refuse_padding":
