@@ -7,7 +7,7 @@ Conv2d patch embedding) (tests/dist/third_party_models.py); issue 26: a torchtit
 in a ModuleDict, an autocast router), a CIFAR-size BatchNorm ResNet (HF, 32x32, last map 1x1), a two-tower model
 with frozen and unused parameters, a Llama with frozen lower layers (zero3, tp2, pp2 only), torchtitan's
 own MoE layout (router module, 3-D GroupedExperts), Qwen2-MoE at its default config (no
-router logits; ep2 only), OLMoE at its default config (auto, ep2), a model whose forward does not run on meta tensors,
+router logits; ep2 only), OLMoE and Mixtral at their default configs (auto, ep2), a model whose forward does not run on meta tensors,
 and the encoder-decoders Hugging Face BART and Whisper (a Conv1d front-end on log-mel features).
 Columns: the planner's own plan, zero=3 (dp=4), tp=2 (dp=2), ep=2 (dp=4, MoE rows) and pp=2 (dp=2). In the suite the
 cells run in the batch of world 4 (tests/conftest.py: one launch per world size); ``--run`` below launches them

@@ -78,6 +78,17 @@ def make_mixtral(**_: object) -> L.LightningModule:
     return _hf_lit(tf.MixtralForCausalLM(config))
 
 
+def make_mixtral_default(**_: object) -> L.LightningModule:
+    """MixtralForCausalLM at the library's defaults for the router (output_router_logits=False: no router logits
+    returned, no balance loss): the MoE found from the traced routing alone."""
+    import transformers as tf
+
+    config = tf.MixtralConfig(num_key_value_heads=2, intermediate_size=FFN, num_local_experts=EXPERTS,
+                              num_experts_per_tok=TOP_K, tie_word_embeddings=False, **_hf_common())
+    assert not config.output_router_logits
+    return _hf_lit(tf.MixtralForCausalLM(config))
+
+
 def make_qwen2(**_: object) -> L.LightningModule:
     """Qwen2ForCausalLM: GQA with biases on q/k/v."""
     import transformers as tf
@@ -694,6 +705,7 @@ MODELS: dict[str, ThirdPartyModel] = {
     "olmoe": ThirdPartyModel(make_olmoe, moe=True, balance_loss=True),
     # issue 26: HF MoEs at their default configs (no router logits), where expert parallelism is the point
     "olmoe_default": ThirdPartyModel(make_olmoe_default, moe=True, not_run=("zero3", "tp2", "pp2", "ga2")),
+    "mixtral_default": ThirdPartyModel(make_mixtral_default, moe=True, not_run=("zero3", "tp2", "pp2", "ga2")),
     "qwen2_moe": ThirdPartyModel(make_qwen2_moe, moe=True, not_run=("auto", "zero3", "tp2", "pp2", "ga2")),
     "litgpt": ThirdPartyModel(make_litgpt),
     "litgpt_moe": ThirdPartyModel(make_litgpt_moe, moe=True),
