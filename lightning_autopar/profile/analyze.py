@@ -502,9 +502,15 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, block_fqns: list[str],
     run on meta tensors stand in as identity. The forward gets ``example`` (a real call's arguments, e.g. a ViT's
     pixel values) when given, else token ids of shape (batch, seq_len)."""
     call = token_ids(batch, seq_len) if example is None else meta_example(example, batch)
-    recorders = [BlockCost(block_fqns), ParameterUses(), Dataflow(block_fqns[0] if block_fqns else None, weights=True),
-                 Routing()]
-    return meta_forward(model, call, recorders, backward=True, stand_in=[model.get_submodule(f) for f in block_fqns])
+    for follow in (False, True):  # Routing dormant first: a model with no router is traced once, without following
+        routing = Routing(follow)
+        recorders = [BlockCost(block_fqns), ParameterUses(),
+                     Dataflow(block_fqns[0] if block_fqns else None, weights=True), routing]
+        trace = meta_forward(model, call, recorders, backward=True,
+                             stand_in=[model.get_submodule(f) for f in block_fqns])
+        if not routing.restart:
+            return trace
+    return trace
 
 
 
