@@ -235,3 +235,18 @@ def test_unused_parameters_are_found_and_frozen_ones_are_not_unused():
     assert a.unused_params == ["vision.post_norm.weight", "vision.post_norm.bias", "unused_head.weight",
                                "unused_head.bias"]
     assert analyze(_third_party().TitanTransformer()).unused_params == []
+
+
+def test_an_lm_head_is_never_a_block_of_another_stack():
+    """An encoder-decoder's planned stack is the decoder; the encoder's MLP is outside it but inside a block of the
+    other stack, and with its width equal to the vocabulary (here 64 = FFN) it has the head's shape: the head is
+    the Linear outside every stack (BART's lm_head, tied to the shared embedding), never that MLP."""
+    transformers = pytest.importorskip("transformers")
+
+    cfg = transformers.BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                  decoder_ffn_dim=64, max_position_embeddings=16, pad_token_id=1)
+    model = transformers.BartForConditionalGeneration(cfg)
+    a = analyze(model, trace=False)
+    assert a.blocks_fqn == "model.decoder.layers"
+    assert a.lm_head == "lm_head" and a.token_embedding == "model.shared" and a.tied_embeddings

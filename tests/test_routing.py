@@ -149,3 +149,19 @@ def test_plain_loop_moe_runs_to_its_experts_on_meta():
     analysis = analyze(GPT(cfg), seq_len=SEQ)
     assert not analysis.unclassified and [b.moe is not None for b in analysis.blocks] == [False, True]
     assert analysis.blocks[1].flops > analysis.blocks[0].flops
+
+
+@pytest.mark.parametrize("make", [DictMoE, StackedMoE, Expert, TopKNotMoE])
+def test_a_dormant_recorder_stops_at_the_first_possible_selection_only(make):
+    """``Routing(follow=False)`` follows nothing: a model that never selects over a 2-D parameter's width traces
+    once with no routing, as the following recorder finds; one that may stops there (``restart``), and the
+    following trace finds what it always found."""
+    dormant, following = Routing(follow=False), Routing()
+    first = meta_forward(LM(make), token_ids(2, SEQ), [dormant], backward=True)
+    full = meta_forward(LM(make), token_ids(2, SEQ), [following], backward=True)
+    assert full.failure is None
+    if dormant.restart:
+        assert first.stopped is not None and first.routing == []
+    else:
+        assert first.failure is None and first.stopped is None and first.routing == full.routing == []
+    assert dormant.restart == (make is not Expert)  # TopKNotMoE selects over a projection's width: it may route

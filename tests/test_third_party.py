@@ -7,7 +7,8 @@ Conv2d patch embedding) (tests/dist/third_party_models.py); issue 26: a torchtit
 in a ModuleDict, an autocast router), a CIFAR-size BatchNorm ResNet (HF, 32x32, last map 1x1), a two-tower model
 with frozen and unused parameters, a Llama with frozen lower layers (zero3, tp2, pp2 only), torchtitan's
 own MoE layout (router module, 3-D GroupedExperts), Qwen2-MoE at its default config (no
-router logits; ep2 only), OLMoE at its default config (auto, ep2), and a model whose forward does not run on meta tensors.
+router logits; ep2 only), OLMoE and Mixtral at their default configs (auto, ep2), a model whose forward does not run on meta tensors,
+and the encoder-decoders Hugging Face BART and Whisper (a Conv1d front-end on log-mel features).
 Columns: the planner's own plan, zero=3 (dp=4), tp=2 (dp=2), ep=2 (dp=4, MoE rows) and pp=2 (dp=2). In the suite the
 cells run in the batch of world 4 (tests/conftest.py: one launch per world size); ``--run`` below launches them
 alone (tests/dist/third_party_scenarios.py).
@@ -66,8 +67,13 @@ EQUAL, REFUSED = "equal", "refused"
 # (tp); the pad-skipping model's forward does not run on meta tensors: data parallelism only (tp, pp refused).
 # torchtitan's own MoE layout (a router module, GroupedExperts called with tokens grouped by expert and their
 # counts) is found as MoE, but neither TP nor EP drives experts called that way: both refused with that reason.
+# The encoder-decoders (BART, Whisper: two block stacks, decoder cross-attention) train equal at tp=2 (the decoder's
+# stack is split; Whisper's proj_out, tied to the decoder's embedding, is vocabulary-parallel); pp=2 is refused: the
+# embedding is tied across the stacks and the head (BART: one ``shared`` table for encoder, decoder and lm_head;
+# Whisper: decoder embedding and proj_out), which no pipeline stage holds for all its users.
 REFUSALS = {"gpt2__pp2", "nanogpt__pp2", "nanogpt__tp2", "bert__pp2", "resnet__tp2", "resnet__pp2", "two_tower__tp2",
-            "pad_skipping__tp2", "pad_skipping__pp2", "titan_grouped_moe__tp2", "titan_grouped_moe__ep2"}
+            "pad_skipping__tp2", "pad_skipping__pp2", "titan_grouped_moe__tp2", "titan_grouped_moe__ep2",
+            "bart__pp2", "whisper__pp2"}
 EITHER = {"olmoe__tp2", "vit__pp2"}
 EXPECTED: dict[str, str | set[str]] = {
     cell: (REFUSED if cell in REFUSALS else {EQUAL, REFUSED} if cell in EITHER else EQUAL) for cell in cells()}

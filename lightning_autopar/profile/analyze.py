@@ -66,14 +66,26 @@ def block_modules(container: nn.Module) -> list[tuple[str, nn.Module]]:
     return list(container.named_children())
 
 
+def _repeated(child: nn.Module) -> bool:
+    """``child`` holds >= 2 children of one class that are not Linears (a block container: find_block_list)."""
+    kids = [m for _, m in block_modules(child)]
+    return len(kids) >= 2 and len({type(c) for c in kids}) == 1 and not isinstance(kids[0], nn.Linear)
+
+
+def in_any_blocks(module: nn.Module) -> set[str]:
+    """The names of the modules inside a block of any repeated stack of ``module`` (an encoder-decoder's or a
+    vision-language model's other stacks too): an embedding's head or a final norm is never one of them."""
+    containers = [f"{name}." for name, child in module.named_modules() if name and _repeated(child)]
+    return {n for n, _ in module.named_modules() if any(n.startswith(c) for c in containers)}
+
+
 def find_block_list(module: nn.Module) -> tuple[str, nn.Module] | None:
     """The container of >= 2 children of one class (the blocks) holding the most parameters, whatever its
     class: a ModuleList, a Sequential, a ModuleDict (torchtitan keeps its blocks in ``layers``, a ModuleDict),
     or a module of the user's own holding only its blocks. Linears (a projection list) are not blocks."""
     best: tuple[int, str, nn.Module] | None = None
     for name, child in module.named_modules():
-        kids = [m for _, m in block_modules(child)]
-        if len(kids) < 2 or len({type(c) for c in kids}) != 1 or isinstance(kids[0], nn.Linear):
+        if not _repeated(child):
             continue
         count = _param_count(child)
         if best is None or count > best[0]:
@@ -490,9 +502,15 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, block_fqns: list[str],
     run on meta tensors stand in as identity. The forward gets ``example`` (a real call's arguments, e.g. a ViT's
     pixel values) when given, else token ids of shape (batch, seq_len)."""
     call = token_ids(batch, seq_len) if example is None else meta_example(example, batch)
-    recorders = [BlockCost(block_fqns), ParameterUses(), Dataflow(block_fqns[0] if block_fqns else None, weights=True),
-                 Routing()]
-    return meta_forward(model, call, recorders, backward=True, stand_in=[model.get_submodule(f) for f in block_fqns])
+    for follow in (False, True):  # Routing dormant first: a model with no router is traced once, without following
+        routing = Routing(follow)
+        recorders = [BlockCost(block_fqns), ParameterUses(),
+                     Dataflow(block_fqns[0] if block_fqns else None, weights=True), routing]
+        trace = meta_forward(model, call, recorders, backward=True,
+                             stand_in=[model.get_submodule(f) for f in block_fqns])
+        if not routing.restart:
+            return trace
+    return trace
 
 
 
@@ -565,7 +583,11 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
     embeddings.sort(key=lambda nm: -nm[1].num_embeddings)
     # the token embedding: the one an LM head outside the blocks maps back to (same table size and width, or the
     # same weight), else the largest -- a learned position table longer than the vocabulary is not it
-    outside = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith(blocks_fqn + ".")]
+    # (a Linear inside any repeated stack is a block's, not a head: an encoder-decoder's other stack's MLP can have
+    # the vocabulary's shape)
+    inside = in_any_blocks(model)
+    outside = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith(blocks_fqn + ".")
+               and n not in inside]
     tok = next(((n, e) for n, e in embeddings if any(
         h.weight is e.weight or (h.out_features == e.num_embeddings and h.in_features == e.embedding_dim)
         for h in outside)), embeddings[0] if embeddings else None)
@@ -574,7 +596,7 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
         (m.in_features for m in blocks[0].modules() if isinstance(m, nn.Linear)), 0)
     vocab = tok[1].num_embeddings if tok else 0
     pos = next(((n, m) for n, m in embeddings[1:] if m.embedding_dim == hidden), None)
-    head = next(((n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)
+    head = next(((n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in inside
                  and not n.startswith(blocks_fqn + ".") and m.in_features == hidden and m.out_features == vocab), None)
     tied = bool(tok and head and head[1].weight is tok[1].weight)
     norms = [n for n, m in model.named_modules() if not n.startswith(blocks_fqn + ".") and n != blocks_fqn and

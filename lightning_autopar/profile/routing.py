@@ -19,6 +19,13 @@ A data-dependent count over routed values (``nonzero``, one-argument ``where``: 
 meta kernel; on meta tensors it gives the expected count, ``numel // E`` (tokens x k spread over E experts), so
 the layer runs on to its experts. The recorder never takes structure from names, container classes or config
 flags: a router is what produces the scores a selection reads, experts are what the selection feeds.
+
+Following the dataflow costs every op of the trace, so ``Routing(follow=False)`` is dormant: it follows nothing
+and only watches for a selection that could start a routing (``topk`` / ``argmax`` with 0 < k < the last
+dimension's width, that width one of a 2-D parameter's dimensions: what a selection over a router's scores has). A
+trace that never makes one has no routing; at the first one it stops the forward (``restart``), and the caller
+traces again with ``Routing(follow=True)``, which follows from the first op. A model with no routing pays one
+dormant trace; a routed one the trace up to its first router, then the full one.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Any, ContextManager
 import torch
 from torch.utils._pytree import tree_leaves
 
-from lightning_autopar.profile.trace import Recorder, Run, Trace, _join, _leaves
+from lightning_autopar.profile.trace import Recorder, Run, StopAtCall, Trace, _join, _leaves
 
 _SELECT = {torch.topk: 0, torch.Tensor.topk: 0, torch.argmax: 1, torch.Tensor.argmax: 1}  # -> k (0: its argument)
 _COUNTS = (torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere)
@@ -77,11 +84,15 @@ def within(name: str, ancestor: str) -> bool:
 class Routing(Recorder, torch.overrides.TorchFunctionMode):
     """The MoE layers of the forward (``Trace.routing``), found from its dataflow (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, follow: bool = True) -> None:
         torch.overrides.TorchFunctionMode.__init__(self)
+        self.follow = follow  # False: dormant until a selection that could start a routing (module docstring)
+        self.restart = False  # a dormant recorder stopped the forward there: trace again with follow=True
+        self.widths: set[int] = set()  # the dimensions of the 2-D parameters
         self.run: Run | None = None
         self.params: dict[int, tuple[weakref.ref, str]] = {}  # a parameter, or a view of one -> its name
         self.shapes: dict[str, torch.Size] = {}  # parameter name -> its shape
+        self.flat: set[str] = set()  # the names of the 2-D parameters (a product with one gives scores)
         self.scores: dict[int, tuple[weakref.ref, str]] = {}  # computed from one parameter's product
         self.routed: dict[int, tuple[weakref.ref, int]] = {}  # -> the selection it comes from
         self.selections: list[_Selection] = []
@@ -98,7 +109,12 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
     @staticmethod
     def _mark(table: dict[int, tuple[weakref.ref, Any]], value: Any, tag: Any) -> None:
         """Tag the tensors of ``value``, held weakly: the trace frees what the model frees."""
-        for leaf in (value,) if isinstance(value, torch.Tensor) else tree_leaves(value):
+        if isinstance(value, torch.Tensor):
+            table[id(value)] = (weakref.ref(value), tag)
+            return
+        if value is None or isinstance(value, (int, float, bool, torch.Size)):
+            return
+        for leaf in tree_leaves(value):
             if isinstance(leaf, torch.Tensor):
                 table[id(leaf)] = (weakref.ref(leaf), tag)
 
@@ -148,8 +164,21 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
             if name is not None and leaf.dim() >= 2 and _owner(name) != sel.router:
                 sel.experts.setdefault(_owner(name), False)
 
+    def _may_select(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """What ``_select`` needs of a selection besides its scores' parameter: 0 < k < the scores' width, the
+        width one of a 2-D parameter's dimensions."""
+        scores = args[0] if args else None
+        k = _SELECT[func] or kwargs.get("k", args[1] if len(args) > 1 else 0)
+        width = scores.shape[-1] if isinstance(scores, torch.Tensor) and scores.dim() else 0
+        return isinstance(k, int) and 0 < k < width and width in self.widths
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not self.follow:
+            if func in _SELECT and self._may_select(func, args, kwargs):
+                self.restart = True
+                raise StopAtCall("", args, kwargs)  # a BaseException: the model's own handlers let it through
+            return func(*args, **kwargs)
         leaves = _leaves(args, kwargs)
         index = self._routing(leaves) if self.routed else None
         one_arg_where = func is torch.where and len(args) == 1 and not kwargs
@@ -168,24 +197,29 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
 
     def _product(self, leaves: Any, result: Any) -> None:
         """Views of parameters keep their name; a product with a 2-D one and what follows from it alone carry
-        it as scores."""
-        params: list[str] = []
-        others, score = 0, None
+        it as scores. (Runs on every op of every trace: the lookups of ``_get`` inline, one pass over the
+        leaves.)"""
+        params, scores, flat = self.params, self.scores, self.flat
+        first = two_d = score = None
+        others = False
         for t in leaves:
             if not isinstance(t, torch.Tensor):
                 continue
-            name = self._get(self.params, t)
-            if name is not None:
-                params.append(name)
+            entry = params.get(id(t))
+            if entry is not None and entry[0]() is t:
+                first = first or entry[1]
+                if two_d is None and entry[1] in flat:
+                    two_d = entry[1]
                 continue
-            others += 1
-            score = score or self._get(self.scores, t)
-        if params and not others:
-            self._mark(self.params, result, params[0])
-            return
-        tag = next((n for n in params if len(self.shapes[n]) == 2), None) or score
-        if tag is not None:
-            self._mark(self.scores, result, tag)
+            others = True
+            if score is None:
+                entry = scores.get(id(t))
+                if entry is not None and entry[0]() is t:
+                    score = entry[1]
+        if first is not None and not others:
+            self._mark(params, result, first)
+        elif two_d is not None or score is not None:
+            self._mark(scores, result, two_d or score)
 
     # ------------------------------------------------------------------------------------------- modules
 
@@ -213,6 +247,10 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
         names = {n: run.state.names.get(id(t), [_join(run.stack.prefix, n)])[0] for n, t in run.state.params.items()}
         self.params = {id(t): (weakref.ref(t), names[n]) for n, t in run.state.params.items()}
         self.shapes = {names[n]: t.shape for n, t in run.state.params.items()}
+        self.flat = {name for name, shape in self.shapes.items() if len(shape) == 2}
+        self.widths = {d for name in self.flat for d in self.shapes[name]}
+        if not self.follow:
+            return []
         handles = []
         for name, mod in run.model.named_modules():
             full = _join(run.stack.prefix, name)

@@ -78,6 +78,17 @@ def make_mixtral(**_: object) -> L.LightningModule:
     return _hf_lit(tf.MixtralForCausalLM(config))
 
 
+def make_mixtral_default(**_: object) -> L.LightningModule:
+    """MixtralForCausalLM at the library's defaults for the router (output_router_logits=False: no router logits
+    returned, no balance loss): the MoE found from the traced routing alone."""
+    import transformers as tf
+
+    config = tf.MixtralConfig(num_key_value_heads=2, intermediate_size=FFN, num_local_experts=EXPERTS,
+                              num_experts_per_tok=TOP_K, tie_word_embeddings=False, **_hf_common())
+    assert not config.output_router_logits
+    return _hf_lit(tf.MixtralForCausalLM(config))
+
+
 def make_qwen2(**_: object) -> L.LightningModule:
     """Qwen2ForCausalLM: GQA with biases on q/k/v."""
     import transformers as tf
@@ -306,6 +317,61 @@ def make_bert(**_: object) -> L.LightningModule:
                            intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
                            attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
     return LitMaskedLM(tf.BertForMaskedLM(config))
+
+
+# ------------------------------------------------------------------------------------------- encoder-decoders
+
+
+class LitSeq2Seq(LitLM):
+    """A Hugging Face encoder-decoder trained on (input_ids, labels): the encoder reads the row, the decoder is
+    teacher-forced on the same ids (``decoder_input_ids``) and the model computes its own loss from ``labels``."""
+
+    def loss(self, batch) -> torch.Tensor:
+        idx, targets = batch
+        return self.model(input_ids=idx, decoder_input_ids=idx, labels=targets.contiguous()).loss
+
+
+def make_bart(**_: object) -> L.LightningModule:
+    """BartForConditionalGeneration: two block stacks (encoder; decoder with cross-attention), learned positions
+    per stack, one ``shared`` embedding tied to the encoder's and decoder's token embeddings and the lm_head."""
+    import transformers as tf
+
+    config = tf.BartConfig(vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS,
+                           encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=FFN,
+                           decoder_ffn_dim=FFN, max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0,
+                           activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                           decoder_start_token_id=2, forced_eos_token_id=None, attn_implementation="sdpa")
+    return LitSeq2Seq(tf.BartForConditionalGeneration(config))
+
+
+MELS = 8  # Whisper's log-mel bins here; the encoder reads 2 * max_source_positions frames (its conv2 has stride 2)
+
+
+class LitSpeech2Text(LitLM):
+    """A Hugging Face speech-to-text model on the shared token data: the row's SEQ ids become MELS x SEQ
+    "log-mel" features (a fixed function of the ids: the same on every rank and in the single-process reference),
+    the decoder is teacher-forced on the ids and the model computes its own loss from ``labels``."""
+
+    def loss(self, batch) -> torch.Tensor:
+        idx, targets = batch
+        bins = torch.arange(1, MELS + 1, dtype=torch.float32, device=idx.device)
+        features = torch.sin(idx.float()[:, None, :] * bins[:, None] * (1.0 / VOCAB))
+        return self.model(input_features=features, decoder_input_ids=idx, labels=targets.contiguous()).loss
+
+
+def make_whisper(**_: object) -> L.LightningModule:
+    """WhisperForConditionalGeneration: a Conv1d front-end (stride 1, then 2), the encoder's sinusoidal position
+    table (an Embedding frozen by the library), a learned decoder position embedding, decoder cross-attention, and
+    ``proj_out`` tied to the decoder's token embedding."""
+    import transformers as tf
+
+    config = tf.WhisperConfig(vocab_size=VOCAB, num_mel_bins=MELS, d_model=HIDDEN, encoder_layers=LAYERS,
+                              decoder_layers=LAYERS, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+                              encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, max_source_positions=SEQ // 2,
+                              max_target_positions=SEQ, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                              pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+                              suppress_tokens=None, begin_suppress_tokens=None, attn_implementation="sdpa")
+    return LitSpeech2Text(tf.WhisperForConditionalGeneration(config))
 
 
 # ------------------------------------------------------------------------------------------- a vision transformer
@@ -639,6 +705,7 @@ MODELS: dict[str, ThirdPartyModel] = {
     "olmoe": ThirdPartyModel(make_olmoe, moe=True, balance_loss=True),
     # issue 26: HF MoEs at their default configs (no router logits), where expert parallelism is the point
     "olmoe_default": ThirdPartyModel(make_olmoe_default, moe=True, not_run=("zero3", "tp2", "pp2", "ga2")),
+    "mixtral_default": ThirdPartyModel(make_mixtral_default, moe=True, not_run=("zero3", "tp2", "pp2", "ga2")),
     "qwen2_moe": ThirdPartyModel(make_qwen2_moe, moe=True, not_run=("auto", "zero3", "tp2", "pp2", "ga2")),
     "litgpt": ThirdPartyModel(make_litgpt),
     "litgpt_moe": ThirdPartyModel(make_litgpt_moe, moe=True),
@@ -646,6 +713,9 @@ MODELS: dict[str, ThirdPartyModel] = {
     "plain_moe": ThirdPartyModel(make_plain_moe, moe=True),
     "bert": ThirdPartyModel(make_bert, tied=True),
     "vit": ThirdPartyModel(make_vit),
+    # encoder-decoders (issue 26): two block stacks, cross-attention, embeddings tied across the stacks
+    "bart": ThirdPartyModel(make_bart, tied=True),
+    "whisper": ThirdPartyModel(make_whisper, tied=True),
     "titan_llama": ThirdPartyModel(make_titan_llama),
     "titan_moe": ThirdPartyModel(make_titan_moe, moe=True),
     # torchtitan's own MoE layout (issue 26: found as MoE from its router and 3-D experts): ga2 runs as titan_moe's
