@@ -123,14 +123,21 @@ def test_pipeline_stages():
         assert row["bytes"] == pytest.approx(row["predicted_bytes"], rel=0.01)
 
 
-def test_context_parallel():
-    report = run("dp=2,cp=2,tp=1,zero=3,grad_accum=1", 4, 2)
+@pytest.mark.parametrize("cp_kind", ["gather", "heads"])
+def test_context_parallel(cp_kind):
+    report = run(f"dp=2,cp=2,tp=1,zero=3,grad_accum=1,cp_kind={cp_kind}", 4, 2)
+    assert report.priced.plan.cp_kind == cp_kind
     for op, units in (("all_gather", 4), ("reduce_scatter", 3)):  # FSDP over dp x cp ranks, labelled fsdp
         row = collective(report, "fsdp", op)
         assert row["count"] == row["predicted_count"] == units
         assert row["bytes"] == pytest.approx(row["predicted_bytes"], rel=0.01)
-    rs = collective(report, "cp", "reduce_scatter")  # K's and V's gradients, each on its own (the planner: one)
-    assert rs["count"] == 2 * 2 and rs["predicted_count"] == 2 and rs["bytes"] == rs["predicted_bytes"]
+    if cp_kind == "gather":
+        rs = collective(report, "cp", "reduce_scatter")  # K's and V's gradients, each on its own (the planner: one)
+        assert rs["count"] == 2 * 2 and rs["predicted_count"] == 2 and rs["bytes"] == rs["predicted_bytes"]
+    else:  # q, k, v scattered by heads and the output back, forward and backward: 4 all-to-alls x 2 x 2 blocks
+        a2a = collective(report, "cp", "all_to_all")
+        assert a2a["count"] == a2a["predicted_count"] == 16 and a2a["bytes"] == a2a["predicted_bytes"]
+        assert not any(c["group"] == "cp" and c["op"] == "reduce_scatter" for c in report.collectives())
     m, p = report.ranks[0].measured, report.ranks[0].predicted
     for key in ("params_gib", "grads_gib", "optimizer_gib"):
         assert m[key] == pytest.approx(p[key], rel=0.01), key
