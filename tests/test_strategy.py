@@ -21,7 +21,7 @@ PARAM_RTOL = 1e-5
 PARAM_ATOL = 1e-6
 
 WORLD4 = ["dp_zero0", "dp_zero3", "hsdp", "tp2_dp2_zero3", "tp2_dp2_accum", "auto", "clip", "resume"]
-WORLD2 = ["tp", "dp_zero2", "dp_accum", "dp_zero2_accum", "tp_indivisible"]
+WORLD2 = ["tp", "dp_zero2", "dp_accum", "dp_zero2_accum", "tp_indivisible", "broadcast"]
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +85,20 @@ def test_gradient_clipping_matches(world4):
 def test_resume_from_step4_continues_exactly(world4, reference):
     """Saved at step 4 (DCP, sharded), resumed from a differently initialised model: steps 5-8 are identical."""
     assert_equivalent(load(world4, "resume"), *reference, first_step=STEPS // 2)
+
+
+def test_every_rank_starts_from_rank_0s_tensors(world2):
+    """runtime.group.broadcast_module: buckets of one dtype (fp32, fp64, bool; a tied and a non-contiguous
+    tensor), several per dtype at 64 bytes and one at the default size; each rank had other values before."""
+    result = load(world2, "broadcast")
+    for bucket in ("bucket_64", "bucket_None"):
+        case = result[bucket]
+        assert case["tied"], "the tie survives"
+        assert not torch.equal(case["differed"][0], case["differed"][1]), "the ranks started apart"
+        assert set(case["after"]) == set(case["before"])
+        for key, per_rank in case["after"].items():
+            for value in per_rank:
+                assert torch.equal(value, case["before"][key].to(torch.float64)), (bucket, key)
 
 
 def test_forced_tp_not_dividing_heads_is_one_clear_error(world2):

@@ -90,6 +90,44 @@ def record_error(out: Path, name: str, *args, **kwargs) -> None:
         record(out, name, error=None)
 
 
+def broadcast_states() -> dict:
+    """runtime.group.broadcast_module on a model each rank builds from its own seed: fp32, fp64 and bool tensors,
+    a tied weight and a non-contiguous one, buckets of 64 bytes (several per dtype) and the default size; every
+    rank's tensors after it (gathered to rank 0) and rank 0's before."""
+    import torch.distributed as dist
+
+    from lightning_autopar.runtime.group import broadcast_module
+
+    if not dist.is_initialized():  # the first scenario of a launch
+        dist.init_process_group("gloo")
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(int(os.environ["RANK"]))
+        model = torch.nn.Sequential(torch.nn.Embedding(7, 4), torch.nn.Linear(4, 7, bias=False), torch.nn.Linear(7, 3))
+        model[1].weight = model[0].weight  # tied
+        model.register_buffer("scale", torch.randn(5, dtype=torch.float64))
+        model.register_buffer("mask", torch.rand(6) > 0.5)
+        model.register_buffer("strided", torch.randn(4, 6)[:, ::2])
+        return model
+
+    states = {}
+    for bucket in (64, None):
+        model = build()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        differed = [torch.empty_like(before["0.weight"]) for _ in range(dist.get_world_size())]
+        dist.all_gather(differed, before["0.weight"])
+        broadcast_module(model, *([bucket] if bucket else []))
+        after = {}
+        for key, value in model.state_dict().items():
+            value = value.to(torch.float64)  # gloo gathers no bool
+            gathered = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, value)
+            after[key] = gathered
+        states[f"bucket_{bucket}"] = {"before": before, "after": after, "differed": differed,
+                                      "tied": model[1].weight is model[0].weight}
+    return states
+
+
 def run(out: Path, name: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     if name in FIXES:
@@ -107,6 +145,8 @@ def run(out: Path, name: str) -> None:
         ckpt = out / "ckpts" / f"epoch=0-step={STEPS // 2}.ckpt"
         trainer, module, losses, plan = fit("tp=2,dp=2,zero=3", ckpt_path=str(ckpt), seed=123)
         record(out, name, losses=losses, state=full_state(module), plan=plan)
+    elif name == "broadcast":
+        record(out, name, **broadcast_states())
     elif name == "tp_indivisible":
         record_error(out, name, f"tp={world},dp=1", model_kwargs={"hidden": 48, "heads": 3})
     else:
