@@ -1,10 +1,11 @@
-"""Two "nodes" on this machine: two torchrun agents x 2 gloo processes, one spawn, several scenarios.
+"""Two "nodes" on this machine: two torchrun agents x 2 gloo processes, one launch, several scenarios.
 
-Scenarios (each rank writes its findings to result-<rank>.json): discovery sees 2 x 2; `ranktable --from-env`
+Scenarios (rank 0 records every rank's findings): discovery sees 2 x 2; `ranktable --from-env`
 writes tables that validate and match the live ranks; RANK_TABLE_FILE is checked (a wrong one is refused on
 every rank); a faked version mismatch names the odd rank; build_mesh(tp=2) keeps TP groups inside a node and
-matches the priced groups; the probe measures both levels and writes a spec YAML that loads. A second spawn
-trains on the two nodes (Trainer(devices=2, num_nodes=2)): DDP, HSDP (shard group inside a node), tp2 x dp2 and
+matches the priced groups; the probe measures both levels and writes a spec YAML that loads
+(tests/dist/multinode_scenarios.py). The same launch then trains on the two nodes (Trainer(devices=2,
+num_nodes=2)): DDP, HSDP (shard group inside a node), tp2 x dp2 and
 pp2 x dp2, each equal to one device, then a rank of the second node is SIGKILLed under --max-restarts and the run
 resumes exactly. The same two nodes as an srun step starts them (plain processes with SLURM_* variables) and
 through `fabric run --num-nodes 2 --node-rank 0/1` train equal to one device too.
@@ -12,7 +13,6 @@ through `fabric run --num-nodes 2 --node-rank 0/1` train equal to one device too
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -26,107 +26,7 @@ from conftest import DIST, ROOT, background_launch, free_port, launch_environ  #
 from lightning_autopar.specs import load_cluster_spec
 from lightning_autopar.topology.ranktable import read_table
 
-pytestmark = pytest.mark.slow  # one spawn of 2 agents x 2 processes (about 20 s on 2 idle cores)
-
-WORKER = textwrap.dedent('''
-    import json, os, sys, traceback
-    import torch.distributed as dist
-    from lightning_autopar import cli
-    from lightning_autopar.errors import ConfigError
-    from lightning_autopar.specs import Plan
-    from lightning_autopar.runtime import probe
-    from lightning_autopar.topology import discover
-    from lightning_autopar.topology.mesh import build_mesh, group_ranks, groups_crossing_nodes, \\
-        init_process_group_with_timeout
-    from lightning_autopar.files import atomic_write
-    from lightning_autopar.topology.ranktable import Device, RankTable, read_table
-
-    out = sys.argv[1]
-    rank = int(os.environ["RANK"])
-    res = {"rank": rank, "group_rank": int(os.environ["GROUP_RANK"]),
-           "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]), "errors": []}
-
-    def scenario(fn):
-        try:
-            res[fn.__name__] = fn()
-        except Exception:
-            res["errors"].append(fn.__name__ + ": " + traceback.format_exc())
-        return fn
-
-    init_process_group_with_timeout("gloo")
-
-    @scenario
-    def discovery():
-        spec = discover.discover_cluster()
-        layout = discover.node_layout(discover.gather_records())
-        return {"nodes": spec.nodes, "dpn": spec.devices_per_node, "layout": layout.nodes, "name": spec.name}
-
-    @scenario
-    def ranktable():
-        codes = {}
-        for fmt in ("hccl", "generic"):
-            path = os.path.join(out, f"{fmt}.json")
-            codes[fmt] = cli.main(["ranktable", "--from-env", "--format", fmt, "-o", path])
-            dist.barrier()
-            codes[fmt + "_validate"] = cli.main(["ranktable", "--validate", path])
-        return codes
-
-    @scenario
-    def rank_table_file():
-        os.environ["RANK_TABLE_FILE"] = os.path.join(out, "hccl.json")
-        ok = discover.discover_cluster().world_size
-        del os.environ["RANK_TABLE_FILE"]
-        bad = os.path.join(out, "swapped.json")
-        if rank == 0:  # ranks 1 and 2 trade places across the nodes
-            table = read_table(os.path.join(out, "hccl.json"))
-            a, b = table.servers[0].devices, table.servers[1].devices
-            a[1], b[0] = Device(a[1].device_id, b[0].rank_id, a[1].device_ip), Device(b[0].device_id, a[1].rank_id, b[0].device_ip)
-            atomic_write(bad, table.to_json("hccl"))
-        dist.barrier()
-        try:
-            discover.discover_cluster(rank_table_file=bad)
-            refused = ""
-        except ConfigError as err:
-            refused = str(err)
-        return {"world": ok, "refused": refused}
-
-    @scenario
-    def versions():
-        real = discover.collect_versions
-        if rank == 3:
-            discover.collect_versions = lambda: {**real(), "torch": "0.0-fake"}
-        try:
-            discover.discover_cluster()
-            return ""
-        except ConfigError as err:
-            return str(err)
-        finally:
-            discover.collect_versions = real
-
-    @scenario
-    def mesh():
-        plan = Plan(dp=2, tp=2)
-        layout = build_mesh(plan, "cpu")
-        nodes = discover.node_layout(discover.gather_records()).nodes
-        return {"tp": layout.all_ranks("tp"), "dp": layout.all_ranks("dp"), "my_tp": layout.ranks("tp"),
-                "priced_tp": group_ranks(plan, "tp"), "priced_dp": group_ranks(plan, ("dp_replicate", "dp_shard")),
-                "crossing": groups_crossing_nodes(plan, nodes)}
-
-    @scenario
-    def probe_run():
-        result = probe.run_probe(sizes=[4096, 1 << 20], iters=3, warmup=1)
-        if rank == 0:
-            atomic_write(os.path.join(out, "probe.yaml"), probe.spec_yaml(result.spec, result))
-        return {"levels": result.measured_levels,
-                "measurements": [dict(level=m.level, op=m.op, nbytes=m.nbytes, seconds=m.seconds, busbw=m.busbw_gbs,
-                                      algbw=m.algbw_gbs, note=m.note) for m in result.measurements]}
-
-    dist.barrier()
-    dist.destroy_process_group()
-    with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
-        json.dump(res, f)
-''')
-
+pytestmark = pytest.mark.slow  # launches of 2 agents x 2 processes
 
 def two_agents(args: list[str], cwd: Path, timeout: int, restarts: int = 0, fabric: bool = False) -> list[str]:
     """Run ``args`` (a script and its arguments) under two torchrun agents, ``--nnodes 2 --node-rank 0/1`` x 2
@@ -169,28 +69,11 @@ def outputs(procs: list[subprocess.Popen], timeout: int) -> list[str]:
     return logs
 
 
-@pytest.fixture(scope="module")
-@background_launch
-def two_nodes(tmp_path_factory) -> tuple[Path, list[dict]]:
-    out = tmp_path_factory.mktemp("two_nodes")
-    script = out / "worker.py"
-    script.write_text(WORKER)
-    logs = two_agents([str(script), str(out)], out, timeout=120)
-    results = []
-    for rank in range(4):
-        path = out / f"result-{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no result; logs:\n" + "\n".join(log[-3000:] for log in logs)
-        results.append(json.loads(path.read_text()))
-    for res in results:
-        assert not res["errors"], "\n".join(res["errors"])
-    return out, results
-
-
-# Training on the two "nodes" (tests/dist/batch.py runs the scenarios as their own files' launches would): plain
-# DDP, HSDP with the shard group inside a node, tp2 x dp2 and a pp2 x dp2 pipeline, each against one device; last,
+# One launch on the two "nodes" (tests/dist/batch.py runs the scenarios as their own files' launches would): first
+# what the ranks find about the two nodes (tests/dist/multinode_scenarios.py), then training: plain DDP, HSDP with the shard group inside a node, tp2 x dp2 and a pp2 x dp2 pipeline, each against one device; last,
 # rank 3 (second node) SIGKILLed after step 5: both agents restart their workers (--max-restarts), the batch skips
 # what every rank finished, and the run resumes from its step-4 checkpoint.
-TRAINING = ["scenarios.py:dp_zero0", "scenarios.py:hsdp", "scenarios.py:tp2_dp2_zero3", "pp_scenarios.py:pp2_dp2_zero3",
+TRAINING = ["multinode_scenarios.py:discovery", "scenarios.py:dp_zero0", "scenarios.py:hsdp", "scenarios.py:tp2_dp2_zero3", "pp_scenarios.py:pp2_dp2_zero3",
             "callback_scenarios.py:killed_node1"]
 
 
@@ -204,6 +87,19 @@ def two_node_training(tmp_path_factory) -> Path:
         if not (out / Path(script).stem / f"{name}.pt").exists():
             pytest.fail(f"{item} wrote no result; logs:\n" + "\n".join(log[-4000:] for log in logs))
     return out
+
+
+@pytest.fixture(scope="module")
+def two_nodes(two_node_training) -> tuple[Path, list[dict]]:
+    """The findings of the launch's first scenario (tests/dist/multinode_scenarios.py), one per rank."""
+    import torch
+
+    out = two_node_training / "multinode_scenarios"
+    results = torch.load(out / "discovery.pt", weights_only=False)["results"]
+    assert [res["rank"] for res in results] == [0, 1, 2, 3]
+    for res in results:
+        assert not res["errors"], "\n".join(res["errors"])
+    return out, results
 
 
 def test_discovery_sees_two_by_two(two_nodes):
