@@ -29,6 +29,7 @@ from the tokens' values) and plain DDP (its C++ reducer builds buckets from the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -556,7 +557,10 @@ def simulate_rank(model: Any, spec: ModelSpec | None, priced: PricedPlan, rank: 
         with FakeTensorMode(allow_non_fake_inputs=True):
             module.to_empty(device=device)
             batch = _fake_batch(batch, module, spec, global_batch, seq_len, device)
-            trial, applied = _build(module, plan, layout, batch, device, priced.layers_per_stage or None, shared,
+            # compiled kernels read their inputs' data, which fake tensors do not have: the blocks run eager
+            # (``SimulationReport.notes``)
+            eager = dataclasses.replace(plan, compile=False) if plan.compile else plan
+            trial, applied = _build(module, eager, layout, batch, device, priced.layers_per_stage or None, shared,
                                     fake=True)
             _before_measured_step(trial, module, batch, plan.pp > 1)
             states: list[tuple[int, int, int]] = []
@@ -652,11 +656,14 @@ def check_simulable(plan: Any, spec: ModelSpec) -> None:
 def simulate(model: Any, cluster: str | ClusterSpec, global_batch: int, seq_len: int | None = None,
              fix: Any = None, ranks: str | Sequence[int] | None = None, nodes: int | None = None,
              devices_per_node: int | None = None, precision: Any = None,
-             memory_fraction: float = 0.9, batch: Any = None) -> SimulationReport:
+             memory_fraction: float = 0.9, batch: Any = None, analysed: Any = None) -> SimulationReport:
     """Plan ``model`` on ``cluster`` (the best plan, or the one ``fix`` pins), then simulate ``ranks`` of it at the
     plan's world size in this process (module doc). ``model``: a preset name, YAML path or ModelSpec (built as the
     reference GPT), ``"pkg.module:factory"`` or a callable returning a LightningModule or a Hugging Face causal LM.
     ``batch``: the global batch the step takes (its tensors' shapes and dtypes; default: token windows).
+    ``analysed``: (root, model, analysis) when the caller has analysed the module ``model`` (a factory) copies --
+    ``model`` in ``root``, analysed on token ids (``runtime.analysis.analyse``) --: its spec is planned and the
+    builds start from it, instead of analysing again (the strategy's ``simulate=True``).
     No default process group may exist when it is called; none is left after."""
     from lightning_autopar.planner.search import plan as plan_model
     from lightning_autopar.planner.traffic import predicted_rank
@@ -665,15 +672,15 @@ def simulate(model: Any, cluster: str | ClusterSpec, global_batch: int, seq_len:
 
     started = time.perf_counter()
     spec: ModelSpec | None = None
-    if is_factory(model):
+    if is_factory(model) and analysed is not None:
+        planned_spec = analysed[2].spec if seq_len is None else dataclasses.replace(analysed[2].spec, seq_len=seq_len)
+    elif is_factory(model):
         from lightning_autopar.profile.analyze import model_spec_from_module
 
         planned_spec = model_spec_from_module(_meta_module(model, None), seq_len=seq_len)
     else:
         spec = load_model_spec(model)
         if seq_len is not None:
-            import dataclasses
-
             spec = dataclasses.replace(spec, seq_len=seq_len)
         planned_spec = spec
     seq = int(seq_len or planned_spec.seq_len)
@@ -687,9 +694,13 @@ def simulate(model: Any, cluster: str | ClusterSpec, global_batch: int, seq_len:
     chosen = parse_ranks(ranks, priced.plan, world)
     results = []
     mailbox, shared = StageMailbox(), SharedAnalysis()  # every rank builds the same model: analysed once
+    if analysed is not None and is_factory(model):
+        shared.seed(*analysed)
     for rank in sorted(chosen, key=lambda r: (r * priced.plan.pp // world, r)):  # stages in order (StageMailbox)
         result = simulate_rank(model, spec, priced, rank, world, global_batch, seq, mailbox, batch, shared)
         result.predicted, result.predicted_collectives = predicted_rank(planned_spec, clus, priced, result.stage,
                                                                         seq)
         results.append(result)
-    return SimulationReport(world, priced, results, time.perf_counter() - started)
+    notes = [f"{priced.plan.short()}: the blocks ran eager (compiled kernels read tensor data, which fake tensors "
+             "do not have); states and collectives are compile's, activations eager's"] if priced.plan.compile else []
+    return SimulationReport(world, priced, results, time.perf_counter() - started, notes)

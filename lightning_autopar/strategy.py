@@ -134,7 +134,11 @@ class AutoParallelMixin(PlanningMixin):
         self.simulation = simulate(meta_factory(self.lightning_module), self._cluster_spec(), analysed.global_batch,
                                    analysed.seq_len, fix=self._fix or None, ranks=self._simulate_ranks,
                                    precision=plan_precision(str(trainer.precision)),
-                                   memory_fraction=self._memory_fraction, batch=work.first_batch)
+                                   memory_fraction=self._memory_fraction, batch=work.first_batch,
+                                   # a model analysed on token ids is not analysed again (unit form: per build,
+                                   # from each copy's own call)
+                                   analysed=None if analysed.example is not None else (
+                                       self.lightning_module, analysed.model, analysed.analysis))
         if self._print_plan:
             self.simulation.print_table()
         # nothing trains: the fit loop ends before its first step (Trainer.should_stop, public), and the sanity

@@ -187,13 +187,20 @@ def test_cli_bad_input_exits_2(capsys):
     assert not dist.is_initialized()
 
 
-def test_strategy_simulate_flag_plans_simulates_and_trains_nothing():
+def test_strategy_simulate_flag_plans_simulates_and_trains_nothing(monkeypatch):
     """Trainer(strategy=AutoParallelStrategy(simulate=True, cluster=...)): the user's module at its first batch,
     planned for 2 nodes x 4 devices of the cluster, its pipeline stages' first ranks simulated in this process;
-    no step, no process group, the module unchanged; without a cluster, one line."""
+    no step, no process group, the module unchanged, the model analysed once (the simulated builds start from
+    that analysis); without a cluster, one line."""
     import lightning.pytorch as L
     import torch
     from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_autopar.profile.analyze as analyze_module
+
+    analyses = []
+    real_analyze = analyze_module.analyze
+    monkeypatch.setattr(analyze_module, "analyze", lambda *a, **k: analyses.append(1) or real_analyze(*a, **k))
 
     from lightning_autopar import AutoParallelStrategy
     from lightning_autopar.errors import ConfigError
@@ -215,6 +222,22 @@ def test_strategy_simulate_flag_plans_simulates_and_trains_nothing():
     m, p = report.ranks[0].measured, report.ranks[0].predicted
     assert m["params_gib"] == pytest.approx(p["params_gib"], rel=0.01)
     assert trainer.global_step == 0 and not dist.is_initialized()
+    assert len(analyses) == 1
     assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
     with pytest.raises(ConfigError, match="simulate.*cluster="):
         AutoParallelStrategy(simulate=True)
+
+
+def test_a_compiled_plan_is_simulated_eager_with_a_note():
+    """compile=true: compiled kernels read their inputs' data, which a fake tensor does not have (a pipeline's
+    shape inference crashed the process); the blocks run eager, the states are the same as the eager plan's, and the report says so."""
+    compiled = run("dp=4,dp_shard=4,tp=1,zero=3,grad_accum=1,compile=true", 4, 4, ranks="first")
+    eager = run("dp=4,dp_shard=4,tp=1,zero=3,grad_accum=1", 4, 4, ranks="first")
+    assert compiled.priced.plan.compile and not eager.priced.plan.compile
+    assert len(compiled.notes) == 1 and "ran eager" in compiled.notes[0] and not eager.notes
+    for key in ("params_gib", "grads_gib", "optimizer_gib"):
+        assert compiled.ranks[0].measured[key] == eager.ranks[0].measured[key]
+    assert compiled.collectives() == eager.collectives()
+    # a pipeline stage's first step infers its shapes through the blocks (before: a segmentation fault)
+    staged = run("dp=2,dp_shard=2,tp=1,pp=2,zero=3,grad_accum=2,compile=true,schedule=gpipe", 4, 4)
+    assert staged.priced.plan.pp == 2 and "ran eager" in staged.notes[0] and len(staged.ranks) == 2

@@ -131,6 +131,13 @@ class SharedAnalysis:
     analysis: Any = None  # as analysed, before any build changed it
     capabilities: Any = None  # the first build's record, filled by its checks
 
+    def seed(self, root: nn.Module, model: nn.Module, analysis: Any) -> None:
+        """Start from an analysis made before the builds: ``model`` (a transformer analysed on token ids) in
+        ``root``, a module the builds copy (the strategy's ``simulate=True`` has analysed the user's module)."""
+        path = next((name for name, child in root.named_modules() if child is model), None)
+        if path is not None:  # else the builds analyse as usual
+            self.path, self.analysis, self.capabilities = path, copy.deepcopy(analysis), None
+
     def analysed(self, module: nn.Module, batch: Any) -> tuple[nn.Module, Any, tuple[tuple, dict] | None, Any]:
         """(the model the plan applies to, its analysis, the user's call of it or None, the capabilities record
         to build with or None) for ``module``, a copy of the model the first build analysed."""
@@ -138,6 +145,9 @@ class SharedAnalysis:
         from lightning_autopar.runtime.analysis import analyse, step_model_call
 
         if self.path is not None:
+            if self.capabilities is None:  # seeded (``seed``): this first build's checks fill the record
+                self.capabilities = Capabilities.of(self.analysis)
+                return module.get_submodule(self.path), copy.deepcopy(self.analysis), None, self.capabilities
             return (module.get_submodule(self.path), copy.deepcopy(self.analysis), None,
                     self.capabilities.for_copy())
         model, analysis, example = analyse(module, lambda: step_model_call(module, batch, "training_step"))
