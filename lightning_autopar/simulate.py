@@ -673,7 +673,8 @@ def simulate(model: Any, cluster: str | ClusterSpec, global_batch: int, seq_len:
     started = time.perf_counter()
     spec: ModelSpec | None = None
     if is_factory(model) and analysed is not None:
-        planned_spec = analysed[2].spec if seq_len is None else dataclasses.replace(analysed[2].spec, seq_len=seq_len)
+        _, _, analysis = analysed
+        planned_spec = analysis.spec if seq_len is None else dataclasses.replace(analysis.spec, seq_len=seq_len)
     elif is_factory(model):
         from lightning_autopar.profile.analyze import model_spec_from_module
 

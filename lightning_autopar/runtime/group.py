@@ -40,7 +40,7 @@ def broadcast_module(module: nn.Module, bucket_bytes: int = BROADCAST_BUCKET_BYT
     import torch.distributed as dist
 
     def send(bucket: list[torch.Tensor]) -> None:
-        if len(bucket) == 1:
+        if len(bucket) == 1 and bucket[0].is_contiguous():  # a collective takes a contiguous tensor as it is
             dist.broadcast(bucket[0], src=0)
             return
         flat = torch.cat([t.reshape(-1) for t in bucket])
@@ -48,22 +48,21 @@ def broadcast_module(module: nn.Module, bucket_bytes: int = BROADCAST_BUCKET_BYT
         for tensor, synced in zip(bucket, flat.split([t.numel() for t in bucket])):
             tensor.copy_(synced.view_as(tensor))
 
-    buckets: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], list[int]]] = {}
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.device.type != "meta":
+            by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor.data)
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if tensor.device.type == "meta":
-                continue
-            bucket, size = buckets.setdefault((tensor.dtype, tensor.device), ([], [0]))
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size[0] + nbytes > bucket_bytes:
-                send(bucket)
-                bucket.clear()
-                size[0] = 0
-            bucket.append(tensor.data)
-            size[0] += nbytes
-        for bucket, _ in buckets.values():
-            if bucket:
-                send(bucket)
+        for tensors in by_kind.values():  # the same order on every rank: the module's
+            bucket, size = [], 0
+            for tensor in tensors:
+                nbytes = tensor.numel() * tensor.element_size()
+                if bucket and size + nbytes > bucket_bytes:
+                    send(bucket)
+                    bucket, size = [], 0
+                bucket.append(tensor)
+                size += nbytes
+            send(bucket)
 
 
 def dp_mesh(layout: Any, plan: Any) -> Any:

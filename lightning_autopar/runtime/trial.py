@@ -145,11 +145,11 @@ class SharedAnalysis:
         from lightning_autopar.runtime.analysis import analyse, step_model_call
 
         if self.path is not None:
-            if self.capabilities is None:  # seeded (``seed``): this first build's checks fill the record
+            first = self.capabilities is None  # seeded (``seed``): this first build's checks fill the record
+            if first:
                 self.capabilities = Capabilities.of(self.analysis)
-                return module.get_submodule(self.path), copy.deepcopy(self.analysis), None, self.capabilities
             return (module.get_submodule(self.path), copy.deepcopy(self.analysis), None,
-                    self.capabilities.for_copy())
+                    self.capabilities if first else self.capabilities.for_copy())
         model, analysis, example = analyse(module, lambda: step_model_call(module, batch, "training_step"))
         if example is not None:
             return model, analysis, example, None

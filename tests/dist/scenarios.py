@@ -92,7 +92,7 @@ def record_error(out: Path, name: str, *args, **kwargs) -> None:
 
 def broadcast_states() -> dict:
     """runtime.group.broadcast_module on a model each rank builds from its own seed: fp32, fp64 and bool tensors,
-    a tied weight and a non-contiguous one, buckets of 64 bytes (several per dtype) and the default size; every
+    a tied weight and a non-contiguous one, buckets of 64 and 40 bytes (several per dtype; the non-contiguous one alone) and the default size; every
     rank's tensors after it (gathered to rank 0) and rank 0's before."""
     import torch.distributed as dist
 
@@ -111,7 +111,7 @@ def broadcast_states() -> dict:
         return model
 
     states = {}
-    for bucket in (64, None):
+    for bucket in (64, 40, None):  # 40 bytes: the non-contiguous buffer (48) alone in its bucket
         model = build()
         before = {k: v.clone() for k, v in model.state_dict().items()}
         differed = [torch.empty_like(before["0.weight"]) for _ in range(dist.get_world_size())]
