@@ -230,7 +230,8 @@ def test_strategy_simulate_flag_plans_simulates_and_trains_nothing(monkeypatch):
 
 def test_a_compiled_plan_is_simulated_eager_with_a_note():
     """compile=true: compiled kernels read their inputs' data, which a fake tensor does not have (a pipeline's
-    shape inference crashed the process); the blocks run eager, the states are the same as the eager plan's, and the report says so."""
+    shape inference crashed the process); the blocks run eager, the states are the same as the eager plan's, and
+    the report says so."""
     compiled = run("dp=4,dp_shard=4,tp=1,zero=3,grad_accum=1,compile=true", 4, 4, ranks="first")
     eager = run("dp=4,dp_shard=4,tp=1,zero=3,grad_accum=1", 4, 4, ranks="first")
     assert compiled.priced.plan.compile and not eager.priced.plan.compile

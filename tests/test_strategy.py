@@ -89,7 +89,8 @@ def test_resume_from_step4_continues_exactly(world4, reference):
 
 def test_every_rank_starts_from_rank_0s_tensors(world2):
     """runtime.group.broadcast_module: buckets of one dtype (fp32, fp64, bool; a tied and a non-contiguous
-    tensor), several per dtype at 64 and 40 bytes (the non-contiguous one alone) and one at the default size; each rank had other values before."""
+    tensor), several per dtype at 64 and 40 bytes (the non-contiguous one alone) and one at the default size;
+    each rank had other values before."""
     result = load(world2, "broadcast")
     for bucket in ("bucket_64", "bucket_40", "bucket_None"):
         case = result[bucket]

@@ -70,11 +70,12 @@ def outputs(procs: list[subprocess.Popen], timeout: int) -> list[str]:
 
 
 # One launch on the two "nodes" (tests/dist/batch.py runs the scenarios as their own files' launches would): first
-# what the ranks find about the two nodes (tests/dist/multinode_scenarios.py), then training: plain DDP, HSDP with the shard group inside a node, tp2 x dp2 and a pp2 x dp2 pipeline, each against one device; last,
+# what the ranks find about the two nodes (tests/dist/multinode_scenarios.py), then training: plain DDP, HSDP with
+# the shard group inside a node, tp2 x dp2 and a pp2 x dp2 pipeline, each against one device; last,
 # rank 3 (second node) SIGKILLed after step 5: both agents restart their workers (--max-restarts), the batch skips
 # what every rank finished, and the run resumes from its step-4 checkpoint.
-TRAINING = ["multinode_scenarios.py:discovery", "scenarios.py:dp_zero0", "scenarios.py:hsdp", "scenarios.py:tp2_dp2_zero3", "pp_scenarios.py:pp2_dp2_zero3",
-            "callback_scenarios.py:killed_node1"]
+TRAINING = ["multinode_scenarios.py:discovery", "scenarios.py:dp_zero0", "scenarios.py:hsdp",
+            "scenarios.py:tp2_dp2_zero3", "pp_scenarios.py:pp2_dp2_zero3", "callback_scenarios.py:killed_node1"]
 
 
 @pytest.fixture(scope="module")

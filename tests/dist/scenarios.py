@@ -92,8 +92,8 @@ def record_error(out: Path, name: str, *args, **kwargs) -> None:
 
 def broadcast_states() -> dict:
     """runtime.group.broadcast_module on a model each rank builds from its own seed: fp32, fp64 and bool tensors,
-    a tied weight and a non-contiguous one, buckets of 64 and 40 bytes (several per dtype; the non-contiguous one alone) and the default size; every
-    rank's tensors after it (gathered to rank 0) and rank 0's before."""
+    a tied weight and a non-contiguous one, buckets of 64 and 40 bytes (several per dtype; the non-contiguous one
+    alone) and the default size; every rank's tensors after it (gathered to rank 0) and rank 0's before."""
     import torch.distributed as dist
 
     from lightning_autopar.runtime.group import broadcast_module
