@@ -191,6 +191,8 @@ def pytest_collection_finish(session):
     """Collect the scenario requests of the selected tests' fixtures (see above)."""
     global _declaring
     _SESSION_ENV.update(os.environ)
+    if session.config.option.collectonly:  # nothing runs: nothing is launched either
+        return
     factory = session.config._tmp_path_factory
     for item in session.items:  # the waiting launches, on their lane from now on
         for func in _fixture_funcs(item):
