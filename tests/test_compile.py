@@ -122,29 +122,3 @@ def test_measured_speedup_is_used_and_carried_by_calibration():
     assert scaled(fast, 2.0).runtime.compile_speedup == 2.0  # a ratio: unchanged on a slower machine
     slow = dataclasses.replace(cpu, runtime=RuntimeCosts(compile_speedup=0.5))  # compile measured slower
     assert step(slow, "dp=2,compile=true") > eager
-
-
-def test_setup_profile_measures_the_compile_speedup(tmp_path):
-    """phase_compile: one block eager vs compiled at the compile plan's mbs, the model left untouched; a small
-    budget skips it with one phrase (the compile warm-up is set-up time)."""
-    import torch.distributed as dist
-
-    from lightning_autopar.models import GPT, GPTConfig
-    from lightning_autopar.profile import runtime as rt
-    from lightning_autopar.profile.analyze import analyze
-    from lightning_autopar.specs import Plan, RuntimeProfile
-
-    model = GPT(GPTConfig(vocab=64, seq_len=16, layers=2, hidden=32, heads=4))
-    analysis = analyze(model)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        small, big = RuntimeProfile(), RuntimeProfile()
-        rt.phase_compile(model, analysis, [Plan(mbs=2, compile=True)], 16, "fp32", rt.Clock(5.0, torch.device("cpu")),
-                         small)
-        rt.phase_compile(model, analysis, [Plan(mbs=2, compile=True)], 16, "fp32",
-                         rt.Clock(600.0, torch.device("cpu")), big)
-    finally:
-        dist.destroy_process_group()
-    assert small.runtime.compile_speedup == 0 and "compile warm-up over the budget" in small.skipped[0]
-    assert big.runtime.compile_speedup > 0 and big.skipped == []
-    assert "forward" not in vars(model.blocks[0]) and all(p.grad is None for p in model.parameters())
