@@ -200,7 +200,7 @@ def pytest_collection_finish(session):
                 _STARTED[func] = _submit("waiting", func.background_body, factory)
     if _launch_each:
         return
-    seen = set()
+    seen, worlds = set(), {}  # worlds: fixture -> the world sizes its requests launch at
     for item in session.items:
         for func in _fixture_funcs(item):
             if func in seen or not _requests_scenarios(func):
@@ -214,14 +214,35 @@ def pytest_collection_finish(session):
             except BaseException:  # noqa: BLE001  (_Declared, a skip, or a body that needs more than a request)
                 pass
             for nproc, script, names in _declaring:
+                worlds.setdefault(func, set()).add(nproc)
                 if batchable(script):
                     todo = _planned.setdefault(nproc, [])
                     todo += [(script, n) for n in names if (script, n) not in todo]
             _declaring = None
+    _after_their_batches(session.items, worlds)
     for nproc, todo in _planned.items():  # in the order the tests first ask for them
         _launched[nproc] = factory.mktemp(f"batch_w{nproc}")
         _attempted.update((nproc, *s) for s in todo)
         _BATCHES[nproc] = _submit("batches", run_batch, _launched[nproc], nproc, list(todo))
+
+
+def _after_their_batches(items: list, worlds: dict) -> None:
+    """Reorder the modules that launch (in place, each module kept whole: its module fixtures run once) by the
+    last batch each needs, in the lane's order, and those with a waiting-lane launch after them: the main thread
+    checks one batch's results while the next runs, and what it does itself (reference runs, single-process
+    tests of those modules) is not left for after the last batch. Modules that need no launch stay first; the
+    order among modules with the same key stays."""
+    lane = list(_planned)
+    last: dict = {}
+    for item in items:
+        funcs = _fixture_funcs(item)
+        needs = [lane.index(n) for func in funcs for n in worlds.get(func, ()) if n in _planned]
+        if any(getattr(func, "background_body", None) is not None for func in funcs):
+            needs.append(len(lane))  # the waiting lane's launches end before the batches: last, never waited on
+        elif _uses_launch(item) and not needs:
+            needs.append(len(lane))  # a module that launches on its own when it runs
+        last[item.path] = max([last.get(item.path, -1), *needs])
+    items[:] = sorted(items, key=lambda item: last[item.path])
 
 
 def run_scenarios(tmp_path_factory, nproc: int, names: list[str], script: str = "scenarios.py") -> Path:
