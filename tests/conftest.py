@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import os
 import shutil
@@ -193,6 +194,10 @@ def pytest_collection_finish(session):
     _SESSION_ENV.update(os.environ)
     if session.config.option.collectonly:  # nothing runs: nothing is launched either
         return
+    # the imports and collected modules are never garbage: frozen, later full collections skip them (as the
+    # launches do before each scenario: tests/dist/common.settle_heap)
+    gc.collect()
+    gc.freeze()
     factory = session.config._tmp_path_factory
     for item in session.items:  # the waiting launches, on their lane from now on
         for func in _fixture_funcs(item):

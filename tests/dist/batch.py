@@ -11,6 +11,7 @@ working directory as the launch began (a scenario may set a variable for itself)
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
@@ -55,6 +56,8 @@ def run_one(out: Path, script: str, name: str) -> None:
 
 
 def main() -> None:
+    from common import settle_heap
+
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -63,7 +66,9 @@ def main() -> None:
         marks = out / "_progress" / f"{Path(script).stem}.{name}"
         if len(list(marks.parent.glob(f"{marks.name}.done_r*"))) == world:
             continue  # finished by every rank before torchrun restarted the launch (--max-restarts)
+        settle_heap()
         run_one(out, script, name)
+    gc.unfreeze()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ with the interrupted scenario.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scenarios  # noqa: E402
-from common import GLOBAL_BATCH, STEPS  # noqa: E402
+from common import GLOBAL_BATCH, STEPS, settle_heap  # noqa: E402
 from pp_scenarios import gathered_state  # noqa: E402
 from scenarios import fit, full_state, record  # noqa: E402
 
@@ -244,6 +245,7 @@ def main() -> None:
     for name in sys.argv[2].split(","):
         if (out / f"{name}.pt").exists():
             continue  # done before a restart
+        settle_heap()
         try:
             run(out, name)
         except Exception:
@@ -251,6 +253,7 @@ def main() -> None:
             raise
         if dist.is_initialized():
             dist.barrier()
+    gc.unfreeze()
 
 
 if __name__ == "__main__":
