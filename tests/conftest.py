@@ -28,6 +28,9 @@ _SESSION_DIRS = {"AUTOPAR_CACHE": tempfile.mkdtemp(prefix="autopar_cache"),  # t
                  "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="autopar_inductor")}
 os.environ.update(_SESSION_DIRS)
 DIST = Path(__file__).resolve().parent / "dist"
+# no garbage collection while the test modules and what they import load: those objects are never garbage (see
+# tests/dist/common.settle_heap); pytest_collection_finish freezes them and turns collection back on
+gc.disable()
 sys.path.insert(0, str(DIST))
 # this process's own work (single-process references, planner and meta tests) on one core: the launches beside it
 # take the other (the lanes below), and with two intra-op threads each small op here would also wait on a spinning
@@ -192,12 +195,11 @@ def pytest_collection_finish(session):
     """Collect the scenario requests of the selected tests' fixtures (see above)."""
     global _declaring
     _SESSION_ENV.update(os.environ)
+    gc.collect()
+    gc.freeze()  # the imports and collected modules: later full collections skip them
+    gc.enable()
     if session.config.option.collectonly:  # nothing runs: nothing is launched either
         return
-    # the imports and collected modules are never garbage: frozen, later full collections skip them (as the
-    # launches do before each scenario: tests/dist/common.settle_heap)
-    gc.collect()
-    gc.freeze()
     factory = session.config._tmp_path_factory
     for item in session.items:  # the waiting launches, on their lane from now on
         for func in _fixture_funcs(item):
