@@ -19,19 +19,19 @@ import pytest
 import torch
 from common import SEQ, STEPS, VOCAB, reference_run
 from conftest import run_scenarios
-from plain_moe import PlainMoE, make_litgpt_moe_module, make_plain_moe_module
+from plain_moe import PlainMoE, make_dict_moe_module, make_litgpt_moe_module, make_plain_moe_module
 from plain_moe_scenarios import CLIP, SCENARIOS
 from test_strategy import assert_equivalent, load
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
-from lightning_autopar.parallel.experts import (ExpertSlots, apply_plain_expert_parallel, check_ep, moe_modules,
-                                                plain_layout, replays_forward, supports_ep)
+from lightning_autopar.parallel.experts import (ExpertSlots, ExpertSlotsDict, apply_plain_expert_parallel, check_ep,
+                                                moe_modules, plain_layout, replays_forward, supports_ep)
 from lightning_autopar.profile.analyze import analyze, find_transformer
 
 # name -> (dp, zero, ep, tp)
 LAYOUT = {"plain_ep2_zero0": (4, 0, 2, 1), "plain_ep2_zero3": (4, 3, 2, 1), "plain_ep4_clip": (4, 0, 4, 1),
-          "plain_tp2_ep2": (2, 3, 2, 2), "litgpt_moe_ep2": (4, 0, 2, 1), "plain_ep2_recompute": (4, 3, 2, 1),
+          "plain_tp2_ep2": (2, 3, 2, 2), "dict_tp2_ep2": (2, 3, 2, 2), "litgpt_moe_ep2": (4, 0, 2, 1), "plain_ep2_recompute": (4, 3, 2, 1),
           "plain_pp2_ep2": (2, 3, 2, 1)}
 
 
@@ -62,9 +62,9 @@ def test_plain_moe_matches_single_process(world4, name):
 # ------------------------------------------------------------------------------------------- in-process
 
 
-def _layers(module):
+def _layers(module, trace=False):
     transformer = find_transformer(module)[1]
-    analysis = analyze(transformer, trace=False)
+    analysis = analyze(transformer, trace=trace)
     return transformer, analysis, moe_modules(transformer, analysis)
 
 
@@ -106,9 +106,9 @@ def test_experts_that_are_not_mlps_are_refused_in_one_line():
     assert "\n" not in str(err.value) and str(err.value).startswith("plan.ep: layers.0.moe (PlainMoE)")
 
 
-def _apply_one_rank(module):
+def _apply_one_rank(module, trace=False):
     """Every MoE layer through the capture / exchange / replay path on one rank (no process group)."""
-    _, _, layers = _layers(module)
+    _, _, layers = _layers(module, trace)
     return [apply_plain_expert_parallel(fqn, m, info, None) for fqn, m, info in layers]
 
 
@@ -117,14 +117,15 @@ def _batch(seed=0):
     return torch.randint(0, VOCAB, (2, SEQ), generator=gen), torch.randint(0, VOCAB, (2, SEQ), generator=gen)
 
 
-@pytest.mark.parametrize("make", [make_plain_moe_module, make_litgpt_moe_module])
+@pytest.mark.parametrize("make", [make_plain_moe_module, make_litgpt_moe_module, make_dict_moe_module])
 def test_capture_replay_equals_the_plain_forward(make):
     """Loss and every gradient (router, experts, and through the expert rows to the layers below) equal the
-    unchanged module's; parameter names and the state dict stay the user's."""
+    unchanged module's; parameter names and the state dict stay the user's. Experts in a ModuleDict are found
+    from the trace's routing (the structure-only analysis reads lists)."""
     torch.manual_seed(0)
     module = make()
     plain = copy.deepcopy(module)
-    layers = _apply_one_rank(module)
+    layers = _apply_one_rank(module, trace=make is make_dict_moe_module)
     assert [n for n, _ in module.named_parameters()] == [n for n, _ in plain.named_parameters()]
     assert list(module.state_dict()) == list(plain.state_dict())
     assert all(len(layer.experts) == 4 for layer in layers)
@@ -146,6 +147,20 @@ def test_slots_stand_for_every_expert_and_hold_the_local_ones():
     assert list(experts._modules) == ["0", "1", "2", "3"]
     with pytest.raises(ConfigError, match=r"^plan.ep: layers.0.moe: expert 1 was called outside"):
         experts[1](torch.zeros(3, 32))
+
+
+def test_dict_slots_stand_for_every_expert_by_key_and_hold_the_local_ones():
+    module = make_dict_moe_module()
+    transformer, analysis, layers = _layers(module, trace=True)
+    assert len(layers) == 2 and all(plain_layout(m, info) and supports_ep(m, info) for _, m, info in layers)
+    check_ep(analysis, transformer, 2)
+    _apply_one_rank(module, trace=True)
+    experts = module.model.layers[0].moe.experts
+    keys = [f"expert_{e}" for e in range(4)]
+    assert isinstance(experts, ExpertSlotsDict) and len(experts) == 4 and list(experts) == keys
+    assert list(experts.keys()) == keys and [k for k, _ in experts.items()] == keys and "expert_2" in experts
+    assert not isinstance(experts["expert_1"], nn.Module) and len(list(experts.values())) == 4
+    assert list(experts._modules) == keys
 
 
 class _NoisyMoE(PlainMoE):

@@ -126,16 +126,31 @@ def test_dense_models_are_not_moe(make):
     assert analysis.spec.experts == 0 and not any(b.moe for b in analysis.blocks)
 
 
-@pytest.mark.parametrize("make", [DictMoE, StackedMoE])
-def test_layouts_expert_parallelism_cannot_drive_are_refused_in_one_line(make):
-    """Found as MoE (priced so), but ep=2 is refused by the runtime's own check with the part and the fix."""
+def test_a_layout_expert_parallelism_cannot_drive_is_refused_in_one_line():
+    """Stacked weights indexed inline (no experts call to dispatch): found as MoE (priced so), but ep=2 is refused
+    by the runtime's own check with the part and the fix, in the capabilities too; the pipeline stays."""
     from lightning_autopar.errors import ConfigError
+    from lightning_autopar.parallel.apply import model_capabilities
     from lightning_autopar.parallel.experts import check_ep
 
-    model = LM(make)
-    with pytest.raises(ConfigError, match=r"^plan\.ep: blocks\.0\.ffn.*fix: use ep=1") as err:
+    model = LM(StackedMoE)
+    with pytest.raises(ConfigError, match=r"^plan\.ep: blocks\.0\.ffn: the fused experts are called neither "
+                       r"with \(tokens, top-k expert ids, weights\).*fix: use ep=1") as err:
         check_ep(analyze(model, seq_len=SEQ), model, 2)
     assert "\n" not in str(err.value)
+    caps = model_capabilities(model, model, analyze(model, seq_len=SEQ), True)
+    assert caps.excluded["ep"] == str(err.value) and "pp" not in caps.excluded
+
+
+def test_experts_in_a_module_dict_are_driven_by_expert_parallelism():
+    """Experts in a ModuleDict under names of their own, the router a plain parameter: the plain layout (the
+    forward's expert calls captured and replayed, tests/test_plain_moe_ep.py), so ep=2 is not refused."""
+    from lightning_autopar.parallel.experts import check_ep, moe_modules, plain_layout
+
+    model = LM(DictMoE)
+    analysis = analyze(model, seq_len=SEQ)
+    check_ep(analysis, model, 2)
+    assert [plain_layout(m, info) for _, m, info in moe_modules(model, analysis)] == [True] * len(model.blocks)
 
 
 def test_plain_loop_moe_runs_to_its_experts_on_meta():

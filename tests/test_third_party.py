@@ -65,15 +65,15 @@ EQUAL, REFUSED = "equal", "refused"
 # equal at every column. The CIFAR-size ResNet is in unit form (tp: nothing to split) with BatchNorm (pp: a stage
 # would normalise each micro-batch apart); the two-tower model (unused and frozen parameters) is in unit form
 # (tp); the pad-skipping model's forward does not run on meta tensors: data parallelism only (tp, pp refused).
-# torchtitan's own MoE layout (a router module, GroupedExperts called with tokens grouped by expert and their
-# counts) is found as MoE, but neither TP nor EP drives experts called that way: both refused with that reason.
+# torchtitan's own MoE layout (a router module, GroupedExperts called with the tokens sorted by expert and the count
+# per expert) is found as MoE with that call, which TP (inside each expert) and EP (the rows exchanged by expert)
+# drive: equal at tp2 and ep2.
 # The encoder-decoders (BART, Whisper: two block stacks, decoder cross-attention) train equal at tp=2 (the decoder's
 # stack is split; Whisper's proj_out, tied to the decoder's embedding, is vocabulary-parallel); pp=2 is refused: the
 # embedding is tied across the stacks and the head (BART: one ``shared`` table for encoder, decoder and lm_head;
 # Whisper: decoder embedding and proj_out), which no pipeline stage holds for all its users.
 REFUSALS = {"gpt2__pp2", "nanogpt__pp2", "nanogpt__tp2", "bert__pp2", "resnet__tp2", "resnet__pp2", "two_tower__tp2",
-            "pad_skipping__tp2", "pad_skipping__pp2", "titan_grouped_moe__tp2", "titan_grouped_moe__ep2",
-            "bart__pp2", "whisper__pp2"}
+            "pad_skipping__tp2", "pad_skipping__pp2", "bart__pp2", "whisper__pp2"}
 EITHER = {"olmoe__tp2", "vit__pp2"}
 EXPECTED: dict[str, str | set[str]] = {
     cell: (REFUSED if cell in REFUSALS else {EQUAL, REFUSED} if cell in EITHER else EQUAL) for cell in cells()}

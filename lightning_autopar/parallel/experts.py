@@ -22,6 +22,12 @@ Supported MoE layouts:
   before EP, ``parallel.tp_experts.shard_fused_experts``) splits each expert inside: the parameters are then 2-D
   DTensors on the (ep, tp) mesh, and the TP hooks around the experts module wrap this dispatch (its input
   replicated over TP, its output -- partial sums of each token's experts -- all-reduced).
+* torchtitan's GroupedExperts: the same 3-D weights (``w1``/``w3`` [E, ffn, hidden], ``w2`` [E, hidden, ffn]),
+  called by the block with its tokens already sorted by expert and the count per expert (``experts(x,
+  num_tokens_per_expert)``, found from the trace: ``MoEInfo.expert_call`` "grouped"). Its forward is replaced by
+  steps 2-3 below on those rows (the block's own routing, weighting and combine run unchanged); the weights are
+  DTensors as for Mixtral's, and TP splits them alike. The block's router decides what each expert gets, so
+  ``capacity_factor`` does not apply.
 
 * a plain MoE written the usual way: a router ``nn.Linear(hidden, E)``, an ``nn.ModuleList`` of E expert MLPs
   (hidden -> ffn -> hidden, as the analysis classifies them) and the top-k loop over the experts inside the
@@ -41,7 +47,8 @@ No token is dropped, so the layer computes exactly what the single-device layer 
 ``capacity_factor`` caps each expert at ``ceil(capacity_factor * tokens * top_k / E)`` assignments per source
 rank (in token order); assignments beyond it are dropped (contribute zero), which then differs from one device.
 
-Plain MoE layers (no ``route``): the expert ``ModuleList`` is replaced by ``ExpertSlots``, a ModuleList holding
+Plain MoE layers (no ``route``): the expert ``ModuleList`` (or ``ModuleDict``) is replaced by ``ExpertSlots``
+(``ExpertSlotsDict``), a container holding
 only the local experts under their original indices (names unchanged) whose iteration, ``len`` and indexing give
 E call slots instead, so the user's loop still sees every expert. Each call of the layer runs the user's forward
 twice with the same random state: in the capture pass each expert call records its input rows (autograd-connected)
@@ -95,6 +102,7 @@ from lightning_autopar.errors import ConfigError
 from lightning_autopar.parallel.dtensor_private import concatenate_meshes, own_parameters
 from lightning_autopar.parallel.stand_in import stand_in_for
 from lightning_autopar.profile.analyze import plain_moe_layout as plain_layout
+from lightning_autopar.profile.records import FUSED_CALL_REFUSAL, FUSED_EXPERT_CALLS
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -132,12 +140,15 @@ def moe_modules(transformer: nn.Module, analysis: ModelAnalysis) -> list[tuple[s
     return out
 
 
+
+
 def supports_ep(module: nn.Module, info: Any) -> bool:
     """Whether EP can shard this MoE module: the fused layout called as Hugging Face's experts are (tokens, top-k
-    ids, weights), a ``route`` method holding the routing math, or
+    ids, weights) or as torchtitan's GroupedExperts (tokens sorted by expert, count per expert), a ``route``
+    method holding the routing math, or
     the plain layout (router Linear + ModuleList of expert MLPs, the loop in ``forward``)."""
-    if info.fused:
-        return info.expert_call == "indices"  # the dispatch calls the experts as Hugging Face's are called
+    if info.fused:  # the dispatch calls the experts as Hugging Face's or torchtitan's are called
+        return info.expert_call in FUSED_EXPERT_CALLS
     return callable(getattr(module, "route", None)) or plain_layout(module, info)
 
 
@@ -166,9 +177,9 @@ def check_ep(analysis: ModelAnalysis, transformer: nn.Module, ep: int) -> None:
             raise ConfigError("plan.ep", f"ep={ep} does not divide the {info.num_experts} experts of {fqn}",
                               "choose ep dividing the number of experts")
         if info.fused and not supports_ep(module, info):
-            raise ConfigError("plan.ep", f"{fqn}.{info.experts}: the fused experts are not called with (tokens, "
-                              "top-k expert ids, weights) as Hugging Face's are, so expert parallelism cannot "
-                              "dispatch to them", "use ep=1")
+            where = f"{fqn}.{info.experts}" if info.experts else fqn
+            raise ConfigError("plan.ep", f"{where}: {FUSED_CALL_REFUSAL}, so expert parallelism "
+                              "cannot dispatch to them", "use ep=1")
         if not supports_ep(module, info):
             raise ConfigError("plan.ep", f"{fqn} ({type(module).__name__}) has no route(x) -> (weights, expert ids, "
                               "aux loss) method, nor the fused layout (router + 3-D expert weights), nor a router "
@@ -306,27 +317,52 @@ class FusedExpertsForward(ExpertParallelForward):
         return self.dispatch(hidden_states, top_k_weights, top_k_index)
 
     def run_experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
-        """The module's own forward with its local weights (the DTensors' local shards swapped in for the call),
-        ``num_experts`` local, each row routed to its local expert with weight 1 (k=1)."""
+        """The module's own forward with its local weights (``local_call``), each row routed to its local expert
+        with weight 1 (k=1)."""
+        def call(module: nn.Module) -> torch.Tensor:
+            ids = torch.repeat_interleave(torch.arange(len(per_expert), device=rows.device),
+                                          torch.tensor(per_expert, device=rows.device))[:, None]
+            return type(module).forward(module, rows, ids, torch.ones(ids.shape, dtype=rows.dtype,
+                                                                      device=rows.device))
+
+        return self.local_call(rows, len(per_expert), call)
+
+    def local_call(self, rows: torch.Tensor, local_experts: int, call: Any) -> torch.Tensor:
+        """``call(module)`` with the experts module holding only this rank's experts: the DTensors' local shards
+        swapped in for the call and ``num_experts`` (where the module keeps one) set to ``local_experts``.
+        With no rows received the forward is skipped and the weights still join the graph (zero gradients)."""
         from torch.distributed.tensor import DTensor
 
         module = self.layer.experts[0]
         weights = {n: own_parameters(module)[n] for n in self.layer.fused_params}
         local = {n: w.to_local() if isinstance(w, DTensor) else w for n, w in weights.items()}
-        if rows.shape[0] == 0:  # nothing received: the weights still join the graph (zero gradients)
+        if rows.shape[0] == 0:
             return rows + sum(t.sum() for t in local.values()) * 0
-        ids = torch.repeat_interleave(torch.arange(len(per_expert), device=rows.device),
-                                      torch.tensor(per_expert, device=rows.device))[:, None]
         count = getattr(module, "num_experts", None)
         try:
             own_parameters(module).update(local)
             if count is not None:
-                module.num_experts = len(per_expert)
-            return type(module).forward(module, rows, ids, torch.ones(ids.shape, dtype=rows.dtype, device=rows.device))
+                module.num_experts = local_experts
+            return call(module)
         finally:
             own_parameters(module).update(weights)
             if count is not None:
                 module.num_experts = count
+
+
+class GroupedExpertsForward(FusedExpertsForward):
+    """Replaces a fused experts module's ``forward(tokens, num_tokens_per_expert)`` (torchtitan's GroupedExperts:
+    the block's router sorted the tokens by expert and counted them): the rows go to the ranks holding their
+    experts (``exchange``: its contract is this call's) and through the module's own forward there, with the
+    count per local expert in the dtype the user's counts have."""
+
+    def __call__(self, tokens: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        self.count_dtype = num_tokens_per_expert.dtype
+        return self.exchange(tokens, num_tokens_per_expert.to(torch.long))
+
+    def run_experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        counts = torch.tensor(per_expert, dtype=self.count_dtype, device=rows.device)
+        return self.local_call(rows, len(per_expert), lambda module: type(module).forward(module, rows, counts))
 
 
 class _RandomState:
@@ -401,6 +437,40 @@ class ExpertSlots(nn.ModuleList):
         return self.calls[idx]
 
     __repr__ = nn.Module.__repr__  # the local experts, under their names
+
+
+class ExpertSlotsDict(nn.ModuleDict):
+    """``ExpertSlots`` for experts kept in an ``nn.ModuleDict``: the local experts under their keys; indexing by
+    key, ``keys``, ``values``, ``items``, iteration, ``in`` and ``len`` give every expert of the layer."""
+
+    def __init__(self, items: list[tuple[str, nn.Module]], keys: list[str], calls: list[_ExpertCall]) -> None:
+        super().__init__()
+        for key, module in items:
+            self.add_module(key, module)
+        self.slots = dict(zip(keys, calls))  # plain objects: not in _modules (see ExpertSlots)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __iter__(self) -> Any:
+        return iter(self.slots)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.slots
+
+    def __getitem__(self, key: str) -> Any:  # type: ignore[override]
+        return self.slots[key]
+
+    def keys(self) -> Any:  # type: ignore[override]
+        return self.slots.keys()
+
+    def values(self) -> Any:  # type: ignore[override]
+        return self.slots.values()
+
+    def items(self) -> Any:  # type: ignore[override]
+        return self.slots.items()
+
+    __repr__ = nn.Module.__repr__
 
 
 class PlainExpertForward(ExpertParallelForward):
@@ -494,17 +564,21 @@ class PlainExpertForward(ExpertParallelForward):
 
 def apply_plain_expert_parallel(fqn: str, module: nn.Module, info: Any, ep_group: ProcessGroup | None) -> ExpertLayer:
     """Shard a plain MoE layer's experts over ``ep_group`` (None: one rank holding all, the same capture /
-    exchange / replay path): the experts ModuleList becomes ``ExpertSlots``, the forward ``PlainExpertForward``."""
+    exchange / replay path): the experts ModuleList becomes ``ExpertSlots`` (a ModuleDict ``ExpertSlotsDict``),
+    the forward ``PlainExpertForward``."""
     ep = 1 if ep_group is None else ep_group.size()
     rank = 0 if ep_group is None else ep_group.rank()
-    items = list(module.get_submodule(info.experts)._modules.items())
+    container = module.get_submodule(info.experts)
+    items = list(container._modules.items())
     per_rank = len(items) // ep
     mine = items[rank * per_rank:(rank + 1) * per_rank]
     layer = ExpertLayer(fqn=fqn, module=module, experts=[m for _, m in mine], first_expert=rank * per_rank)
     forward = PlainExpertForward(layer, len(items), ep_group, module.forward)
+    calls = [_ExpertCall(forward, e) for e in range(len(items))]
+    slots = (ExpertSlotsDict(mine, [key for key, _ in items], calls) if isinstance(container, nn.ModuleDict)
+             else ExpertSlots(mine, calls))
     parent, _, leaf = info.experts.rpartition(".")
-    setattr(module.get_submodule(parent) if parent else module, leaf,
-            ExpertSlots(mine, [_ExpertCall(forward, e) for e in range(len(items))]))
+    setattr(module.get_submodule(parent) if parent else module, leaf, slots)
     module.forward = forward
     return layer
 
@@ -608,7 +682,8 @@ def apply_expert_parallel(transformer: nn.Module, analysis: ModelAnalysis, ep_gr
             _shard_fused(experts, info.fused_params, rank * per_rank, per_rank, ep_mesh)
             layer = ExpertLayer(fqn=fqn, module=module, experts=[experts], first_expert=rank * per_rank,
                                 fused_params=list(info.fused_params))
-            experts.forward = FusedExpertsForward(layer, info.num_experts, ep_group, None, capacity_factor)
+            dispatch = GroupedExpertsForward if info.expert_call == "grouped" else FusedExpertsForward
+            experts.forward = dispatch(layer, info.num_experts, ep_group, None, capacity_factor)
             layers.append(layer)
             continue
         if plain_layout(module, info):

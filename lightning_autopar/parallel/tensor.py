@@ -66,6 +66,7 @@ from lightning_autopar.parallel.tp_comm import (CopyToTP, ReduceFromTP, SeqComm,
 from lightning_autopar.parallel.tp_experts import shard_fused_experts
 from lightning_autopar.profile.analyze import (AttentionInfo, BlockInfo, MLPInfo, ModelAnalysis, MoEInfo,
                                                divide_attributes, leaf_width_attributes)
+from lightning_autopar.profile.records import FUSED_CALL_REFUSAL, FUSED_EXPERT_CALLS
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -107,9 +108,10 @@ def _check_fused_experts(fqn: str, moe: MoEInfo, tp: int | None) -> None:
     """Fused 3-D experts are split inside each expert (``FusedExpertsTP``): ``tp`` must divide their FFN width
     (the planner's rules check it for ``ffn_hidden``, so only with ``tp`` given). Their weights' layout is
     checked on the module when applied (``tp_experts.fused_split_dims``, ``tp_experts.probe_fused_split``)."""
-    if moe.expert_call != "indices":
-        raise ConfigError("plan.tp", f"{fqn}.{moe.experts}: the fused experts are not called with (tokens, top-k "
-                          "expert ids, weights) as Hugging Face's are, so TP does not split them", "use tp=1")
+    if moe.expert_call not in FUSED_EXPERT_CALLS:
+        where = f"{fqn}.{moe.experts}" if moe.experts else fqn
+        raise ConfigError("plan.tp", f"{where}: {FUSED_CALL_REFUSAL}, so TP does not split them",
+                          "use tp=1")
     if tp is not None and moe.ffn_hidden % tp:
         raise ConfigError("plan.tp", f"tp={tp} does not divide the experts' ffn width {moe.ffn_hidden} of {fqn}",
                           "choose tp dividing it")
@@ -285,10 +287,11 @@ def _attention_layout(attn: AttentionInfo, sp: bool = False) -> dict:
     return layout
 
 
-def block_layout(block: BlockInfo, num_experts_local: int | None = None, sp: bool = False) -> dict:
+def block_layout(block: BlockInfo, expert_keys: list[str] | None = None, sp: bool = False) -> dict:
     """FQN (relative to the block) -> ParallelStyle for one block. ``sp``: the attention's and the dense MLP's
     projections run between sequence-parallel collectives (``parallel.sequence``); experts keep f and g (the MoE
-    module sees the whole sequence)."""
+    module sees the whole sequence). ``expert_keys``: the names of the experts in their container (a ModuleList's
+    indices by default; a ModuleDict's keys)."""
     attn = block.attention
     assert attn is not None
     layout = _attention_layout(attn, sp)
@@ -296,9 +299,9 @@ def block_layout(block: BlockInfo, num_experts_local: int | None = None, sp: boo
         layout.update(_mlp_layout(block.mlp.fqn, block.mlp, sp))
     if block.moe is not None and block.moe.expert_mlp is not None:
         base = f"{block.moe.fqn}.{block.moe.experts}" if block.moe.fqn else block.moe.experts
-        count = block.moe.num_experts if num_experts_local is None else num_experts_local
-        for e in range(count):
-            layout.update(_mlp_layout(f"{base}.{e}", block.moe.expert_mlp))
+        keys = [str(e) for e in range(block.moe.num_experts)] if expert_keys is None else expert_keys
+        for key in keys:
+            layout.update(_mlp_layout(f"{base}.{key}", block.moe.expert_mlp))
     return layout
 
 
@@ -315,11 +318,11 @@ def apply_tensor_parallel(transformer: nn.Module, analysis: ModelAnalysis, tp_me
         return
     for info in analysis.blocks:
         block = transformer.get_submodule(info.fqn)
-        moe_list = None
+        expert_keys = None
         if info.moe is not None and not info.moe.fused:
             moe_mod = block.get_submodule(info.moe.fqn) if info.moe.fqn else block
-            moe_list = len(moe_mod.get_submodule(info.moe.experts))  # EP may have removed remote experts
-        parallelize_module(block, tp_mesh, block_layout(info, moe_list, sp))
+            expert_keys = list(moe_mod.get_submodule(info.moe.experts)._modules)  # a list's indices, a dict's keys
+        parallelize_module(block, tp_mesh, block_layout(info, expert_keys, sp))
         divide_attributes(block.get_submodule(info.attention.fqn), info.attention.tp_attrs, tp)
         if info.moe is not None and info.moe.fused:
             moe_mod = block.get_submodule(info.moe.fqn) if info.moe.fqn else block

@@ -4,7 +4,9 @@ for an MoE whose experts are stored fused: ``gate_up_proj`` is ``_StridedShard(1
 keeps its part of gate and of up), ``down_proj`` ``Shard(2)``; the module's own forward runs on the local weights
 between f (on its hidden states and routing weights) and g (on its output); a probe on tiny weights checks that
 the forward's split sums to the whole before anything is sharded. With EP on top the weights become 2-D DTensors
-(``Shard(0)`` on ep, the TP placement on tp; ``parallel.experts``)."""
+(``Shard(0)`` on ep, the TP placement on tp; ``parallel.experts``). torchtitan's GroupedExperts (``w1``, ``w3``
+[E, ffn, hidden], ``w2`` [E, hidden, ffn], called with the tokens sorted by expert and the count per expert) split
+alike: ``w1``/``w3`` ``Shard(1)``, ``w2`` ``Shard(2)``."""
 
 from __future__ import annotations
 
@@ -70,17 +72,15 @@ def probe_fused_split(experts: nn.Module, moe: MoEInfo, dims: dict[str, tuple[in
         shape[3 - dim] = hidden  # the other non-expert dim
         shapes[name] = shape
     full = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
-    x = torch.randn(5, hidden, generator=gen)
-    ids = torch.stack([torch.arange(5) % E, (torch.arange(5) + 1) % E], 1)
-    weights = torch.rand(5, 2, generator=gen)
+    args = _probe_call(moe, torch.randn(5, hidden, generator=gen), gen)
     try:
         with torch.no_grad():
             own_parameters(experts).update(full)
-            want = type(experts).forward(experts, x, ids, weights)
+            want = type(experts).forward(experts, *args)
             got = torch.zeros_like(want)
             for rank in range(tp):
                 own_parameters(experts).update({n: _local_slice(full[n], *dims[n], tp, rank) for n in dims})
-                got += type(experts).forward(experts, x, ids, weights)
+                got += type(experts).forward(experts, *args)
     except Exception as err:  # noqa: BLE001 -- any failure means the forward does not run on local widths
         why = str(err).splitlines()[0] if str(err) else ""
         raise ConfigError("plan.tp", f"{where}: the fused experts' forward does not run on TP-local widths "
@@ -90,6 +90,15 @@ def probe_fused_split(experts: nn.Module, moe: MoEInfo, dims: dict[str, tuple[in
     if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
         raise ConfigError("plan.tp", f"{where}: the fused experts' forward split over TP ranks does not sum to the "
                           "whole (their fused gate/up is not cut [gate | up])", "use tp=1")
+
+
+def _probe_call(moe: MoEInfo, rows: torch.Tensor, gen: torch.Generator) -> tuple:
+    """The probe's arguments for the experts' call (``MoEInfo.expert_call``): Hugging Face's (tokens, top-2
+    expert ids, weights), or torchtitan's (tokens sorted by expert, count per expert)."""
+    E, n = moe.num_experts, rows.shape[0]
+    if moe.expert_call == "grouped":
+        return rows, torch.bincount(torch.arange(n) % E, minlength=E)
+    return rows, torch.stack([torch.arange(n) % E, (torch.arange(n) + 1) % E], 1), torch.rand(n, 2, generator=gen)
 
 
 def shard_fused_experts(experts: nn.Module, moe: MoEInfo, tp_mesh: DeviceMesh, where: str) -> None:

@@ -477,18 +477,18 @@ def _routed_moe(block: nn.Module, block_fqn: str, routed: list[RoutedLayer], hid
     params, ffn, gated = found
     return MoEInfo(fqn=fqn, router=_under(fqn, router), experts=_under(fqn, holder), num_experts=layer.num_experts,
                    top_k=layer.top_k, fused_params=params, ffn_hidden=ffn, gated=gated,
-                   expert_call="indices" if layer.indices_call else "")
+                   expert_call=layer.expert_call)
 
 
 def plain_moe_layout(module: nn.Module, info: MoEInfo) -> bool:
-    """A plain MoE (no ``route``): a router ``nn.Linear`` and an ``nn.ModuleList`` of experts the analysis found to
-    be MLPs from hidden to hidden, so an expert call's output has its input's shape. Expert parallelism runs such a
-    layer's forward twice (capture, then replay: ``parallel.experts.PlainExpertForward``), which the planner
-    prices (``ModelSpec.moe_replay``)."""
+    """A plain MoE (no ``route``): a router (an ``nn.Linear``, or any module whose scores the trace saw select the
+    experts) and an ``nn.ModuleList`` or ``nn.ModuleDict`` of experts the analysis found to be MLPs from hidden to
+    hidden, so an expert call's output has its input's shape. Expert parallelism runs such a layer's forward twice
+    (capture, then replay: ``parallel.experts.PlainExpertForward``), which the planner prices
+    (``ModelSpec.moe_replay``)."""
     if info.fused or callable(getattr(module, "route", None)) or info.expert_mlp is None:
         return False
-    return isinstance(module.get_submodule(info.experts), nn.ModuleList) and isinstance(
-        module.get_submodule(info.router), nn.Linear)
+    return isinstance(module.get_submodule(info.experts), (nn.ModuleList, nn.ModuleDict))
 
 
 

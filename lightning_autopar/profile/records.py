@@ -59,6 +59,11 @@ class MLPInfo:
     tp_refusal: str | None = None  # "<path relative to the block>: why TP cannot split this MLP", None when it can
 
 
+FUSED_EXPERT_CALLS = ("indices", "grouped")  # MoEInfo.expert_call values expert and tensor parallelism drive
+FUSED_CALL_REFUSAL = ("the fused experts are called neither with (tokens, top-k expert ids, weights) as Hugging "
+                      "Face's are nor with (tokens sorted by expert, count per expert) as torchtitan's are")
+
+
 @dataclass
 class MoEInfo:
     fqn: str  # relative to the block
@@ -72,9 +77,9 @@ class MoEInfo:
     fused_params: list[str] = field(default_factory=list)
     ffn_hidden: int = 0  # one expert's FFN width
     gated: bool = False  # SwiGLU-style experts (gate and up projections)
-    # fused layout: how the experts module is called. "indices" (Hugging Face: its tokens, their top-k expert ids
-    # and weights), which expert and tensor parallelism drive; "" another call (torchtitan's GroupedExperts: tokens
-    # grouped by expert and the count per expert), found and priced as MoE but not split
+    # fused layout: how the experts module is called, which expert and tensor parallelism drive: "indices"
+    # (Hugging Face: its tokens, their top-k expert ids and weights), "grouped" (torchtitan's GroupedExperts: the
+    # tokens sorted by expert and the count per expert); "" another call, found and priced as MoE but not split
     expert_call: str = "indices"
 
     @property

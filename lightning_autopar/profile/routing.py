@@ -47,18 +47,19 @@ _COUNTS = (torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.arg
 class RoutedLayer:
     """One routing the trace saw: ``router`` the module holding the scoring weight, ``experts`` the modules the
     selection sent tokens to (E of them: a list of experts; one: the experts' stacked weights), the expert count
-    E (the scores' width), k per token, and whether the experts were called with the top-k expert ids
-    (``indices_call``: Hugging Face's ``experts(tokens, top_k_index, top_k_weights)``)."""
+    E (the scores' width), k per token, and how the experts were called (``expert_call``): "indices" with the
+    top-k expert ids (Hugging Face's ``experts(tokens, top_k_index, top_k_weights)``), "grouped" with a count per
+    expert (torchtitan's ``experts(tokens sorted by expert, num_tokens_per_expert)``), "" otherwise."""
 
     router: str
     experts: tuple[str, ...]
     num_experts: int
     top_k: int
-    indices_call: bool = False
+    expert_call: str = ""
 
     def relative(self, rel: Any) -> RoutedLayer:
         return RoutedLayer(rel(self.router), tuple(rel(e) for e in self.experts), self.num_experts, self.top_k,
-                           self.indices_call)
+                           self.expert_call)
 
 
 @dataclass
@@ -68,7 +69,7 @@ class _Selection:
     top_k: int
     scope: str  # the module calling the selecting module: the routing lasts while it runs
     depth: int
-    experts: dict[str, bool] = field(default_factory=dict)  # expert module -> called with the top-k ids
+    experts: dict[str, str] = field(default_factory=dict)  # expert module -> its call (RoutedLayer.expert_call)
     ended: bool = False
 
 
@@ -231,11 +232,20 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
         sel = self.selections[index]
         if within(sel.router, name) or not within(name, sel.scope):
             return
-        ids = any(self._get(self.routed, t) == index and not t.is_floating_point() and t.dim() and
-                  t.shape[-1] == sel.top_k for t in leaves if isinstance(t, torch.Tensor))
-        sel.experts[name] = sel.experts.get(name, False) or ids
+        sel.experts[name] = sel.experts.get(name) or self._call_kind(index, sel, leaves)
         self.inside.append(index)
         self.running.append(name)
+
+    def _call_kind(self, index: int, sel: _Selection, leaves: Any) -> str:
+        """How a module is called with routed values (``RoutedLayer.expert_call``): "indices" when one argument
+        is the top-k expert ids ([..., k] integers), "grouped" when one is a count per expert (one dimension of
+        E: the rows come sorted by expert), else ""."""
+        routed = [t for t in leaves if isinstance(t, torch.Tensor) and self._get(self.routed, t) == index]
+        if any(not t.is_floating_point() and t.dim() and t.shape[-1] == sel.top_k for t in routed):
+            return "indices"
+        if any(t.dim() == 1 and t.shape[0] == sel.num_experts for t in routed):
+            return "grouped"
+        return ""
 
     def _returned(self, name: str) -> None:
         if self.running and self.running[-1] == name:
@@ -264,6 +274,7 @@ class Routing(Recorder, torch.overrides.TorchFunctionMode):
         return [self]
 
     def finish(self, run: Run, trace: Trace) -> None:
-        trace.routing = [RoutedLayer(s.router, tuple(s.experts), s.num_experts, s.top_k, any(s.experts.values()))
+        trace.routing = [RoutedLayer(s.router, tuple(s.experts), s.num_experts, s.top_k,
+                                     next((kind for kind in s.experts.values() if kind), ""))
                          for s in self.selections if s.experts]
 

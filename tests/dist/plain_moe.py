@@ -40,12 +40,27 @@ class PlainMoE(nn.Module):
         weights, chosen = torch.topk(logits.softmax(dim=-1, dtype=torch.float), self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
         out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
+        for e, expert in self.numbered_experts():
             token, slot = torch.where(chosen == e)
             if token.numel() == 0:
                 continue
             out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
         return out.reshape(shape)
+
+    def numbered_experts(self):
+        return enumerate(self.experts)
+
+
+class DictExpertsMoE(PlainMoE):
+    """PlainMoE with its experts in an ``nn.ModuleDict`` under names of their own, looped over by ``items()``:
+    expert and tensor parallelism find experts by what the forward calls, whatever container holds them."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int) -> None:
+        super().__init__(hidden, ffn, experts, top_k)
+        self.experts = nn.ModuleDict({f"expert_{e}": expert for e, expert in enumerate(self.experts)})
+
+    def numbered_experts(self):
+        return ((int(name.rpartition("_")[2]), expert) for name, expert in self.experts.items())
 
 
 class Attention(nn.Module):
@@ -65,12 +80,13 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, ffn: int, experts: int, top_k: int) -> None:
+    def __init__(self, hidden: int, heads: int, ffn: int, experts: int, top_k: int,
+                 moe: type[PlainMoE] = PlainMoE) -> None:
         super().__init__()
         self.norm_1 = nn.LayerNorm(hidden)
         self.attn = Attention(hidden, heads)
         self.norm_2 = nn.LayerNorm(hidden)
-        self.moe = PlainMoE(hidden, ffn, experts, top_k)
+        self.moe = moe(hidden, ffn, experts, top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm_1(x))
@@ -79,11 +95,11 @@ class Block(nn.Module):
 
 class PlainMoEGPT(nn.Module):
     def __init__(self, vocab: int = 64, seq_len: int = 16, hidden: int = 32, heads: int = 4, layers: int = 2,
-                 ffn: int = 64, experts: int = 4, top_k: int = 2) -> None:
+                 ffn: int = 64, experts: int = 4, top_k: int = 2, moe: type[PlainMoE] = PlainMoE) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, hidden)
         self.pos = nn.Embedding(seq_len, hidden)
-        self.layers = nn.ModuleList(Block(hidden, heads, ffn, experts, top_k) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(hidden, heads, ffn, experts, top_k, moe) for _ in range(layers))
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
 
@@ -114,6 +130,11 @@ def make_plain_moe_module(**overrides) -> LitPlainMoE:
 
     aux_coef = overrides.pop("aux_coef", 0.1)
     return LitPlainMoE(PlainMoEGPT(**{"vocab": VOCAB, "seq_len": SEQ, **overrides}), aux_coef=aux_coef)
+
+
+def make_dict_moe_module(**overrides) -> LitPlainMoE:
+    """The plain-loop MoE GPT with its experts in a ModuleDict (``DictExpertsMoE``)."""
+    return make_plain_moe_module(moe=DictExpertsMoE, **overrides)
 
 
 def make_litgpt_moe_module(**_: object) -> L.LightningModule:
