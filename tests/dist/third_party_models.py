@@ -1,7 +1,7 @@
 """The third-party model matrix (issue 12): tiny random-init models written by others, each in a LightningModule.
 
 Every model is the library's own class, used unchanged (Hugging Face GPT-2, Llama, Mixtral, Qwen2, Phi-3, OLMoE,
-BERT, ViT; litgpt's GPT dense and MoE), written here the way its authors write it (a nanoGPT-style model with one fused
+BERT, ViT, BART, Whisper, LLaVA; litgpt's GPT dense and MoE), written here the way its authors write it (a nanoGPT-style model with one fused
 c_attn and tied wte/lm_head), or the plain-loop MoE of the expert-parallel tests (plain_moe.py). Shapes follow
 tests/dist/common.py: hidden 32, 2 layers, 4 heads, vocab 64, seq 16 (ViT: the 16 ids of a row as a 4x4 image);
 MoE: 4 experts, top-2; fp32. Seed
@@ -403,6 +403,48 @@ def make_vit(**_: object) -> L.LightningModule:
     return LitImageClassifier(tf.ViTForImageClassification(config))
 
 
+# ------------------------------------------------------------------------------------------- a vision-language model
+
+
+IMAGE_TOKEN = VOCAB  # LLaVA's image placeholder: one id past the data's, so no data token is taken for one
+PATCHES = (IMAGE // PATCH) ** 2  # image features per row (CLIP's CLS dropped: "default" feature selection)
+
+
+class LitVisionLanguage(LitLM):
+    """A Hugging Face VLM on the shared token data: the row's SEQ ids are also one IMAGE x IMAGE image (as
+    LitImageClassifier reads them); the text is the row with its first PATCHES ids replaced by the image
+    placeholder (where the projected image features go), the next-token loss over the text positions."""
+
+    def loss(self, batch) -> torch.Tensor:
+        from lightning_autopar.models.gpt import lm_loss
+
+        idx, targets = batch
+        pixels = (idx.float() * (2.0 / VOCAB) - 1.0).view(-1, CHANNELS, IMAGE, IMAGE)
+        ids = torch.cat([torch.full_like(idx[:, :PATCHES], IMAGE_TOKEN), idx[:, PATCHES:]], 1)
+        logits = self.model(input_ids=ids, pixel_values=pixels).logits
+        return lm_loss(logits[:, PATCHES:], targets[:, PATCHES:])
+
+
+def make_llava(**_: object) -> L.LightningModule:
+    """LlavaForConditionalGeneration with its CLIP vision tower frozen (the usual VLM fine-tune): two block stacks
+    (the tower's encoder layers, the Llama text model's), a projector between them, a CLS embedding and position
+    table outside either stack, and the tower's ``post_layernorm`` never used (LLaVA reads a hidden layer)."""
+    import transformers as tf
+
+    vision = tf.CLIPVisionConfig(image_size=IMAGE, patch_size=PATCH, num_channels=CHANNELS, hidden_size=HIDDEN,
+                                 num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN,
+                                 attention_dropout=0.0)
+    text = tf.LlamaConfig(vocab_size=VOCAB + 1, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                          num_attention_heads=HEADS, num_key_value_heads=2, intermediate_size=FFN,
+                          max_position_embeddings=SEQ, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    config = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                            vision_feature_layer=-1, vision_feature_select_strategy="default",
+                            projector_hidden_act="gelu", attn_implementation="sdpa")
+    model = tf.LlavaForConditionalGeneration(config)
+    model.model.vision_tower.requires_grad_(False)
+    return LitVisionLanguage(model)
+
+
 # ------------------------------------------------------------------------------------------- torchtitan-style
 
 
@@ -716,6 +758,8 @@ MODELS: dict[str, ThirdPartyModel] = {
     # encoder-decoders (issue 26): two block stacks, cross-attention, embeddings tied across the stacks
     "bart": ThirdPartyModel(make_bart, tied=True),
     "whisper": ThirdPartyModel(make_whisper, tied=True),
+    # a vision-language model (issue 26): a frozen CLIP tower, a projector, a Llama text model
+    "llava": ThirdPartyModel(make_llava),
     "titan_llama": ThirdPartyModel(make_titan_llama),
     "titan_moe": ThirdPartyModel(make_titan_moe, moe=True),
     # torchtitan's own MoE layout (issue 26: found as MoE from its router and 3-D experts): ga2 runs as titan_moe's
