@@ -72,11 +72,15 @@ EQUAL, REFUSED = "equal", "refused"
 # stack is split; Whisper's proj_out, tied to the decoder's embedding, is vocabulary-parallel); pp=2 is refused: the
 # embedding is tied across the stacks and the head (BART: one ``shared`` table for encoder, decoder and lm_head;
 # Whisper: decoder embedding and proj_out), which no pipeline stage holds for all its users.
+# T5 (one ``shared`` table held by the encoder's and the decoder's embed_tokens and the head, a relative position
+# bias per head) trains equal at tp=2 (the bias sharded with the heads; every module holding the shared table
+# looks up through its vocabulary shards); pp=2 is refused for that tie, as BART's.
 # LLaVA (a frozen CLIP tower, a projector, a Llama text model; the tower's post_layernorm unused) trains equal at
 # auto, zero3, tp2 (the text model's stack is split) and ga2; pp=2 is refused: the tower's CLS embedding and
 # position table sit outside the one stack a pipeline splits (pipelines over two stacks: issue 26, open).
 REFUSALS = {"gpt2__pp2", "nanogpt__pp2", "nanogpt__tp2", "bert__pp2", "resnet__tp2", "resnet__pp2", "two_tower__tp2",
-            "pad_skipping__tp2", "pad_skipping__pp2", "bart__pp2", "whisper__pp2", "llava__pp2"}
+            "pad_skipping__tp2", "pad_skipping__pp2", "bart__pp2", "whisper__pp2", "t5__pp2",
+            "llava__pp2"}
 EITHER = {"olmoe__tp2", "vit__pp2"}
 EXPECTED: dict[str, str | set[str]] = {
     cell: (REFUSED if cell in REFUSALS else {EQUAL, REFUSED} if cell in EITHER else EQUAL) for cell in cells()}

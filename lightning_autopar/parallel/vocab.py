@@ -96,6 +96,16 @@ def _tied_head(root: nn.Module, weight: Any) -> str:
     return next((n for n, m in root.named_modules() if isinstance(m, nn.Linear) and m.weight is weight), "")
 
 
+def _holders(root: nn.Module, where: VocabModules) -> tuple[list[str], list[str]]:
+    """(embeddings, heads): every nn.Embedding holding the token embedding's weight and every nn.Linear holding
+    the head's -- a tie across modules (T5, BART: one table for the encoder's, the decoder's and the shared
+    embedding, and the head) makes each of them a lookup or a head of the same shards."""
+    emb, head = root.get_submodule(where.embedding), root.get_submodule(where.head)
+    embeddings = [n for n, m in root.named_modules() if isinstance(m, nn.Embedding) and m.weight is emb.weight]
+    heads = [n for n, m in root.named_modules() if isinstance(m, nn.Linear) and m.weight is head.weight]
+    return embeddings or [where.embedding], heads or [where.head]
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
@@ -113,7 +123,11 @@ def module_refusal(root: nn.Module, where: VocabModules, uses: dict[str, list[tu
         return f"the LM head '{where.head}' is not an nn.Linear of the embedding's shape {tuple(emb.weight.shape)}"
     if uses is None:
         return "the model's call could not be traced to see where its embedding and head weights are used"
-    mine = {where.embedding, where.head}
+    embeddings, heads = _holders(root, where)
+    odd = next((n for n in embeddings if not _plain_embedding(root.get_submodule(n))), None)
+    if odd is not None:
+        return f"the token embedding '{odd}' renormalises or scales its gradient by frequency"
+    mine = {*embeddings, *heads}
     for name, param in root.named_parameters(remove_duplicate=False):
         if param is emb.weight or param is head.weight:
             outside = [s[-1] for s in uses.get(name, []) if not s or s[-1] not in mine]
@@ -145,7 +159,8 @@ def refusal(plan: Plan, rows: int, model_refusal: str) -> str:
 def apply_vocab_parallel(root: nn.Module, where: VocabModules, tp_mesh: DeviceMesh,
                          gather_logits: bool = False) -> VocabState:
     """Shard ``where``'s embedding by vocabulary rows and its head by output columns over ``tp_mesh`` (module doc),
-    in place; a tie stays one Parameter. ``gather_logits``: the head returns the whole logits (CP)."""
+    in place; a tie stays one Parameter, and every module holding it looks up / projects through the shards
+    (``_holders``). ``gather_logits``: the head returns the whole logits (CP)."""
     import torch.distributed as dist
 
     emb, head = root.get_submodule(where.embedding), root.get_submodule(where.head)
@@ -154,10 +169,15 @@ def apply_vocab_parallel(root: nn.Module, where: VocabModules, tp_mesh: DeviceMe
     for param in dict.fromkeys([emb.weight, head.weight] + ([head.bias] if head.bias is not None else [])):
         _shard_everywhere(root, param, tp_mesh)
     state = VocabState(tp_mesh, rank * rows, (rank + 1) * rows, gather_logits, rank=dist.get_rank())
-    state.handles = [emb.register_forward_pre_hook(_embedding_pre(state), with_kwargs=True),
-                     emb.register_forward_hook(_embedding_post(state)),
-                     head.register_forward_pre_hook(_head_pre(state), with_kwargs=True),
-                     head.register_forward_hook(_head_post(state))]
+    embeddings, heads = _holders(root, where)
+    for name in embeddings:
+        module = root.get_submodule(name)
+        state.handles += [module.register_forward_pre_hook(_embedding_pre(state), with_kwargs=True),
+                          module.register_forward_hook(_embedding_post(state))]
+    for name in heads:
+        module = root.get_submodule(name)
+        state.handles += [module.register_forward_pre_hook(_head_pre(state), with_kwargs=True),
+                          module.register_forward_hook(_head_post(state))]
     return state
 
 

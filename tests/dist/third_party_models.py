@@ -1,7 +1,7 @@
 """The third-party model matrix (issue 12): tiny random-init models written by others, each in a LightningModule.
 
 Every model is the library's own class, used unchanged (Hugging Face GPT-2, Llama, Mixtral, Qwen2, Phi-3, OLMoE,
-BERT, ViT, BART, Whisper, LLaVA; litgpt's GPT dense and MoE), written here the way its authors write it (a nanoGPT-style model with one fused
+BERT, ViT, BART, Whisper, T5, LLaVA; litgpt's GPT dense and MoE), written here the way its authors write it (a nanoGPT-style model with one fused
 c_attn and tied wte/lm_head), or the plain-loop MoE of the expert-parallel tests (plain_moe.py). Shapes follow
 tests/dist/common.py: hidden 32, 2 layers, 4 heads, vocab 64, seq 16 (ViT: the 16 ids of a row as a 4x4 image);
 MoE: 4 experts, top-2; fp32. Seed
@@ -342,6 +342,18 @@ def make_bart(**_: object) -> L.LightningModule:
                            activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
                            decoder_start_token_id=2, forced_eos_token_id=None, attn_implementation="sdpa")
     return LitSeq2Seq(tf.BartForConditionalGeneration(config))
+
+
+def make_t5(**_: object) -> L.LightningModule:
+    """T5ForConditionalGeneration at the library's defaults for ties (one ``shared`` embedding for encoder, decoder
+    and lm_head) and a relative position bias (an Embedding [buckets, heads] in each stack's first layer, which TP
+    shards with the heads), gated-free ReLU MLPs, RMS layer norms without bias."""
+    import transformers as tf
+
+    config = tf.T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN, num_layers=LAYERS,
+                         num_decoder_layers=LAYERS, num_heads=HEADS, relative_attention_num_buckets=8,
+                         dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    return LitSeq2Seq(tf.T5ForConditionalGeneration(config))
 
 
 MELS = 8  # Whisper's log-mel bins here; the encoder reads 2 * max_source_positions frames (its conv2 has stride 2)
@@ -758,6 +770,7 @@ MODELS: dict[str, ThirdPartyModel] = {
     # encoder-decoders (issue 26): two block stacks, cross-attention, embeddings tied across the stacks
     "bart": ThirdPartyModel(make_bart, tied=True),
     "whisper": ThirdPartyModel(make_whisper, tied=True),
+    "t5": ThirdPartyModel(make_t5, tied=True),
     # a vision-language model (issue 26): a frozen CLIP tower, a projector, a Llama text model
     "llava": ThirdPartyModel(make_llava),
     "titan_llama": ThirdPartyModel(make_titan_llama),
