@@ -140,13 +140,11 @@ def moe_modules(transformer: nn.Module, analysis: ModelAnalysis) -> list[tuple[s
     return out
 
 
-
-
 def supports_ep(module: nn.Module, info: Any) -> bool:
     """Whether EP can shard this MoE module: the fused layout called as Hugging Face's experts are (tokens, top-k
     ids, weights) or as torchtitan's GroupedExperts (tokens sorted by expert, count per expert), a ``route``
-    method holding the routing math, or
-    the plain layout (router Linear + ModuleList of expert MLPs, the loop in ``forward``)."""
+    method holding the routing math, or the plain layout (a router and a ModuleList or ModuleDict of expert
+    MLPs, the loop in ``forward``)."""
     if info.fused:  # the dispatch calls the experts as Hugging Face's or torchtitan's are called
         return info.expert_call in FUSED_EXPERT_CALLS
     return callable(getattr(module, "route", None)) or plain_layout(module, info)
@@ -183,7 +181,7 @@ def check_ep(analysis: ModelAnalysis, transformer: nn.Module, ep: int) -> None:
         if not supports_ep(module, info):
             raise ConfigError("plan.ep", f"{fqn} ({type(module).__name__}) has no route(x) -> (weights, expert ids, "
                               "aux loss) method, nor the fused layout (router + 3-D expert weights), nor a router "
-                              "nn.Linear next to an nn.ModuleList of expert MLPs (hidden -> ffn -> hidden)",
+                              "next to an nn.ModuleList or nn.ModuleDict of expert MLPs (hidden -> ffn -> hidden)",
                               "use ep=1, or add route() (see lightning_autopar.models.gpt.MoE)")
 
 
