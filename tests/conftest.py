@@ -29,7 +29,7 @@ _SESSION_DIRS = {"AUTOPAR_CACHE": tempfile.mkdtemp(prefix="autopar_cache"),  # t
 os.environ.update(_SESSION_DIRS)
 DIST = Path(__file__).resolve().parent / "dist"
 # no garbage collection while the test modules and what they import load: those objects are never garbage (see
-# tests/dist/common.settle_heap); pytest_collection_finish freezes them and turns collection back on
+# tests/dist/common.settled); pytest_collection_finish freezes them and turns collection back on
 gc.disable()
 sys.path.insert(0, str(DIST))
 # this process's own work (single-process references, planner and meta tests) on one core: the launches beside it

@@ -99,11 +99,12 @@ def _tied_head(root: nn.Module, weight: Any) -> str:
 def _holders(root: nn.Module, where: VocabModules) -> tuple[list[str], list[str]]:
     """(embeddings, heads): every nn.Embedding holding the token embedding's weight and every nn.Linear holding
     the head's -- a tie across modules (T5, BART: one table for the encoder's, the decoder's and the shared
-    embedding, and the head) makes each of them a lookup or a head of the same shards."""
+    embedding, and the head) makes each of them a lookup or a head of the same shards. Called once
+    ``module_refusal`` found the two modules of those types, so each list holds at least that one."""
     emb, head = root.get_submodule(where.embedding), root.get_submodule(where.head)
     embeddings = [n for n, m in root.named_modules() if isinstance(m, nn.Embedding) and m.weight is emb.weight]
     heads = [n for n, m in root.named_modules() if isinstance(m, nn.Linear) and m.weight is head.weight]
-    return embeddings or [where.embedding], heads or [where.head]
+    return embeddings, heads
 
 
 def _join(prefix: str, name: str) -> str:
@@ -117,16 +118,14 @@ def module_refusal(root: nn.Module, where: VocabModules, uses: dict[str, list[tu
     emb, head = root.get_submodule(where.embedding), root.get_submodule(where.head)
     if not isinstance(emb, nn.Embedding):
         return f"the token embedding '{where.embedding}' is a {type(emb).__name__}, not an nn.Embedding"
-    if not _plain_embedding(emb):
-        return f"the token embedding '{where.embedding}' renormalises or scales its gradient by frequency"
     if not isinstance(head, nn.Linear) or tuple(head.weight.shape) != tuple(emb.weight.shape):
         return f"the LM head '{where.head}' is not an nn.Linear of the embedding's shape {tuple(emb.weight.shape)}"
-    if uses is None:
-        return "the model's call could not be traced to see where its embedding and head weights are used"
     embeddings, heads = _holders(root, where)
     odd = next((n for n in embeddings if not _plain_embedding(root.get_submodule(n))), None)
     if odd is not None:
         return f"the token embedding '{odd}' renormalises or scales its gradient by frequency"
+    if uses is None:
+        return "the model's call could not be traced to see where its embedding and head weights are used"
     mine = {*embeddings, *heads}
     for name, param in root.named_parameters(remove_duplicate=False):
         if param is emb.weight or param is head.weight:

@@ -62,21 +62,19 @@ def main() -> None:
     items = sys.argv[2].split(",")
     # the scenario files and what they import (Lightning, transformers, ...) load before the first scenario, with
     # no collection while they do: their objects are never garbage, and full collections over the growing heap
-    # cost ~1 s per process; settle_heap then freezes them
+    # cost ~1 s per process; settled() then freezes them
     gc.disable()
     for stem in dict.fromkeys(Path(item.split(":", 1)[0]).stem for item in items):
         importlib.import_module(stem)
     gc.enable()
-    from common import settle_heap
+    from common import settled
 
-    for item in items:
+    for item in settled(items):
         script, name = item.split(":", 1)
         marks = out / "_progress" / f"{Path(script).stem}.{name}"
         if len(list(marks.parent.glob(f"{marks.name}.done_r*"))) == world:
             continue  # finished by every rank before torchrun restarted the launch (--max-restarts)
-        settle_heap()
         run_one(out, script, name)
-    gc.unfreeze()
 
 
 if __name__ == "__main__":

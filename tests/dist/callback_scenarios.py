@@ -8,7 +8,6 @@ with the interrupted scenario.
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scenarios  # noqa: E402
-from common import GLOBAL_BATCH, STEPS, settle_heap  # noqa: E402
+from common import GLOBAL_BATCH, STEPS, settled  # noqa: E402
 from pp_scenarios import gathered_state  # noqa: E402
 from scenarios import fit, full_state, record  # noqa: E402
 
@@ -242,10 +241,9 @@ def run(out: Path, name: str) -> None:
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    for name in sys.argv[2].split(","):
+    for name in settled(sys.argv[2].split(",")):
         if (out / f"{name}.pt").exists():
             continue  # done before a restart
-        settle_heap()
         try:
             run(out, name)
         except Exception:
@@ -253,7 +251,6 @@ def main() -> None:
             raise
         if dist.is_initialized():
             dist.barrier()
-    gc.unfreeze()
 
 
 if __name__ == "__main__":

@@ -15,16 +15,19 @@ SEQ = 16
 VOCAB = 64
 
 
-def settle_heap() -> None:
-    """Before each scenario of a launch: collect what the previous one left as garbage and freeze what survives
-    (the imports' ~460k objects, caches), so no later full collection rescans them. Python's gen-2 collections
-    walk every tracked object; in these processes that is 0.1-0.2 s each, and a scenario's set-up (traces, FX
-    graphs, DTensor specs) triggers them. Measured on every 5th world-4 scenario (52, one launch, alternated):
-    148.8 -> 134.7 CPU-s and 83.5 -> 76.0 s wall. Objects created later are collected as usual; a launch calls
-    ``gc.unfreeze()`` before it exits, so the exit's own collection (topology.worker.destroy_at_exit: groups
-    no longer held are destroyed there) sees everything."""
-    gc.collect()
-    gc.freeze()
+def settled(items):
+    """Each of ``items`` (a launch's scenarios), after collecting what the previous one left as garbage and freezing
+    what survives (the imports' ~460k objects, caches), so no later full collection rescans them. Python's gen-2
+    collections walk every tracked object; in these processes that is 0.1-0.2 s each, and a scenario's set-up
+    (traces, FX graphs, DTensor specs) triggers them. Measured on every 5th world-4 scenario (52, one launch,
+    alternated): 148.8 -> 134.7 CPU-s and 83.5 -> 76.0 s wall. Objects created later are collected as usual; after
+    the last item everything is unfrozen, so the exit's own collection (topology.worker.destroy_at_exit: groups no
+    longer held are destroyed there) sees it all."""
+    for item in items:
+        gc.collect()
+        gc.freeze()
+        yield item
+    gc.unfreeze()
 
 
 def model_config(**overrides):

@@ -7,7 +7,6 @@ single-device model's names), the chosen plan, or the one-line error it raised.
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import traceback
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import GLOBAL_BATCH, STEPS, make_data, make_module, settle_heap  # noqa: E402
+from common import GLOBAL_BATCH, STEPS, make_data, make_module, settled  # noqa: E402
 
 import lightning.pytorch as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -158,14 +157,12 @@ def main(run_one=None) -> None:
     """Run the scenarios named in argv with ``run_one(out, name)`` (default: this file's ``run``)."""
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    for name in sys.argv[2].split(","):
-        settle_heap()
+    for name in settled(sys.argv[2].split(",")):
         try:
             (run_one or run)(out, name)
         except Exception:
             record(out, name, crash=traceback.format_exc())
             raise
-    gc.unfreeze()
 
 
 if __name__ == "__main__":
