@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 
-
 def run(code: str) -> str:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
