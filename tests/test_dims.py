@@ -45,6 +45,8 @@ def test_names_strides_and_groups():
     ddp = ParallelDims.from_plan(Plan(dp=4))
     assert ddp.plain_ddp(False) and not ddp.plain_ddp(True) and not ddp.fsdp(False) and ddp.fsdp(True)
     assert ddp.expert_shape == (4, 1, 1) and ddp.edp_mesh_name == ("edp_replicate", "edp_shard")
+    one_holder = ParallelDims.from_plan(Plan(dp=2, ep=2, tp=2, zero=0))  # no replica of an expert to sync with
+    assert one_holder.expert_shape == (1, 1, 2) and one_holder.edp_mesh_name == ("edp_shard",)
     with pytest.raises(KeyError):
         ddp.groups("dq")
 

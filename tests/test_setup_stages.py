@@ -166,3 +166,44 @@ def test_a_collective_in_the_forward_is_seen_reported_and_restricts_the_plan():
         assert "torch.distributed.all_reduce in 'blocks.0.mlp'" in capable.capabilities.excluded[field]
     assert "\n" not in capable.capabilities.excluded["tp"]
     assert not _planned(TinyLM(), SetupOptions())[0].analysis.collectives
+
+
+class TinyCNN(nn.Module):
+    """A model in unit form (no transformer blocks): four convolution units a pipeline could cut between."""
+
+    automatic_optimization = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.ReLU()) for _ in range(4)])
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).square().mean()
+
+
+@pytest.mark.parametrize("fix, world, traced, checked", [
+    ({}, 4, True, [2, 4]),  # the planner's own plan: every degree of the world
+    ({"pp": 2}, 4, True, [2]),
+    ({"dp": 2}, 4, True, [2]),  # unit form keeps tp = cp = 1: pp = world / dp
+    ({"dp": 4, "zero": 3}, 4, False, []),  # no pp > 1 left: no torch.export of the model
+    ({}, 1, False, []),
+])
+def test_unit_form_traces_a_pipeline_only_for_the_degrees_a_fix_leaves(monkeypatch, fix, world, traced, checked):
+    import lightning_autopar.parallel.pipeline as pipeline
+    from lightning_autopar.profile.units import find_model_call
+
+    calls = []
+    real = pipeline.split_refusals
+    monkeypatch.setattr(pipeline, "split_refusals", lambda *a, **k: calls.append(1) or real(*a, **k))
+    module = TinyCNN()
+    batch = torch.randn(2, 3, 8, 8)
+    work = Workload(module, first_batch=batch, loader_batch_size=8)
+    analysed = analyse_model(work, lambda: find_model_call(module, lambda: module.training_step(batch, 0)), None,
+                             world)
+    assert analysed.unit_form and len(analysed.analysis.blocks) == 4
+    capable = find_capabilities(module, analysed.model, analysed.analysis, analysed.example,
+                                SetupOptions(fix=fix), world_size=world)
+    assert calls == ([1] if traced else [])
+    outcomes = capable.capabilities._checks
+    assert sorted(pp for (kind, (pp, _)) in outcomes if kind == "unit pp") == checked
+    assert all(outcome is None for outcome in outcomes.values())  # a plain stack of units splits anywhere

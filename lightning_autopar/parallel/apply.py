@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 
 import torch
 from torch import nn
@@ -113,15 +113,19 @@ def _check_unit_pipeline_inputs(root: nn.Module, model: nn.Module, analysis: Mod
 
 
 def unit_pipeline_limits(root: nn.Module, model: nn.Module, analysis: ModelAnalysis,
-                         example: tuple[tuple, dict] | None, world_size: int, caps: Capabilities) -> None:
+                         example: tuple[tuple, dict] | None, world_size: int, caps: Capabilities,
+                         only: Collection[int] | None = None) -> None:
     """The pp degrees the runtime can apply to a model in unit form, recorded in ``caps`` (``check_plan`` reads
     each degree's outcome): one trace cut before every unit tells which cuts refuse (``SplitRefusals``: a tie or
     a non-tensor value across it), so every degree of this world is checked at the partition the runtime would
     cut, with the runtime's line; where some cut refuses, the planner keeps to even partitions (the ones
-    checked) instead of partitioning by unit time. A world with no pp > 1 pays nothing."""
+    checked) instead of partitioning by unit time. ``only``: the degrees a plan can still take (the user's fix);
+    a world, or a fix, that leaves no pp > 1 pays nothing (the trace is a torch.export of the model: ~0.5 s for
+    a small CNN)."""
     from lightning_autopar.parallel.pipeline import UnitOrderError, chunk_sizes, split_refusals
 
-    degrees = [d for d in range(2, world_size + 1) if world_size % d == 0 and d <= len(analysis.blocks)]
+    degrees = [d for d in range(2, world_size + 1) if world_size % d == 0 and d <= len(analysis.blocks)
+               and (only is None or d in only)]
     if not degrees:
         return
     units = [b.fqn for b in analysis.blocks]

@@ -226,13 +226,23 @@ def _unit_capabilities(module: nn.Module, model: nn.Module | None, analysis: Any
         caps.exclude("grad_accum", [1], LOOP_BACKWARD_ACCUM)
         caps.exclude("pp", [1], LOOP_BACKWARD_PP)
     else:
-        unit_pipeline_limits(module, model, analysis, example, world_size, caps)
+        unit_pipeline_limits(module, model, analysis, example, world_size, caps, _pp_left(fix, world_size))
     fixed = fix.get("grad_accum")
     if batchnorm_modules(model) and fixed is not None and fixed > 1 and rank == 0:
         warnings.warn(f"autopar: grad_accum={fixed} is fixed and {analysis.spec.name} has BatchNorm: its "
                       "statistics (and running buffers) are per micro-batch, as on one device running "
                       f"{fixed} micro-batches per step, not the whole batch at once", stacklevel=3)
     return caps
+
+
+def _pp_left(fix: Mapping[str, Any], world_size: int) -> set[int] | None:
+    """The pipeline degrees a fix leaves a model in unit form (None: any). Its plans keep tp = cp = 1, so a fixed
+    dp leaves pp = world / dp alone."""
+    if "pp" in fix:
+        return {int(fix["pp"])}
+    if "dp" in fix and world_size % int(fix["dp"]) == 0:
+        return {world_size // int(fix["dp"])}
+    return None
 
 
 # ------------------------------------------------------------------ plan
