@@ -68,10 +68,10 @@ def check_launch(proc: subprocess.CompletedProcess, what: str) -> None:
 # * "batches": one launch per world size (run_batch, below), in the order the tests first need them;
 # * "waiting": launches that mostly wait (a collective's timeout and a restart, two torchrun agents' rendezvous,
 #   killed and restarted ranks): module fixtures whose body is decorated with @background_launch.
-# Modules that need no launch run first (pytest_collection_modifyitems), so the launches overlap them; a fixture or
-# run_scenarios call that needs a launch's result waits for it there (its failure, a pytest.fail included, is
-# raised there). Lane bodies only launch and collect; they start from the environment as the session began, so a
-# main-thread test's monkeypatched variable never leaks into a launch.
+# Modules that need no launch, and the tests that stand alone, run first (pytest_collection_modifyitems), so the
+# launches overlap them; a fixture or run_scenarios call that needs a launch's result waits for it there (its
+# failure, a pytest.fail included, is raised there). Lane bodies only launch and collect; they start from the
+# environment as the session began, so a main-thread test's monkeypatched variable never leaks into a launch.
 
 _LANES: dict[str, ThreadPoolExecutor] = {}
 _STARTED: dict[Callable, Future] = {}  # @background_launch fixture -> its run
