@@ -1,4 +1,5 @@
-"""Mesh placement on node boundaries, the process-group timeout and the missing-peer error."""
+"""Mesh placement on node boundaries, the process groups of several plans' meshes in one process, the
+process-group timeout and the missing-peer error."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from conftest import free_port  # tests/conftest.py
+import torch
+from conftest import free_port, run_scenarios  # tests/conftest.py
+from lightning_autopar.dims import GROUP_DIMS
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.specs import Plan
 from lightning_autopar.topology import mesh
@@ -117,3 +120,40 @@ def test_exit_while_the_heartbeat_is_in_a_store_call_is_clean():
     proc = subprocess.run([sys.executable, "-c", EXIT_BUSY, str(free_port())], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "terminate called" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def mesh_world4(tmp_path_factory):
+    return run_scenarios(tmp_path_factory, 4, ["mesh_groups"])
+
+
+def test_plans_built_in_one_process_share_their_groups_by_dimension_and_ranks(mesh_world4):
+    """Five plans' meshes built in one world-4 process (tests/dist/scenarios.py mesh_groups; as trials and
+    re-planning build them): every dimension of size 1, of every mesh, runs on this rank's one single-rank group,
+    and a dimension of several ranks on one group per dimension name and rank set, shared across the meshes
+    (topology.mesh.mesh_groups_shared); within a mesh each such dimension has a group of its own, over the ranks the
+    planner places it on, and an all-reduce over it sums exactly those ranks."""
+    result = torch.load(mesh_world4 / "mesh_groups.pt", weights_only=False)
+    assert "crash" not in result, result.get("crash")
+    plans = {label: Plan(**fields) for label, fields in result["plans"].items()}
+    for rank, view in enumerate(result["views"]):
+        seen = view["seen"]
+        single = {entry["name"] for entry in seen.values() if entry["ranks"] == [rank]}
+        assert len(single) == 1, f"rank {rank}: single-rank groups {single}"
+        by_dim: dict = {}
+        for (label, dim), entry in seen.items():
+            plan = plans[label]
+            if dim.startswith("expert_"):
+                groups = mesh.ep_group_ranks(plan) if dim == "expert_ep" else None
+            else:
+                groups = mesh.group_ranks(plan, GROUP_DIMS[dim])
+            if groups is not None:
+                assert entry["ranks"] == next(g for g in groups if rank in g), (label, dim)
+            assert rank in entry["ranks"] and entry["sum"] == sum(entry["ranks"]), (label, dim, entry)
+            if len(entry["ranks"]) > 1:
+                by_dim.setdefault((dim, tuple(entry["ranks"])), set()).add(entry["name"])
+        assert all(len(names) == 1 for names in by_dim.values()), by_dim
+        assert seen[("tp2_dp2", "dp_replicate")]["name"] == seen[("cp2_hsdp", "dp_replicate")]["name"]
+        for label in plans:  # within one mesh: a group of several ranks (short of the world) per dimension
+            names = [e["name"] for (lab, d), e in seen.items() if lab == label and 1 < len(e["ranks"]) < 4]
+            assert len(names) == len(set(names)), (label, names)

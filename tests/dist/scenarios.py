@@ -128,6 +128,38 @@ def broadcast_states() -> dict:
     return states
 
 
+def mesh_groups() -> dict:
+    """Several plans' meshes built in one process (as trials and re-planning do), every rank's view gathered: per
+    layout and mesh dimension (plus "dp_flat" and the expert meshes), the group's name, its global ranks and the
+    sum of the ranks' numbers all-reduced over it."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from lightning_autopar.specs import Plan
+    from lightning_autopar.topology.mesh import build_mesh
+
+    if not dist.is_initialized():  # the first scenario of a launch
+        dist.init_process_group("gloo")
+    plans = {"tp2_dp2": Plan(tp=2, dp=2), "pp2_dp2": Plan(pp=2, dp=2), "dp4": Plan(dp=4, zero=3),
+             "cp2_hsdp": Plan(cp=2, dp=2, zero=3, dp_shard=1), "dp4_ep2": Plan(dp=4, zero=3, ep=2)}
+    seen: dict = {}
+    for label, plan in plans.items():
+        layout = build_mesh(plan, "cpu")
+        meshes = {**{d: layout[d] for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp_flat")},
+                  **({f"expert_{k}": m for k, m in layout.expert_meshes().items() if m.ndim == 1}
+                     if plan.ep > 1 else {})}
+        for dim, mesh in meshes.items():
+            group = mesh.get_group()
+            total = torch.tensor([float(dist.get_rank())])
+            dist.all_reduce(total, group=group)
+            seen[(label, dim)] = {"name": group.group_name, "ranks": dist.get_process_group_ranks(group),
+                                  "sum": total.item()}
+    alive = len([g for g in c10d._world.pg_map if g is not c10d._get_default_group()])
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, {"seen": seen, "groups_alive": alive})
+    return {"views": views, "plans": {label: plan.to_dict() for label, plan in plans.items()}}
+
+
 def run(out: Path, name: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     if name in FIXES:
@@ -147,6 +179,8 @@ def run(out: Path, name: str) -> None:
         record(out, name, losses=losses, state=full_state(module), plan=plan)
     elif name == "broadcast":
         record(out, name, **broadcast_states())
+    elif name == "mesh_groups":
+        record(out, name, **mesh_groups())
     elif name == "tp_indivisible":
         record_error(out, name, f"tp={world},dp=1", model_kwargs={"hidden": 48, "heads": 3})
     else:
