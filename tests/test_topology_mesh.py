@@ -7,9 +7,9 @@ import threading
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
-import torch
 from conftest import free_port, run_scenarios  # tests/conftest.py
 from lightning_autopar.dims import GROUP_DIMS
 from lightning_autopar.errors import ConfigError

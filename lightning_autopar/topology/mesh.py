@@ -53,10 +53,10 @@ def groups_crossing_nodes(plan: Plan, devices_per_node: int | Sequence[Sequence[
             for name, groups in all_group_ranks(plan).items()}
 
 
-# The process groups this process's meshes were built with, by (default group, ranks, backend, timeout, mesh
-# dimension name -- None for a single rank): see mesh_groups_shared. A non-member's entry is torch's
-# NON_GROUP_MEMBER, so every rank skips the same calls.
-_MESH_GROUPS: dict[tuple[Any, ...], Any] = {}
+# The process groups this process's meshes were built with, by (ranks, backend, timeout, mesh dimension name --
+# None for a single rank), each with the default group it was created under: see mesh_groups_shared. A
+# non-member's entry is torch's NON_GROUP_MEMBER, so every rank skips the same calls.
+_MESH_GROUPS: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 
 
 @contextmanager
@@ -71,9 +71,10 @@ def mesh_groups_shared() -> Iterator[None]:
     CPU for the launch. Within one mesh every dimension of several ranks keeps a group of its own, as torch builds
     it: collectives of two dimensions over the same ranks (``dp_replicate`` and ``dp_flat``) are issued
     independently, and one group would order them against each other; a single-rank group has no peer, so sharing
-    it orders nothing; and one plan's mesh runs at a time. Every rank makes the same calls in the same order (a mesh dimension creates all its groups on
-    every rank), so the ones skipped are skipped everywhere and torch's group numbering stays in step. Swaps
-    ``torch.distributed.device_mesh.new_group`` (the name DeviceMesh calls; torch 2.13) and restores it on exit."""
+    it orders nothing; and one plan's mesh runs at a time. Every rank makes the same calls in the same order (a
+    mesh dimension creates all its groups on every rank), so the ones skipped are skipped everywhere and torch's
+    group numbering stays in step. Swaps ``torch.distributed.device_mesh.new_group`` (the name DeviceMesh calls;
+    torch 2.13) and restores it on exit."""
     import torch.distributed.device_mesh as device_mesh
     from torch.distributed import distributed_c10d as c10d
 
@@ -85,7 +86,7 @@ def mesh_groups_shared() -> Iterator[None]:
             return create(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
                           group_desc=group_desc, **kwargs)
         default = c10d._get_default_group()
-        key = (id(default), tuple(int(r) for r in ranks), backend, timeout, group_desc if len(ranks) > 1 else None)
+        key = (tuple(int(r) for r in ranks), backend, timeout, group_desc if len(ranks) > 1 else None)
         entry = _MESH_GROUPS.get(key)
         if entry is not None and entry[0] is default and (
                 entry[1] is c10d.GroupMember.NON_GROUP_MEMBER or entry[1] in c10d._world.pg_map):

@@ -133,7 +133,6 @@ def mesh_groups() -> dict:
     layout and mesh dimension (plus "dp_flat" and the expert meshes), the group's name, its global ranks and the
     sum of the ranks' numbers all-reduced over it."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
 
     from lightning_autopar.specs import Plan
     from lightning_autopar.topology.mesh import build_mesh
@@ -154,9 +153,8 @@ def mesh_groups() -> dict:
             dist.all_reduce(total, group=group)
             seen[(label, dim)] = {"name": group.group_name, "ranks": dist.get_process_group_ranks(group),
                                   "sum": total.item()}
-    alive = len([g for g in c10d._world.pg_map if g is not c10d._get_default_group()])
     views: list = [None] * dist.get_world_size()
-    dist.all_gather_object(views, {"seen": seen, "groups_alive": alive})
+    dist.all_gather_object(views, {"seen": seen})
     return {"views": views, "plans": {label: plan.to_dict() for label, plan in plans.items()}}
 
 
