@@ -27,6 +27,11 @@ class ConfigError(AutoparError, ValueError):
             msg += f"; fix: {fix}"
         super().__init__(msg)
 
+    def __reduce__(self) -> tuple:
+        # rebuilt from its parts (pickle's default calls the class with the one-line message alone): the
+        # capabilities rank 0 gives the other ranks hold the checks' errors (runtime.setup.Live.shared)
+        return type(self), (self.field, self.problem, self.fix)
+
 
 class InfeasibleError(AutoparError, RuntimeError):
     """No plan fits (exit code 3). The message says the smallest memory any plan needs and what to relax."""

@@ -1,21 +1,26 @@
 """The set-up stages (runtime/setup.py, runtime/measure.py) on their own: a tiny GPT in a plain nn.Module (no
 Lightning, no strategy), one process, each stage's typed output checked; the measure stage's trial and the apply
-stage on a world-1 gloo group."""
+stage on a world-1 gloo group. At world 4 (tests/dist/scenarios.py set_up_once): rank 0 alone analyses, checks and
+plans, every rank holding the same findings."""
 
 from __future__ import annotations
+
+import pickle
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from conftest import run_scenarios  # tests/conftest.py
+from lightning_autopar.errors import ConfigError
 from lightning_autopar.models import GPT, GPTConfig
 from lightning_autopar.models.gpt import lm_loss
 from lightning_autopar.parallel.capabilities import Capabilities
 from lightning_autopar.runtime.measure import Measured, choose, measure, trial_refusal
 from lightning_autopar.runtime.setup import (Analysed, Capable, Live, Planned, PlanOn, SetUp, SetupOptions,
                                              Workload, analyse_model, apply_setup, batch_geometry, find_capabilities,
-                                             plan_model)
+                                             plain_data, plan_model)
 from lightning_autopar.runtime.trial import SetupOutcome, SetupSettings
 from lightning_autopar.specs import Plan, load_cluster_spec
 
@@ -207,3 +212,60 @@ def test_unit_form_traces_a_pipeline_only_for_the_degrees_a_fix_leaves(monkeypat
     outcomes = capable.capabilities._checks
     assert sorted(pp for (kind, (pp, _)) in outcomes if kind == "unit pp") == checked
     assert all(outcome is None for outcome in outcomes.values())  # a plain stack of units splits anywhere
+
+
+@pytest.fixture(scope="module")
+def set_up_world4(tmp_path_factory):
+    return run_scenarios(tmp_path_factory, 4, ["set_up_once"])
+
+
+def test_rank_0_alone_analyses_checks_and_plans_and_every_rank_holds_its_findings(set_up_world4):
+    """Our GPT at tp=2 (its tp and SP checks) and at the planner's own plan, a U-Net in unit form at pp=2 (its
+    pipeline trace): the analysis, the capabilities stage and the planner run once, on rank 0; ranks 1-3 hold
+    equal analyses, plans, restrictions, reasons and facts (``Live.shared``)."""
+    result = torch.load(set_up_world4 / "set_up_once.pt", weights_only=False)
+    assert "crash" not in result, result.get("crash")
+    analysed_by = {"gpt_tp2": "analyze", "gpt_auto": "analyze", "unet_pp2": "analyze_model"}
+    for label, views in result["views"].items():
+        assert views[0]["counts"] == {analysed_by[label]: 1, "find_capabilities": 1, "plan": 1}, label
+        for rank, view in enumerate(views[1:], start=1):
+            assert view["counts"] == {}, (label, rank)
+            for key in ("analysis", "plan", "restrict", "excluded", "facts"):
+                assert view[key] == views[0][key], (label, rank, key)
+    assert result["views"]["gpt_tp2"][0]["plan"].tp == 2 and result["views"]["unet_pp2"][0]["plan"].pp == 2
+
+
+def _broadcast_from(sent: list):
+    """A two-rank broadcast seen from rank 1: returns what rank 0 sent."""
+    return lambda value: sent[0]
+
+
+def test_shared_gives_rank_0s_plain_data_and_falls_back_to_running_it_itself():
+    """``Live.shared``: rank 0 runs ``make`` and sends its result pickled; another rank rebuilds it without
+    running ``make``. A result holding a module or tensor, or a rank 0 that raised, is not sent (None): every rank
+    runs ``make`` itself. One process runs it directly."""
+    made = []
+
+    def make():
+        made.append(1)
+        return {"plan": Plan(tp=2), "error": ConfigError("plan.tp", "tp=2 does not divide heads=3", "use tp=1")}
+
+    sent: list = []
+    value = Live(rank=0, world_size=2, broadcast=lambda v: sent.append(v) or v).shared(make)
+    assert made == [1] and isinstance(sent[0], bytes)
+    other = Live(rank=1, world_size=2, broadcast=_broadcast_from(sent)).shared(make)
+    assert made == [1] and other["plan"] == value["plan"]
+    assert type(other["error"]) is ConfigError and str(other["error"]) == str(value["error"])
+    assert other["error"].field == "plan.tp" and other["error"].fix == "use tp=1"
+
+    assert plain_data({"w": torch.ones(2)}) is None and plain_data([nn.Linear(2, 2)]) is None
+    assert plain_data(lambda: 0) is None and pickle.loads(plain_data({"a": [1, "b"]})) == {"a": [1, "b"]}
+    assert Live(rank=1, world_size=2, broadcast=_broadcast_from([None])).shared(make)["plan"] == Plan(tp=2)
+    assert made == [1, 1]  # nothing sent: this rank ran it
+
+    sent.clear()
+    with pytest.raises(ConfigError):
+        Live(rank=0, world_size=2, broadcast=lambda v: sent.append(v) or v).shared(
+            lambda: (_ for _ in ()).throw(ConfigError("fix.tp", "bad")))
+    assert sent == [None]
+    assert Live().shared(lambda: 7) == 7

@@ -31,10 +31,16 @@ def step_model_call(module: nn.Module, batch: Any, hook: str) -> Any:
         return find_model_call(module, partial(getattr(module, hook), slice_batch(batch, 0, rows, total), 0))
 
 
-def analyse(module: nn.Module, model_call: Callable[[], Any]) -> tuple[nn.Module, Any, tuple[tuple, dict] | None]:
+def _run(make: Callable[[], Any]) -> Any:
+    return make()
+
+
+def analyse(module: nn.Module, model_call: Callable[[], Any], shared: Callable[[Callable[[], Any]], Any] = _run
+            ) -> tuple[nn.Module, Any, tuple[tuple, dict] | None]:
     """(the model the plan applies to, its analysis, the user's call of it or None). A transformer (repeated
     blocks with attention, an MLP or MoE layers found) is analysed on token ids; any other model in unit form
-    (``profile.units``), from the user's own call of it (``model_call()``, run only then)."""
+    (``profile.units``), from the user's own call of it (``model_call()``, run only then). ``shared(make)`` runs
+    each analysis (``runtime.setup.Live.shared``: rank 0's, given to every rank)."""
     from lightning_autopar.profile.analyze import analyze, find_transformer
     from lightning_autopar.profile.units import analyze_model, is_transformer
 
@@ -43,7 +49,8 @@ def analyse(module: nn.Module, model_call: Callable[[], Any]) -> tuple[nn.Module
         # token ids enter a model through an embedding: without one (a CNN, a ViT's pixels) the token-id trace
         # can only fail, so the model is traced on the user's own call straight away
         tokens_enter = any(isinstance(m, nn.Embedding) for m in transformer.modules())
-        analysis = analyze(transformer, trace=True, runner=module) if tokens_enter else None  # what the code does
+        # what the code does
+        analysis = shared(lambda: analyze(transformer, trace=True, runner=module)) if tokens_enter else None
     except ValueError:  # no repeated blocks, or none a transformer spec describes (a ResNet's: no width)
         analysis = None
     if analysis is not None and is_transformer(analysis) and analysis.trace_failure is None:
@@ -51,7 +58,7 @@ def analyse(module: nn.Module, model_call: Callable[[], Any]) -> tuple[nn.Module
     call = model_call()
     example = (tuple(call.args), dict(call.kwargs))
     # a transformer that does not run on token ids (ViT: pixels) is traced on the user's own call
-    return call.module, analyze_model(call.module, example, runner=module), example
+    return call.module, shared(lambda: analyze_model(call.module, example, runner=module)), example
 
 
 def sequence_length(batch: Any) -> int | None:

@@ -214,12 +214,15 @@ class PlanningMixin(ABC):
                             self._setup, self._capacity_factor, self._save_distributed_checkpoint, self._print_plan)
 
     def _restrictions(self, model: nn.Module | None, analysis: Any, precision: str = "",
-                      example: tuple[tuple, dict] | None = None) -> dict[str, list[Any]]:
-        """The capabilities stage for this strategy's module (``setup.find_capabilities``; ``precision`` unused):
-        ``self.capabilities`` (for check_plan, the apply and the per-batch checks) and ``self.excluded`` kept,
-        the planner's ``restrict`` returned."""
-        capable = find_capabilities(self.lightning_module, model, analysis, example, self._options(),
-                                    self._automatic_optimization(), self.world_size, self.global_rank)
+                      example: tuple[tuple, dict] | None = None, live: Live | None = None) -> dict[str, list[Any]]:
+        """The capabilities stage for this strategy's module (``setup.find_capabilities``; with ``live``, by rank 0:
+        the record given to every rank without the memos that hold rank 0's modules, ``Capabilities.for_copy``;
+        ``precision`` unused): ``self.capabilities`` (for check_plan, the apply and the per-batch checks) and
+        ``self.excluded`` kept, the planner's ``restrict`` returned."""
+        capable = (live or Live()).shared(
+            lambda: find_capabilities(self.lightning_module, model, analysis, example, self._options(),
+                                      self._automatic_optimization(), self.world_size, self.global_rank),
+            lambda found: Capable(found.capabilities.for_copy(), found.restrict))
         self.capabilities, self.excluded = capable.capabilities, capable.excluded
         return capable.restrict
 
@@ -227,12 +230,12 @@ class PlanningMixin(ABC):
         """The stages in order (runtime/setup.py): analyse, capabilities, plan, measure, apply, each result kept on
         the strategy; ``precision_name`` is the framework's precision setting ("bf16-mixed", ...)."""
         work, live, options = self._workload(), self._live(), self._options()
-        analysed = analyse_model(work, self._model_call, self._global_batch_arg, live.world_size)
+        analysed = analyse_model(work, self._model_call, self._global_batch_arg, live.world_size, live)
         self.analysis, self._global_batch = analysed.analysis, analysed.global_batch
         started = time.perf_counter()
-        restrict = self._restrictions(analysed.model, analysed.analysis, example=analysed.example)
+        restrict = self._restrictions(analysed.model, analysed.analysis, example=analysed.example, live=live)
         capable = Capable(self.capabilities, restrict)
-        planned = plan_model(analysed, capable, self._cluster_spec(), precision_name, options, started)
+        planned = plan_model(analysed, capable, self._cluster_spec(), precision_name, options, started, live)
         self.report = planned.report
         measured = measure(planned, analysed, work, live, options.settings, options.memory_fraction)
         report, self.setup_outcome = measured.report, measured.outcome

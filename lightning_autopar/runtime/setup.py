@@ -14,11 +14,13 @@ each can be called and tested on its own (tests/test_setup_stages.py runs them i
 from __future__ import annotations
 
 import dataclasses
+import io
+import pickle
 import time
 import warnings
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 from torch import nn
@@ -49,6 +51,28 @@ def _no_scaler() -> Any:
     return None
 
 
+T = TypeVar("T")
+
+
+class _PlainDataPickler(pickle.Pickler):
+    """Pickles plain data only: a module or a tensor inside refuses (a copy of one on another rank would not be
+    that rank's own)."""
+
+    def persistent_id(self, obj: Any) -> None:
+        if isinstance(obj, (nn.Module, torch.Tensor)):
+            raise pickle.PicklingError(f"{type(obj).__name__} inside")
+
+
+def plain_data(value: Any) -> bytes | None:
+    """``value`` pickled, or None where it holds a module, a tensor or anything else pickle refuses."""
+    buffer = io.BytesIO()
+    try:
+        _PlainDataPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    except Exception:  # noqa: BLE001 -- pickle refuses many kinds (locks, lambdas, process groups): not shared
+        return None
+    return buffer.getvalue()
+
+
 # ------------------------------------------------------------------ what the stages are given
 
 
@@ -61,6 +85,29 @@ class Live:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     broadcast: Callable[[Any], Any] = _same
+
+    def shared(self, make: Callable[[], T], portable: Callable[[T], Any] = _same) -> T:
+        """``make()`` run by rank 0 alone and its result given to every rank: what set-up finds about the model
+        (analysis, capabilities, plan) is the same on every rank, and tracing it once per job instead of once per
+        rank spares the host's cores (ranks on one host traced the same model side by side; the checks and the
+        planner ran ``world_size`` times). ``portable(result)`` is what crosses (pickled; plain data only). Where
+        rank 0's ``make()`` raises, or its result holds a module or a tensor, every rank runs ``make()`` itself,
+        as without sharing (each raises its own error). Every rank must call it at the same point."""
+        if self.world_size == 1:
+            return make()
+        if self.rank != 0:
+            data = self.broadcast(None)
+            try:
+                return make() if data is None else pickle.loads(data)
+            except (pickle.UnpicklingError, TypeError, AttributeError, ImportError):  # not rebuilt here
+                return make()
+        try:
+            value = make()
+        except BaseException:
+            self.broadcast(None)
+            raise
+        self.broadcast(plain_data(portable(value)))
+        return value
 
 
 @dataclass(frozen=True)
@@ -136,10 +183,11 @@ def batch_geometry(work: Workload, global_batch: int | None, world_size: int, un
 
 
 def analyse_model(work: Workload, model_call: Callable[[], Any], global_batch: int | None,
-                  world_size: int) -> Analysed:
+                  world_size: int, live: Live | None = None) -> Analysed:
     """The analyse stage: the model found and analysed (``runtime.analysis.analyse``; ``model_call`` runs only for
-    a model that is no plain transformer), the batch geometry read, the analysis copied at the batch's length."""
-    model, analysis, example = analyse(work.module, model_call)
+    a model that is no plain transformer), the batch geometry read, the analysis copied at the batch's length.
+    ``live``: the ranks share rank 0's analysis (``Live.shared``)."""
+    model, analysis, example = analyse(work.module, model_call, (live or Live()).shared)
     global_batch, seq_len = batch_geometry(work, global_batch, world_size, analysis.spec.unit_form,
                                            analysis.spec.seq_len, traced=example is not None)
     # what the plan is for: the analysis at the batch's length (a copy: the analysis itself is not changed)
@@ -289,9 +337,10 @@ def priced_spec(analysed: Analysed, capable: Capable) -> Any:
 
 
 def plan_model(analysed: Analysed, capable: Capable, cluster: ClusterSpec, precision_name: str,
-               options: SetupOptions, started: float | None = None) -> Planned:
+               options: SetupOptions, started: float | None = None, live: Live | None = None) -> Planned:
     """The plan stage: the framework's precision setting ("bf16-mixed", ...) as the plan's, the length priced (a
-    causal model's cp pads), and the planner run on ``cluster``."""
+    causal model's cp pads), and the planner run on ``cluster`` (``live``: by rank 0, its report given to every
+    rank, ``Live.shared``)."""
     from lightning_autopar.parallel.context import priced_length
     from lightning_autopar.parallel.precision import plan_precision
 
@@ -301,7 +350,7 @@ def plan_model(analysed: Analysed, capable: Capable, cluster: ClusterSpec, preci
         capable.capabilities.causal, analysed.analysis.spec.name, seq_len, options.fix.get("cp") or 1)
     plan_on = PlanOn(priced_spec(analysed, capable), analysed.global_batch, priced_seq,
                      plan_precision(precision_name), capable.restrict, options)
-    return Planned(plan_on(cluster), plan_on, started)
+    return Planned((live or Live()).shared(lambda: plan_on(cluster)), plan_on, started)
 
 
 def announce(report: Any, line: str, analysed: Analysed, live: Live, started: float, print_plan: bool) -> None:

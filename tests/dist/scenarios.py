@@ -158,6 +158,50 @@ def mesh_groups() -> dict:
     return {"views": views, "plans": {label: plan.to_dict() for label, plan in plans.items()}}
 
 
+def set_up_once() -> dict:
+    """Three fits (our GPT at tp=2 and at the planner's own plan, a U-Net in unit form at pp=2), each set-up stage
+    that finds facts about the model counted on every rank; every rank's counts and findings gathered."""
+    import torch.distributed as dist
+    from any_model_models import MODELS
+    from any_model_scenarios import fit as fit_unit_form
+
+    from lightning_autopar.planner import search
+    from lightning_autopar.profile import analyze, units
+    from lightning_autopar.runtime import planning
+
+    counts: dict = {}
+
+    def counted(owner, name):
+        real = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return real(*args, **kwargs)
+        return real, call
+
+    patched = [(owner, name, *counted(owner, name)) for owner, name in
+               [(analyze, "analyze"), (units, "analyze_model"), (planning, "find_capabilities"), (search, "plan")]]
+    for owner, name, _, call in patched:
+        setattr(owner, name, call)
+    views: dict = {}
+    try:
+        for label, run_fit in [("gpt_tp2", lambda: fit("tp=2,dp=2", steps=2)), ("gpt_auto", lambda: fit(None, steps=2)),
+                               ("unet_pp2", lambda: fit_unit_form("pp=2,dp=2,grad_accum=2", MODELS["unet"]))]:
+            counts.clear()
+            trainer = run_fit()[0]
+            caps = trainer.strategy.capabilities
+            found = {"counts": dict(counts), "analysis": trainer.strategy.analysis, "plan": trainer.strategy.plan,
+                     "restrict": {k: v for k, v in caps.allowed.items()}, "excluded": dict(caps.excluded),
+                     "facts": (caps.causal, dict(caps.unpaddable), caps.moe, caps.vocab, list(caps.unused))}
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, found)
+            views[label] = gathered
+    finally:
+        for owner, name, real, _ in patched:
+            setattr(owner, name, real)
+    return {"views": views}
+
+
 def run(out: Path, name: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     if name in FIXES:
@@ -179,6 +223,8 @@ def run(out: Path, name: str) -> None:
         record(out, name, **broadcast_states())
     elif name == "mesh_groups":
         record(out, name, **mesh_groups())
+    elif name == "set_up_once":
+        record(out, name, **set_up_once())
     elif name == "tp_indivisible":
         record_error(out, name, f"tp={world},dp=1", model_kwargs={"hidden": 48, "heads": 3})
     else:
