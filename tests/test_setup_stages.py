@@ -123,15 +123,21 @@ def test_trial_refusal_and_choice():
     assert report.best is last
 
 
-def test_measure_trial_then_apply_on_one_process(single_process_group):
+def test_measure_trial_then_apply_on_one_process(single_process_group, monkeypatch):
+    """Two trials, each on a copy of the model, read the set-up's analysis: no trial traces the model again."""
+    from lightning_autopar.profile import analyze
+
     module = TinyLM()
     before = {k: v.clone() for k, v in module.state_dict().items()}
-    options = SetupOptions(settings=SetupSettings(trials=1, profile=False, profile_cache=False))
+    options = SetupOptions(settings=SetupSettings(trials=2, profile=False, profile_cache=False))
     analysed, capable, planned = _planned(module, options)
     work, live = _work(module), Live()
+    traced = []
+    monkeypatch.setattr(analyze, "analyze", lambda *a, **k: traced.append(a) or pytest.fail("analysed again"))
     measured = measure(planned, analysed, work, live, options.settings)
     outcome, report = measured.outcome, measured.report
-    assert outcome.trials_run == 1 and len(report.trials) == 1 and not report.trials[0].error
+    assert outcome.trials_run == 2 and len(report.trials) == 2 and not any(t.error for t in report.trials)
+    assert traced == []
     assert report.trials[0].measured_s > 0 and Plan(**report.trials[0].plan) == report.best.plan
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())  # a trial leaves no state
 

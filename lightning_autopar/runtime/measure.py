@@ -21,8 +21,8 @@ from typing import Any, Iterator
 from lightning_autopar.errors import ConfigError
 from lightning_autopar.runtime.batches import leading_size
 from lightning_autopar.runtime.setup import Analysed, Live, Planned, Workload
-from lightning_autopar.runtime.trial import (MIN_SETUP_S, QUICK_MIN_STEPS, SetupOutcome, SetupSettings, fastest,
-                                             run_trials)
+from lightning_autopar.runtime.trial import (MIN_SETUP_S, QUICK_MIN_STEPS, SetupOutcome, SetupSettings,
+                                             SharedAnalysis, fastest, run_trials)
 from lightning_autopar.specs import ClusterSpec, Plan, RuntimeProfile, TrialResult
 
 
@@ -230,8 +230,11 @@ class _Measurement:
 
         tick = time.perf_counter()
         batch = move_data_to_device(self.work.first_batch, self.live.device)
+        shared = SharedAnalysis()  # each trial's copy reads the set-up's analysis instead of tracing again
+        if self.analysed.example is None:  # unit form: each copy is analysed from its own call
+            shared.seed(self.work.module, self.analysed.model, self.analysed.analysis)
         trials = run_trials(self.work.module, report.candidates, batch, self.live.device,
-                            self.settings.trials, out.budget_s - out.profile_s - out.paths_s)
+                            self.settings.trials, out.budget_s - out.profile_s - out.paths_s, shared)
         out.trials_s, out.trials_run = time.perf_counter() - tick, len(trials)
         ran = [(Plan(**t.plan), t.measured_s) for t in trials if not t.error]
         if ran:

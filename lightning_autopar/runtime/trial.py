@@ -198,12 +198,13 @@ def _synchronize(device: torch.device) -> None:
 
 
 def run_trial(module: nn.Module, plan: Plan, batches: Sequence[Any], steps: int, device: torch.device | None = None,
-              layers_per_stage: Sequence[int] | None = None) -> list[float]:
+              layers_per_stage: Sequence[int] | None = None, shared: SharedAnalysis | None = None) -> list[float]:
     """Run ``plan`` for ``steps`` optimizer steps on a copy of ``module`` (a LightningModule: its
     ``training_step`` and ``configure_optimizers``) from its current weights, on the global batches ``batches``
     (cycled), on the live process group; return each step's wall time in seconds (device synchronised).
     The module, its parameters and the RNG states are as before afterwards; the mesh's process groups stay for
-    the next mesh of the same shape (topology.mesh.build_mesh)."""
+    the next mesh of the same shape (topology.mesh.build_mesh). ``shared``: the model's analysis, for every
+    trial of one set-up (``SharedAnalysis``; default: the copy is analysed)."""
     import torch.distributed as dist
 
     from lightning_autopar.topology.mesh import build_mesh
@@ -215,7 +216,7 @@ def run_trial(module: nn.Module, plan: Plan, batches: Sequence[Any], steps: int,
     try:
         trial_module = detached_copy(module)
         layout = build_mesh(plan, device.type)
-        trial, _ = _build(trial_module, plan, layout, batches[0], device, layers_per_stage)
+        trial, _ = _build(trial_module, plan, layout, batches[0], device, layers_per_stage, shared)
         times = []
         for i in range(steps):
             dist.barrier()
@@ -386,7 +387,8 @@ def distinct_plans(candidates: Sequence[Any], count: int) -> list[Any]:
     return out
 
 
-def _one_trial(module: nn.Module, priced: Any, batch: Any, device: torch.device) -> tuple[TrialResult, float, float]:
+def _one_trial(module: nn.Module, priced: Any, batch: Any, device: torch.device,
+               shared: SharedAnalysis | None = None) -> tuple[TrialResult, float, float]:
     """(the trial's result, its wall seconds, the part before and between its steps: copy, apply, optimizer
     build), the slowest rank's."""
     from lightning_autopar.profile.runtime import slowest
@@ -395,7 +397,7 @@ def _one_trial(module: nn.Module, priced: Any, batch: Any, device: torch.device)
     error, times = "", []
     try:
         times = run_trial(module, priced.plan, [batch], TRIAL_WARMUP + TRIAL_TIMED, device,
-                          priced.layers_per_stage or None)
+                          priced.layers_per_stage or None, shared)
     except (ConfigError, RuntimeError) as err:  # this plan cannot run here; the others still can
         error = " ".join(str(err).split())[:300] or type(err).__name__
     wall = time.perf_counter() - started
@@ -410,20 +412,22 @@ def _one_trial(module: nn.Module, priced: Any, batch: Any, device: torch.device)
 
 
 def run_trials(module: nn.Module, candidates: Sequence[Any], batch: Any, device: torch.device, count: int | None,
-               budget_s: float) -> list[TrialResult]:
+               budget_s: float, shared: SharedAnalysis | None = None) -> list[TrialResult]:
     """Run the best distinct plans of ``candidates`` (PricedPlans, best first) for TRIAL_WARMUP + TRIAL_TIMED
     steps each on ``batch`` from ``module``'s current weights; measured = the timed steps' median, the slowest
     rank's. ``count``: run that many; None: while the next trial's estimate (its build, the largest so far or
     TRIAL_BUILD_GUESS_S, + its steps x its predicted step) fits in what is left of ``budget_s``, at most
     AUTO_TRIALS_MAX. Every rank takes the same decisions (the figures are max-reduced). A plan that fails gets
-    TrialResult.error; the others go on."""
+    TrialResult.error; the others go on. ``shared``: the model's analysis, read by every trial's copy (default:
+    the first trial's, given to the others)."""
+    shared = shared or SharedAnalysis()
     plans = distinct_plans(candidates, AUTO_TRIALS_MAX if count is None else count)
     results: list[TrialResult] = []
     spent, build = 0.0, TRIAL_BUILD_GUESS_S
     for priced in plans:
         if count is None and spent + build + (TRIAL_WARMUP + TRIAL_TIMED) * priced.step_time_s > budget_s:
             break
-        result, wall, trial_build = _one_trial(module, priced, batch, device)
+        result, wall, trial_build = _one_trial(module, priced, batch, device, shared)
         build = trial_build if not results else max(build, trial_build)
         results.append(result)
         spent += wall
