@@ -275,3 +275,24 @@ def test_shared_gives_rank_0s_plain_data_and_falls_back_to_running_it_itself():
             lambda: (_ for _ in ()).throw(ConfigError("fix.tp", "bad")))
     assert sent == [None]
     assert Live().shared(lambda: 7) == 7
+
+
+def test_trials_share_the_checks_and_not_the_last_copys_modules():
+    """``SharedAnalysis.release_build`` after each trial: the record keeps its checks' outcomes and plain memos,
+    not the memo holding the last build's modules (its copy of the model is freed with its trial)."""
+    from lightning_autopar.runtime.trial import SharedAnalysis
+
+    module = TinyLM()
+    analysed, _, _ = _planned(module, SetupOptions())
+    shared = SharedAnalysis()
+    shared.seed(module, analysed.model, analysed.analysis)
+    _, _, _, record = shared.analysed(module, _batch())
+    record.memo("pipeline split", lambda: (module.model, analysed.analysis))
+    record.memo("ties", lambda: [])
+    record.record("pp", (2, 1), None)
+    shared.release_build()
+    kept = shared.capabilities
+    assert kept is not record and "pipeline split" not in kept._memo and kept._memo["ties"] == []
+    assert kept._checks == {("pp", (2, 1)): None}
+    _, _, _, later = shared.analysed(module, _batch())
+    assert later is not kept and later._checks == kept._checks

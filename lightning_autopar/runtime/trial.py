@@ -138,6 +138,12 @@ class SharedAnalysis:
         if path is not None:  # else the builds analyse as usual
             self.path, self.analysis, self.capabilities = path, copy.deepcopy(analysis), None
 
+    def release_build(self) -> None:
+        """Let the last build's model go: the record keeps its checks' outcomes and plain facts, not the memos
+        holding that build's modules (``Capabilities.for_copy``), so a trial's copy is freed when its trial ends."""
+        if self.capabilities is not None:
+            self.capabilities = self.capabilities.for_copy()
+
     def analysed(self, module: nn.Module, batch: Any) -> tuple[nn.Module, Any, tuple[tuple, dict] | None, Any]:
         """(the model the plan applies to, its analysis, the user's call of it or None, the capabilities record
         to build with or None) for ``module``, a copy of the model the first build analysed."""
@@ -428,6 +434,7 @@ def run_trials(module: nn.Module, candidates: Sequence[Any], batch: Any, device:
         if count is None and spent + build + (TRIAL_WARMUP + TRIAL_TIMED) * priced.step_time_s > budget_s:
             break
         result, wall, trial_build = _one_trial(module, priced, batch, device, shared)
+        shared.release_build()
         build = trial_build if not results else max(build, trial_build)
         results.append(result)
         spent += wall
