@@ -191,7 +191,7 @@ def set_up_once() -> dict:
             trainer = run_fit()[0]
             caps = trainer.strategy.capabilities
             found = {"counts": dict(counts), "analysis": trainer.strategy.analysis, "plan": trainer.strategy.plan,
-                     "restrict": {k: v for k, v in caps.allowed.items()}, "excluded": dict(caps.excluded),
+                     "restrict": dict(caps.allowed), "excluded": dict(caps.excluded),
                      "facts": (caps.causal, dict(caps.unpaddable), caps.moe, caps.vocab, list(caps.unused))}
             gathered: list = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, found)
