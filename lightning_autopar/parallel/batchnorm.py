@@ -17,6 +17,11 @@ builds the same from collectives:
   (``track_running_stats=False``) eval uses batch statistics, synchronised too;
 * activation recomputation re-runs a checkpointed unit's forward inside backward: the statistics are recomputed
   (the same values) but the running buffers are not updated a second time;
+* gradients of its own: where a rank's input has one value per channel (one row on a 1x1 map), the affine
+  ``out * weight + bias`` needs no reduction for ``bias`` and autograd hands the output's gradient itself to it
+  (a view, which AccumulateGrad keeps as ``.grad``). Two such layers summed (a residual block's branch and
+  shortcut) then share one ``.grad`` tensor, and the next micro-batch's accumulation adds into both twice. The
+  bias's gradient is copied (``_own_grad``), as one device's batch-norm kernel returns it;
 * a zero-weight stand-in (a rank with no rows of a small batch runs row 0 so every collective is entered;
   ``runtime.batches``) contributes count 0 and sums 0 while ``parallel.stand_in.standing_in(True)`` is active,
   so statistics and running buffers are those of the real rows, as on one device. A recomputed forward uses the
@@ -66,6 +71,19 @@ def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _AllReduceSum.apply(x, group)
 
 
+class _OwnGrad(torch.autograd.Function):
+    """Identity whose backward returns a copy of the gradient: the parameter behind it gets a ``.grad`` no other
+    tensor shares (see the module doc, "gradients of its own")."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clone()
+
+
 def _group_stats(x: torch.Tensor, group: Any, keep: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean, biased variance, global count) per channel of ``x`` (N, C, *) over every rank of ``group``; this
     rank's count and sums are multiplied by ``keep`` (0: a stand-in, counted as no rows)."""
@@ -101,7 +119,7 @@ class SyncedBatchNorm:
         shape = [1, -1] + [1] * (x.dim() - 2)
         out = (xc - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + bn.eps)
         if bn.affine:
-            out = out * bn.weight.to(compute).reshape(shape) + bn.bias.to(compute).reshape(shape)
+            out = out * bn.weight.to(compute).reshape(shape) + _OwnGrad.apply(bn.bias.to(compute)).reshape(shape)
         return out.to(x.dtype)
 
     @torch.no_grad()

@@ -96,7 +96,9 @@ def fabric_fit(fix: str | None, case: VisionCase):
 def batchnorm_uneven(steps: int = 3) -> dict:
     """``parallel.batchnorm`` alone, hand-driven: ranks hold 2, 2, 2 and 1 rows of a 7-row batch (count-weighted
     statistics), BatchNorm with momentum 0.1 and None (cumulative average); gradients summed by hand. Returns the
-    largest differences to one device running the 7 rows (state incl. running buffers, and the outputs)."""
+    largest differences to one device running the 7 rows (state incl. running buffers, and the outputs); and
+    ("residual 1x1") a residual branch and shortcut, each ending in a BatchNorm, summed on a 1x1 map with one row
+    per rank, two micro-batches accumulated per step (the bias gradients were one shared tensor there)."""
     import copy
 
     import torch
@@ -133,11 +135,59 @@ def batchnorm_uneven(steps: int = 3) -> dict:
         assert list(mine) == list(theirs), (list(mine), list(theirs))
         diffs[f"momentum={momentum}"] = max([(mine[k].double() - theirs[k].double()).abs().max().item()
                                              for k in theirs] + [out_diff])
+    diffs["residual 1x1"] = _residual_one_by_one(steps)
     return diffs
+
+
+def _residual_one_by_one(steps: int) -> float:
+    """The largest parameter difference to one device after ``steps`` steps of two accumulated micro-batches of
+    one row per rank (``world`` rows each) through ``relu(bn(conv(x)) + bn(shortcut(x)))`` on a 1x1 map."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from lightning_autopar.parallel.batchnorm import sync_batchnorm
+
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.branch = nn.Sequential(nn.Conv2d(3, 4, 1, bias=False), nn.BatchNorm2d(4))
+            self.shortcut = nn.Sequential(nn.Conv2d(3, 4, 1, bias=False), nn.BatchNorm2d(4))
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.branch(x)
+            y += self.shortcut(x)  # in place, as Hugging Face's ResNet adds its shortcut
+            return self.head(torch.relu(y).flatten(1))
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1)
+    ref = Residual()
+    synced = copy.deepcopy(ref)
+    sync_batchnorm(synced, dist.group.WORLD)
+    for _ in range(steps):
+        for _ in range(2):
+            x, y = torch.randn(world, 3, 1, 1), torch.randn(world, 2)
+            ((ref(x) - y) ** 2).mean().div(2).backward()
+            ((synced(x[rank:rank + 1]) - y[rank:rank + 1]) ** 2).mean().div(2 * world).backward()
+        with torch.no_grad():
+            for a, b in zip(ref.parameters(), synced.parameters()):
+                dist.all_reduce(b.grad)
+                a -= 0.1 * a.grad
+                b -= 0.1 * b.grad
+                a.grad = b.grad = None
+    mine, theirs = synced.state_dict(), ref.state_dict()
+    return max((mine[k].double() - theirs[k].double()).abs().max().item() for k in theirs)
 
 
 def run(out: Path, cell: str) -> None:
     if cell == "batchnorm__uneven":
+        import torch.distributed as dist
+
+        if not dist.is_initialized():  # the first scenario of a launch: no Trainer has started the group yet
+            dist.init_process_group("gloo")
         record(out, cell, diffs=batchnorm_uneven())
         return
     model, column = cell.split("__")

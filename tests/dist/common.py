@@ -57,7 +57,7 @@ def reference_run(steps: int = STEPS, clip: float | None = None, seed: int = 0, 
                   make=None, data=None, **overrides):
     """``_reference_run`` once per process for each set of arguments (many test files compare with the same plain
     loop); each caller gets its own copy. A run on caller-given ``data`` is not kept."""
-    key = (steps, clip, seed, micro_batches, dp, make, tuple(sorted(overrides.items())))
+    key = (steps, clip, seed, micro_batches, dp, make, torch.get_default_dtype(), tuple(sorted(overrides.items())))
     try:
         hash(key)
     except TypeError:  # an unhashable override: run it, unkept

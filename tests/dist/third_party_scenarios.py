@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pp_scenarios import gathered_state  # noqa: E402  (merges pipeline stages and expert ranks)
 from scenarios import fit, record  # noqa: E402
-from third_party_models import MODELS  # noqa: E402
+from third_party_models import MODELS, cell_dtype  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
@@ -55,7 +55,8 @@ def attempt(cell: str) -> tuple[str, dict]:
     model, plan = cell.split("__")
     started = time.perf_counter()
     try:
-        trainer, module, losses, plan_dict = fit(PLANS[plan], steps=STEPS, make=MODELS[model].make)
+        with cell_dtype(model, plan):
+            trainer, module, losses, plan_dict = fit(PLANS[plan], steps=STEPS, make=MODELS[model].make)
         state = gathered_state(module)
     except AutoparError as err:
         return "refused", {"error": str(err), "kind": type(err).__name__}
