@@ -256,3 +256,27 @@ def test_torchtitan_moe_layout_is_found_and_split_by_tp_and_ep():
     assert (analysis.spec.experts, analysis.spec.top_k, analysis.spec.ffn_hidden) == (EXPERTS, TOP_K, FFN)
     caps = model_capabilities(model, transformer, analysis, True)
     assert caps.moe == "ep" and not {"tp", "ep", "pp"} & set(caps.excluded), caps.excluded
+
+
+def test_switch_transformers_experts_loop_is_traced_as_moe():
+    """Issue 26: Switch Transformers' experts (a ModuleDict with a forward of its own: the experts hit, from
+    ``nonzero``, each picked by a tensor's value in an f-string) cannot run on meta tensors; the trace runs each
+    expert on the expected rows instead (``meta_shims``), and the sparse block's MoE is found from the routing:
+    its top-1 router and the four experts the dispatch calls."""
+    from third_party_models import make_switch
+
+    from lightning_autopar.profile.analyze import analyze, find_transformer
+
+    torch.manual_seed(0)
+    module = make_switch()
+    _, transformer = find_transformer(module)
+    analysis = analyze(transformer, trace=True, runner=module)
+    assert analysis.trace_failure is None
+    assert [b.moe is not None for b in analysis.blocks] == [False, True]  # one sparse block of two per stack
+    moe = analysis.blocks[1].moe
+    assert (moe.router, moe.experts, moe.num_experts, moe.top_k, moe.fused) == ("router.classifier", "experts", 4,
+                                                                               1, False)
+    assert moe.expert_mlp is not None and (moe.expert_mlp.up, moe.expert_mlp.down) == ("wi", "wo")
+    experts = transformer.get_submodule(f"{analysis.blocks[1].fqn}.{moe.fqn}.{moe.experts}")
+    assert "forward" not in experts.__dict__  # the stand-in is gone after the trace
+

@@ -244,3 +244,59 @@ def test_strategy_allows_ep_and_prices_the_replay():
     dense = {**fields, "ep": 1}
     assert estimate(ModelSpec(**spec, moe_replay=True), "h100-sxm-dgx", dense, global_batch=32).step_time_s == \
         estimate(ModelSpec(**spec), "h100-sxm-dgx", dense, global_batch=32).step_time_s
+
+
+def test_experts_always_used_gives_skipped_experts_a_zero_gradient():
+    """A plain MoE that calls only the experts its tokens were routed to: with ``experts_always_used`` every expert
+    parameter takes a gradient (zero where skipped), so every data-parallel rank reduces the same tensors; the
+    output and the used experts' gradients are unchanged, bit for bit."""
+    from lightning_autopar.parallel.experts import experts_always_used
+
+    class Skipping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = nn.Linear(8, 4, bias=False)
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+                                         for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            flat = x.reshape(-1, x.shape[-1])
+            scores = self.router(flat).softmax(-1)
+            choice = scores.argmax(-1)
+            out = torch.zeros_like(flat)
+            for e, expert in enumerate(self.experts):
+                rows = (choice == e).nonzero().squeeze(-1)
+                if rows.numel():
+                    out[rows] = expert(flat[rows]) * scores[rows, e:e + 1]
+            return out.view_as(x)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(16, 8)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(8), Skipping()) for _ in range(2))
+            self.head = nn.Linear(8, 16)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.tok(idx)
+            for block in self.blocks:
+                x = x + block(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    plain, touched = Model(), Model()
+    touched.load_state_dict(plain.state_dict())
+    analysis = analyze(touched, trace=True)
+    assert all(b.moe is not None and not b.moe.fused for b in analysis.blocks)
+    experts_always_used(touched, analysis)
+    idx = torch.tensor([[1, 1, 1]])  # three equal tokens: one expert hit per layer
+    for model in (plain, touched):
+        model(idx).square().mean().backward()
+    assert torch.equal(plain(idx), touched(idx))
+    skipped = [n for n, p in plain.named_parameters() if p.grad is None]
+    assert skipped and all(n.startswith("blocks.") and ".experts." in n for n in skipped)
+    grads = dict(touched.named_parameters())
+    for name, p in plain.named_parameters():
+        got = grads[name].grad
+        assert got is not None, name
+        assert torch.equal(got, torch.zeros_like(got) if p.grad is None else p.grad), name

@@ -8,7 +8,8 @@ in a ModuleDict, an autocast router), a CIFAR-size BatchNorm ResNet (HF, 32x32, 
 with frozen and unused parameters, a Llama with frozen lower layers (zero3, tp2, pp2 only), torchtitan's
 own MoE layout (router module, 3-D GroupedExperts), Qwen2-MoE at its default config (no
 router logits; ep2 only), OLMoE and Mixtral at their default configs (auto, ep2), a model whose forward does not run on meta tensors,
-and the encoder-decoders Hugging Face BART and Whisper (a Conv1d front-end on log-mel features).
+the encoder-decoders Hugging Face BART, Whisper (a Conv1d front-end on log-mel features), T5 and Switch
+Transformers (T5 with top-1 MoE layers), and LLaVA (a vision-language model).
 Columns: the planner's own plan, zero=3 (dp=4), tp=2 (dp=2), ep=2 (dp=4, MoE rows) and pp=2 (dp=2). In the suite the
 cells run in the batch of world 4 (tests/conftest.py: one launch per world size); ``--run`` below launches them
 alone (tests/dist/third_party_scenarios.py).
@@ -76,12 +77,17 @@ EQUAL, REFUSED = "equal", "refused"
 # T5 (one ``shared`` table held by the encoder's and the decoder's embed_tokens and the head, a relative position
 # bias per head) trains equal at tp=2 (the bias sharded with the heads; every module holding the shared table
 # looks up through its vocabulary shards); pp=2 is refused for that tie, as BART's.
+# Switch Transformers (T5's encoder-decoder, a top-1 MoE every other block: a ModuleDict of experts with a forward of
+# its own, called with a one-hot dispatch mask; capacity drops tokens per sequence) is found as MoE from its routing
+# (the experts loop, data-dependent, runs on meta as each expert on its expected rows) and trains equal at auto and
+# zero3 (ep=2: the user's dispatch over every expert's call slot), tp2 and ga2 (ep=1: an expert a rank's micro-batch
+# skips still takes a zero gradient, so the ranks reduce the same tensors); pp=2 is refused for T5's tie.
 # LLaVA (a frozen CLIP tower, a projector, a Llama text model; the tower's post_layernorm unused) trains equal at
 # auto, zero3, tp2 (the text model's stack is split) and ga2; pp=2 is refused: the tower's CLS embedding and
 # position table sit outside the one stack a pipeline splits (pipelines over two stacks: issue 26, open).
 REFUSALS = {"gpt2__pp2", "nanogpt__pp2", "nanogpt__tp2", "bert__pp2", "resnet__tp2", "resnet__pp2", "two_tower__tp2",
             "pad_skipping__tp2", "pad_skipping__pp2", "bart__pp2", "whisper__pp2", "t5__pp2",
-            "llava__pp2"}
+            "llava__pp2", "switch__pp2"}
 EITHER = {"olmoe__tp2", "vit__pp2"}
 EXPECTED: dict[str, str | set[str]] = {
     cell: (REFUSED if cell in REFUSALS else {EQUAL, REFUSED} if cell in EITHER else EQUAL) for cell in cells()}

@@ -404,7 +404,7 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     from lightning_autopar.parallel.batchnorm import batchnorm_modules, sync_batchnorm
     from lightning_autopar.parallel.context import apply_context_parallel, self_check
     from lightning_autopar.parallel.compile import check_compile, compile_blocks, enable_async_tp
-    from lightning_autopar.parallel.experts import apply_expert_parallel
+    from lightning_autopar.parallel.experts import apply_expert_parallel, experts_always_used
     from lightning_autopar.parallel.fsdp import (apply_data_parallel, apply_data_parallel_chunks, apply_replicate,
                                                  shard_experts)
     from lightning_autopar.parallel.offload import check_offload, fsdp_offload_policy, parameters_to_host
@@ -481,6 +481,8 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     offload = fsdp_offload_policy(plan.offload, device)
     if plan.offload == "params" and device.type != "cpu":
         parameters_to_host(root)  # FSDP2 offloads shards it finds on the CPU
+    if plan.ep == 1 and pipeline is None:  # (expert parallelism calls every local expert each step itself)
+        experts_always_used(transformer, local)  # 5. FSDP / DP reduce what every rank has a gradient for
     if meshes:  # 5. FSDP / DP
         shard_experts([e for layer in experts for e in layer.experts], meshes["edp"], plan.zero, plan.dp,
                       plan.precision, offload)

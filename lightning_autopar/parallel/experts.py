@@ -471,6 +471,64 @@ class ExpertSlotsDict(nn.ModuleDict):
     __repr__ = nn.Module.__repr__
 
 
+def experts_always_used(transformer: nn.Module, analysis: ModelAnalysis) -> None:
+    """Every trainable expert parameter of a plain MoE layer (experts as modules, called or skipped by the user's
+    forward) takes a gradient in every forward, as zero where no token was routed to it: the layer's output gets
+    ``0 * sum(p.sum())`` over its experts' parameters added (the same values, exactly). Why: DDP reduces a bucket
+    once every parameter in it has a gradient, FSDP reduce-scatters the parameters with one; an expert that one
+    rank's micro-batch skips (Switch Transformers calls only the experts hit, a capacity drops tokens) would
+    leave the ranks reducing different tensors (a collective mismatch). Expert parallelism needs none of it: its
+    exchange calls every local expert, on no rows where none came."""
+    for block in analysis.blocks:
+        if block.moe is None or block.moe.fused:
+            continue
+        layer = transformer.get_submodule(_join(block.fqn, block.moe.fqn))
+        layer.register_forward_hook(lambda module, args, out, path=block.moe.experts: _touched(module, path, out))
+
+
+def _join(*names: str) -> str:
+    return ".".join(n for n in names if n)
+
+
+def _touched(layer: nn.Module, experts: str, out: Any) -> Any:
+    params = [p for p in layer.get_submodule(experts).parameters() if p.requires_grad]
+    first = out if isinstance(out, torch.Tensor) else next(
+        (t for t in (out if isinstance(out, (tuple, list)) else ()) if isinstance(t, torch.Tensor)), None)
+    if not params or first is None or not first.is_floating_point() or not torch.is_grad_enabled():
+        return out
+    from torch.distributed.tensor import DTensor
+
+    # a tensor-parallel expert's shard: its local part (the gradient is the DTensor's, on that part)
+    zero = torch.stack([(p.to_local() if isinstance(p, DTensor) else p).sum() for p in params]).sum()
+    zero = zero.to(first.dtype) * 0.0
+    if isinstance(out, torch.Tensor):
+        return out + zero
+    index = next(i for i, t in enumerate(out) if t is first)
+    return type(out)([*out[:index], first + zero, *out[index + 1:]]) if isinstance(out, list) else \
+        (*out[:index], first + zero, *out[index + 1:])
+
+
+_DISPATCHING: dict[tuple[type, type], type] = {}
+
+
+def _keep_dispatch(container: nn.Module, slots: nn.Module) -> None:
+    """A container with a forward of its own (Switch Transformers' experts: called with the tokens and a dispatch
+    mask, it calls each expert hit) keeps it on its slots: the slots' class gains the container class's forward,
+    and the slots the container's plain attributes (``num_experts``, ...), so the user's dispatch runs over every
+    expert's call slot."""
+    own = type(container).forward
+    if own is nn.Module.forward:
+        return
+    key = (type(slots), type(container))
+    if key not in _DISPATCHING:
+        _DISPATCHING[key] = type(f"{type(container).__name__}Slots", (type(slots),),
+                                 {"forward": own, "__module__": __name__})
+    slots.__class__ = _DISPATCHING[key]
+    for name, value in vars(container).items():
+        if not name.startswith("_") and name != "training":
+            slots.__dict__.setdefault(name, value)
+
+
 class PlainExpertForward(ExpertParallelForward):
     """Replaces a plain MoE layer's ``forward`` (no ``route``; see the module doc): the user's forward runs
     twice with the same random state, the expert calls of the first recorded, exchanged once and their outputs
@@ -575,6 +633,7 @@ def apply_plain_expert_parallel(fqn: str, module: nn.Module, info: Any, ep_group
     calls = [_ExpertCall(forward, e) for e in range(len(items))]
     slots = (ExpertSlotsDict(mine, [key for key, _ in items], calls) if isinstance(container, nn.ModuleDict)
              else ExpertSlots(mine, calls))
+    _keep_dispatch(container, slots)
     parent, _, leaf = info.experts.rpartition(".")
     setattr(module.get_submodule(parent) if parent else module, leaf, slots)
     module.forward = forward

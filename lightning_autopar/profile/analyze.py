@@ -470,6 +470,13 @@ def _routed_moe(block: nn.Module, block_fqn: str, routed: list[RoutedLayer], hid
             return None
         return _listed_moe(fqn, _under(fqn, router), _under(fqn, holder), block.get_submodule(experts[0]),
                            layer.num_experts, layer.top_k, hidden, orient)
+    container = block.get_submodule(holder)
+    children = list(container.children())
+    if len(children) == layer.num_experts and len({type(c) for c in children}) == 1 and holder != fqn:
+        # one module called with the routing that dispatches to its E experts itself (Switch Transformers'
+        # experts: a ModuleDict with a forward of its own, called with a one-hot dispatch mask)
+        return _listed_moe(fqn, _under(fqn, router), _under(fqn, holder), children[0], layer.num_experts,
+                           layer.top_k, hidden, orient)
     # the stacked weights may sit in the MoE layer itself, beside its router
     found = _fused_experts(block.get_submodule(holder), layer.num_experts, hidden, alone=holder != fqn)
     if found is None:

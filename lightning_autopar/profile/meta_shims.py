@@ -42,7 +42,10 @@ def meta_friendly(model: nn.Module) -> Iterator[None]:
     - ``torch.autocast(device_type="meta")`` is accepted (``_MetaAutocast``);
     - BatchNorm in train mode does not refuse one value per channel (a trace of one row through a 1x1 feature
       map, a CIFAR-size ResNet; the meta kernel divides by n - 1): such an input is normalised as two copies
-      of itself, the same shapes and, but for that one op, the same FLOPs (``_batch_norm_two_rows``)."""
+      of itself, the same shapes and, but for that one op, the same FLOPs (``_batch_norm_two_rows``);
+    - an experts container that loops over the experts its tokens were routed to (Switch Transformers' experts:
+      the experts hit from ``nonzero``, each picked by a tensor's value) cannot run on meta tensors: where its
+      forward fails for that, each expert runs once on the expected rows instead (``_expert_loop_stand_in``)."""
     import torch.nn.functional as F
 
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
@@ -50,17 +53,62 @@ def meta_friendly(model: nn.Module) -> Iterator[None]:
     saved = {key: c._experts_implementation for key, c in configs.items()}
     autocasts = (torch.autocast, torch.amp.autocast)
     batch_norm = F.batch_norm
+    loops = [m for m in model.modules() if _expert_container(m)]
+    own = [m.__dict__.get("forward") for m in loops]  # a forward set on the instance, if any
     try:
         for c in configs.values():
             c._experts_implementation = "batched_mm"
         torch.autocast = torch.amp.autocast = _MetaAutocast
         F.batch_norm = _batch_norm_two_rows(batch_norm)
+        for m in loops:
+            m.forward = _expert_loop_stand_in(m, m.forward)
         yield
     finally:
         for key, c in configs.items():
             c._experts_implementation = saved[key]
         torch.autocast, torch.amp.autocast = autocasts
         F.batch_norm = batch_norm
+        for m, previous in zip(loops, own):
+            if previous is None:
+                del m.forward
+            else:
+                m.forward = previous
+
+
+def _expert_container(module: nn.Module) -> bool:
+    """A module with a forward of its own whose children are >= 2 modules of one class, each with parameters:
+    what holds a layer's experts and dispatches to them itself."""
+    children = list(module.children())
+    return (type(module).forward is not nn.Module.forward and len(children) >= 2
+            and len({type(c) for c in children}) == 1 and all(any(True for _ in c.parameters()) for c in children))
+
+
+def _data_dependent(err: BaseException) -> bool:
+    """A failure a meta tensor causes by having no values (a count such as ``nonzero``, ``.item()``)."""
+    return isinstance(err, NotImplementedError) or "meta" in str(err)
+
+
+def _expert_loop_stand_in(container: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``container``'s forward; where it fails on meta tensors for want of values, each expert (child) runs once
+    on the expected rows of the tokens (its first argument, rows x width): rows // E, a top-1 routing's share,
+    added back into a result of the tokens' shape."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 -- re-raised unless it is a meta tensor's lack of values
+            tokens = args[0] if args else next(iter(kwargs.values()), None)
+            if not (isinstance(tokens, torch.Tensor) and tokens.is_meta and tokens.dim() == 2
+                    and _data_dependent(err)):
+                raise
+            experts = list(container.children())
+            rows = max(1, tokens.shape[0] // len(experts))
+            out = torch.zeros_like(tokens)
+            for expert in experts:
+                out = out.index_add(0, torch.arange(rows, device=tokens.device), expert(tokens[:rows]).to(out.dtype))
+            return out
+
+    return forward
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",

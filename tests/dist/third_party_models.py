@@ -357,6 +357,22 @@ def make_t5(**_: object) -> L.LightningModule:
     return LitSeq2Seq(tf.T5ForConditionalGeneration(config))
 
 
+def make_switch(**_: object) -> L.LightningModule:
+    """SwitchTransformersForConditionalGeneration: T5's encoder-decoder with a top-1 MoE feed-forward in every
+    other block of each stack (4 experts in an ``nn.ModuleDict``, called with a one-hot dispatch mask); the router
+    drops a sequence's tokens past an expert's capacity (4 of the 16 per sequence: some tokens skip the MoE). No
+    jitter (random) and no router losses in the step (the model's default)."""
+    import transformers as tf
+
+    config = tf.SwitchTransformersConfig(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN,
+                                         num_layers=LAYERS, num_decoder_layers=LAYERS, num_heads=HEADS,
+                                         num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, num_experts=4,
+                                         expert_capacity=SEQ // 4, router_jitter_noise=0.0,
+                                         relative_attention_num_buckets=8, dropout_rate=0.0,
+                                         decoder_start_token_id=0, pad_token_id=0)
+    return LitSeq2Seq(tf.SwitchTransformersForConditionalGeneration(config))
+
+
 MELS = 8  # Whisper's log-mel bins here; the encoder reads 2 * max_source_positions frames (its conv2 has stride 2)
 
 
@@ -786,6 +802,8 @@ MODELS: dict[str, ThirdPartyModel] = {
     "bart": ThirdPartyModel(make_bart, tied=True),
     "whisper": ThirdPartyModel(make_whisper, tied=True),
     "t5": ThirdPartyModel(make_t5, tied=True),
+    # an encoder-decoder MoE (issue 26): experts in a ModuleDict called with a one-hot mask, capacity per sequence
+    "switch": ThirdPartyModel(make_switch, moe=True, tied=True),
     # a vision-language model (issue 26): a frozen CLIP tower, a projector, a Llama text model
     "llava": ThirdPartyModel(make_llava),
     "titan_llama": ThirdPartyModel(make_titan_llama),
