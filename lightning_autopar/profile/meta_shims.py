@@ -53,7 +53,7 @@ def meta_friendly(model: nn.Module) -> Iterator[None]:
     saved = {key: c._experts_implementation for key, c in configs.items()}
     autocasts = (torch.autocast, torch.amp.autocast)
     batch_norm = F.batch_norm
-    loops = [m for m in model.modules() if _expert_container(m)]
+    loops = [m for name, m in model.named_modules() if name and _expert_container(m)]
     own = [m.__dict__.get("forward") for m in loops]  # a forward set on the instance, if any
     try:
         for c in configs.values():
@@ -89,16 +89,18 @@ def _data_dependent(err: BaseException) -> bool:
 
 
 def _expert_loop_stand_in(container: nn.Module, original: Callable[..., Any]) -> Callable[..., Any]:
-    """``container``'s forward; where it fails on meta tensors for want of values, each expert (child) runs once
-    on the expected rows of the tokens (its first argument, rows x width): rows // E, a top-1 routing's share,
-    added back into a result of the tokens' shape."""
+    """``container``'s forward; where it is called as experts are (the tokens, rows x width, first, and the
+    routing: at least one more tensor) and fails on meta tensors for want of values, each expert (child) runs
+    once on the expected rows of the tokens: rows // E, a top-1 routing's share, added back into a result of the
+    tokens' shape. Any other failure is the forward's own (a model of two Linears on one input is no experts)."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         try:
             return original(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 -- re-raised unless it is a meta tensor's lack of values
-            tokens = args[0] if args else next(iter(kwargs.values()), None)
-            if not (isinstance(tokens, torch.Tensor) and tokens.is_meta and tokens.dim() == 2
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            tokens = tensors[0] if tensors else None
+            if not (tokens is not None and tokens.is_meta and tokens.dim() == 2 and len(tensors) >= 2
                     and _data_dependent(err)):
                 raise
             experts = list(container.children())
