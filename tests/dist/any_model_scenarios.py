@@ -125,18 +125,27 @@ def batchnorm_uneven(steps: int = 3) -> dict:
             got = synced(x[start:start + sizes[rank]])
             ((got - y[start:start + sizes[rank]]) ** 2).sum().div(len(x)).backward()
             out_diff = max(out_diff, (got - want[start:start + sizes[rank]]).abs().max().item())
-            with torch.no_grad():
-                for a, b in zip(ref.parameters(), synced.parameters()):
-                    dist.all_reduce(b.grad)
-                    a -= 0.1 * a.grad
-                    b -= 0.1 * b.grad
-                    a.grad = b.grad = None
+            _sgd_step(ref, synced)
         mine, theirs = synced.state_dict(), ref.state_dict()
         assert list(mine) == list(theirs), (list(mine), list(theirs))
         diffs[f"momentum={momentum}"] = max([(mine[k].double() - theirs[k].double()).abs().max().item()
                                              for k in theirs] + [out_diff])
     diffs["residual 1x1"] = _residual_one_by_one(steps)
     return diffs
+
+
+def _sgd_step(ref, synced) -> None:
+    """One SGD step (lr 0.1) of the one-device model and of this rank's copy, whose gradients are summed over the
+    ranks by hand (each rank's loss already divided by the whole batch)."""
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for a, b in zip(ref.parameters(), synced.parameters()):
+            dist.all_reduce(b.grad)
+            a -= 0.1 * a.grad
+            b -= 0.1 * b.grad
+            a.grad = b.grad = None
 
 
 def _residual_one_by_one(steps: int) -> float:
@@ -172,12 +181,7 @@ def _residual_one_by_one(steps: int) -> float:
             x, y = torch.randn(world, 3, 1, 1), torch.randn(world, 2)
             ((ref(x) - y) ** 2).mean().div(2).backward()
             ((synced(x[rank:rank + 1]) - y[rank:rank + 1]) ** 2).mean().div(2 * world).backward()
-        with torch.no_grad():
-            for a, b in zip(ref.parameters(), synced.parameters()):
-                dist.all_reduce(b.grad)
-                a -= 0.1 * a.grad
-                b -= 0.1 * b.grad
-                a.grad = b.grad = None
+        _sgd_step(ref, synced)
     mine, theirs = synced.state_dict(), ref.state_dict()
     return max((mine[k].double() - theirs[k].double()).abs().max().item() for k in theirs)
 
