@@ -9,7 +9,7 @@ with frozen and unused parameters, a Llama with frozen lower layers (zero3, tp2,
 own MoE layout (router module, 3-D GroupedExperts), Qwen2-MoE at its default config (no
 router logits; ep2 only), OLMoE and Mixtral at their default configs (auto, ep2), a model whose forward does not run on meta tensors,
 the encoder-decoders Hugging Face BART, Whisper (a Conv1d front-end on log-mel features), T5 and Switch
-Transformers (T5 with top-1 MoE layers), and LLaVA (a vision-language model).
+Transformers (T5 with top-1 MoE layers), LLaVA (a vision-language model) and Qwen3-MoE (per-head q/k norms).
 Columns: the planner's own plan, zero=3 (dp=4), tp=2 (dp=2), ep=2 (dp=4, MoE rows) and pp=2 (dp=2). In the suite the
 cells run in the batch of world 4 (tests/conftest.py: one launch per world size); ``--run`` below launches them
 alone (tests/dist/third_party_scenarios.py).
@@ -77,6 +77,8 @@ EQUAL, REFUSED = "equal", "refused"
 # T5 (one ``shared`` table held by the encoder's and the decoder's embed_tokens and the head, a relative position
 # bias per head) trains equal at tp=2 (the bias sharded with the heads; every module holding the shared table
 # looks up through its vocabulary shards); pp=2 is refused for that tie, as BART's.
+# Qwen3-MoE (q/k norms over head_dim on each head: one weight for all heads, whose gradient TP sums over the TP group)
+# trains equal at every column.
 # Switch Transformers (T5's encoder-decoder, a top-1 MoE every other block: a ModuleDict of experts with a forward of
 # its own, called with a one-hot dispatch mask; capacity drops tokens per sequence) is found as MoE from its routing
 # (the experts loop, data-dependent, runs on meta as each expert on its expected rows) and trains equal at auto and

@@ -168,6 +168,22 @@ def test_olmoe_qk_norm_over_the_full_width_is_refused():
     assert "model.layers.0.self_attn.q_norm is a q/k norm over the full projection width (32)" in reason
 
 
+def test_qwen3_per_head_qk_norms_are_found_so_tp_sums_their_gradient():
+    """Qwen3's q_norm / k_norm run over head_dim on each head (one weight for all heads): TP is not refused, and the
+    analysis names them (``AttentionInfo.head_norms``), so TP sums their gradient over the TP group (each rank's
+    use sees its local heads only; without the sum a tp=2 run drifted 6e-4 from one device in four steps)."""
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=16, bos_token_id=0, eos_token_id=0)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    _, transformer = find_transformer(model)
+    a = analyze(transformer, trace=True, runner=model)
+    assert all(b.attention.head_norms == ["q_norm", "k_norm"] and b.attention.tp_refusal is None for b in a.blocks)
+    check_tp(a, 2)
+
+
 def test_t5_relative_bias_is_sharded_with_the_heads_and_cross_attention_refuses_sp():
     """Issue 26: T5's relative position bias (an Embedding [buckets, heads] in each stack's first self-attention)
     is a per-head table: TP shards it with the heads, so tp=2 runs on the local heads; the decoder's cross-attention

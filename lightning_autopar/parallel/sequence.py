@@ -45,7 +45,8 @@ from lightning_autopar.parallel.capabilities import NOT_CHECKED, Capabilities
 from lightning_autopar.parallel.dtensor_private import own_parameters
 from lightning_autopar.parallel.tensor import join_path
 from lightning_autopar.parallel.recompute import recomputed
-from lightning_autopar.parallel.tp_comm import CopyToTP, GatherSeq, SeqChunk, SeqComm, SplitSeq, row_output_sp
+from lightning_autopar.parallel.tp_comm import (GatherSeq, SeqChunk, SeqComm, SplitSeq, row_output_sp,
+                                               sum_grads_post, sum_grads_pre)
 from lightning_autopar.profile.analyze import BlockInfo, ModelAnalysis
 
 if TYPE_CHECKING:
@@ -183,28 +184,6 @@ def _split_output_hook(state: _SeqState) -> Callable:
         output, split, lambda t: _is_hidden(t, state, state.local * state.comm.tp))
 
 
-def _sum_grads_pre(group: Any) -> Callable:
-    """Swap ``module``'s own parameters for ``CopyToTP`` of them for this call (their gradient, from this rank's
-    tokens only, summed over the TP group)."""
-
-    def hook(module: nn.Module, args: tuple) -> None:
-        params = own_parameters(module)
-        stash = {n: p for n, p in params.items() if p is not None and p.requires_grad}
-        params.update({n: CopyToTP.apply(p, group) for n, p in stash.items()})
-        module._sp_stash = (stash, {n: params[n] for n in stash})
-
-    return hook
-
-
-def _sum_grads_post(module: nn.Module, args: tuple, output: Any) -> None:
-    """Undo ``_sum_grads_pre``, except where something else (FSDP's reshard) already replaced the parameter."""
-    stash, swapped = getattr(module, "_sp_stash", ({}, {}))
-    for name, param in stash.items():
-        if own_parameters(module).get(name) is swapped[name]:
-            own_parameters(module)[name] = param
-    module._sp_stash = ({}, {})
-
-
 # ------------------------------------------------------------------------------------------- structure
 
 
@@ -287,7 +266,7 @@ def _region_hooks(block: nn.Module, info: BlockInfo, state: _SeqState) -> list[R
 
 
 def _grad_sum_hooks(block: nn.Module, info: BlockInfo, group: Any) -> list[RemovableHandle]:
-    """``_sum_grads_pre`` / ``_sum_grads_post`` on every module of ``block`` owning parameters outside the regions
+    """``sum_grads_pre`` / ``sum_grads_post`` on every module of ``block`` owning parameters outside the regions
     that run on the whole sequence (norms, the block's own parameters)."""
     paths = [p for p, _ in _regions(info)]
     inside = tuple(p + "." for p in paths)
@@ -295,8 +274,8 @@ def _grad_sum_hooks(block: nn.Module, info: BlockInfo, group: Any) -> list[Remov
     for name, module in block.named_modules():
         if name in paths or name.startswith(inside) or not own_parameters(module):
             continue
-        handles.append(module.register_forward_pre_hook(_sum_grads_pre(group)))
-        handles.append(module.register_forward_hook(_sum_grads_post))
+        handles.append(module.register_forward_pre_hook(sum_grads_pre(group)))
+        handles.append(module.register_forward_hook(sum_grads_post))
     return handles
 
 

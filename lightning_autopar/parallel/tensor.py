@@ -62,7 +62,7 @@ from lightning_autopar.parallel.dtensor_private import (own_parameters, parallel
                                                         swap_in_local)
 from lightning_autopar.parallel.row_order import RowOrder, keep_row_order
 from lightning_autopar.parallel.tp_comm import (CopyToTP, ReduceFromTP, SeqComm, SliceOfReplicated, keep_chunk_forward,
-                                                row_output_sp)
+                                                row_output_sp, sum_grads_post, sum_grads_pre)
 from lightning_autopar.parallel.tp_experts import shard_fused_experts
 from lightning_autopar.profile.analyze import (AttentionInfo, BlockInfo, MLPInfo, ModelAnalysis, MoEInfo,
                                                divide_attributes, leaf_width_attributes)
@@ -323,7 +323,12 @@ def apply_tensor_parallel(transformer: nn.Module, analysis: ModelAnalysis, tp_me
             moe_mod = block.get_submodule(info.moe.fqn) if info.moe.fqn else block
             expert_keys = list(moe_mod.get_submodule(info.moe.experts)._modules)  # a list's indices, a dict's keys
         parallelize_module(block, tp_mesh, block_layout(info, expert_keys, sp))
-        divide_attributes(block.get_submodule(info.attention.fqn), info.attention.tp_attrs, tp)
+        attention = block.get_submodule(info.attention.fqn)
+        divide_attributes(attention, info.attention.tp_attrs, tp)
+        for path in info.attention.head_norms:  # one weight for all heads, used here on the local heads only
+            norm = attention.get_submodule(path)
+            norm.register_forward_pre_hook(sum_grads_pre(tp_mesh.get_group()))
+            norm.register_forward_hook(sum_grads_post)
         if info.moe is not None and info.moe.fused:
             moe_mod = block.get_submodule(info.moe.fqn) if info.moe.fqn else block
             shard_fused_experts(moe_mod.get_submodule(info.moe.experts), info.moe, tp_mesh,

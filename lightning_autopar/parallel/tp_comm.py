@@ -1,13 +1,16 @@
 """Megatron's f and g over the TP group, and sequence parallelism's collectives along the sequence (over the TP
 group, ``parallel.sequence``): the autograd functions ``parallel.tensor``'s ``LocalShard`` hooks, the fused 3-D
-experts' hooks (``parallel.tp_experts``) and SP's hooks run."""
+experts' hooks (``parallel.tp_experts``) and SP's hooks run; and the hooks summing a replicated parameter's
+gradient over the TP group where each rank's use of it sees only its part (``sum_grads_pre`` / ``_post``: SP's
+norms on a sequence chunk, a per-head norm on the local heads)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from lightning_autopar.errors import ConfigError
 
@@ -252,3 +255,28 @@ class SliceOfReplicated(torch.autograd.Function):
         full = grad.new_zeros(ctx.shape).index_copy_(0, index, grad.contiguous())
         dist.all_reduce(full, group=ctx.group)
         return full, None, None
+
+
+def sum_grads_pre(group: Any) -> Callable:
+    """Swap ``module``'s own parameters for ``CopyToTP`` of them for this call (their gradient, from this rank's
+    tokens or heads only, summed over the TP group)."""
+    from lightning_autopar.parallel.dtensor_private import own_parameters
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        params = own_parameters(module)
+        stash = {n: p for n, p in params.items() if p is not None and p.requires_grad}
+        params.update({n: CopyToTP.apply(p, group) for n, p in stash.items()})
+        module._sp_stash = (stash, {n: params[n] for n in stash})
+
+    return hook
+
+
+def sum_grads_post(module: nn.Module, args: tuple, output: Any) -> None:
+    """Undo ``sum_grads_pre``, except where something else (FSDP's reshard) already replaced the parameter."""
+    from lightning_autopar.parallel.dtensor_private import own_parameters
+
+    stash, swapped = getattr(module, "_sp_stash", ({}, {}))
+    for name, param in stash.items():
+        if own_parameters(module).get(name) is swapped[name]:
+            own_parameters(module)[name] = param
+    module._sp_stash = ({}, {})

@@ -39,6 +39,10 @@ class AttentionInfo:
     # per-head tables (relative to ``fqn``): an nn.Embedding of [n, heads], T5's relative_attention_bias, whose
     # output is a value per head: TP shards it along the heads with the projections
     head_tables: list[str] = field(default_factory=list)
+    # norms (relative to ``fqn``) applied per head to a projection's output (Qwen3's, Gemma 3's q_norm / k_norm over
+    # head_dim): one weight for every head, so under TP each rank's use of it sees its local heads only and its
+    # gradient is summed over the TP group
+    head_norms: list[str] = field(default_factory=list)
 
     @property
     def fused(self) -> bool:

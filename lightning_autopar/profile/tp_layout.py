@@ -257,12 +257,15 @@ def _attention_tp(block0: str, attn_mod: nn.Module, info: AttentionInfo, traced:
     q_width, kv_width = info.heads * info.head_dim, info.kv_heads * info.head_dim
     probe = traced.probe
     projections = [p for p in (info.q, info.k, info.v, info.qkv) if p]
+    info.head_norms = []
     for norm, (source, width, numel) in probe.norm_inputs.items():
-        if norm.startswith(site + ".") and source in {f"{site}.{p}" for p in projections} \
-                and numel == width and width > info.head_dim:
+        if not (norm.startswith(site + ".") and source in {f"{site}.{p}" for p in projections} and numel == width):
+            continue
+        if width > info.head_dim:
             info.tp_refusal = (f"{_join(info.fqn, norm[len(site) + 1:])} is a q/k norm over the full projection width "
                                f"({width}): on a TP rank's local heads its statistics would differ")
             return
+        info.head_norms.append(norm[len(site) + 1:])
     if info.qkv:
         found = fused_layout(traced.consumers.get(f"{site}.{info.qkv}", []), q_width + 2 * kv_width, 3,
                              info.kv_heads, info.heads // max(info.kv_heads, 1) + 2)
@@ -369,7 +372,7 @@ def _tp_feasibility(blocks: Sequence[nn.Module], infos: list[BlockInfo], traced:
                 _mlp_tp(first.fqn, block0.get_submodule(mlp.fqn) if mlp.fqn else block0, mlp, traced, tp)
     for info in infos:
         if attn is not None and info.attention is not None and info is not first:
-            for name in ("qkv_layout", "qkv_pieces", "tp_attrs", "tp_refusal", "tp_validated"):
+            for name in ("qkv_layout", "qkv_pieces", "tp_attrs", "tp_refusal", "tp_validated", "head_norms"):
                 setattr(info.attention, name, getattr(attn, name))
         if attn is not None and info.attention is not None and not attn.tp_validated:
             info.attention.tp_attrs = info.attention.heads_attrs + info.attention.kv_heads_attrs

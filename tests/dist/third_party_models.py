@@ -141,6 +141,17 @@ def make_qwen2_moe(**_: object) -> L.LightningModule:
     return _hf_lit(tf.Qwen2MoeForCausalLM(config))
 
 
+def make_qwen3_moe(**_: object) -> L.LightningModule:
+    """Qwen3MoeForCausalLM at the library's defaults for the router: fused 3-D experts, and q/k norms over head_dim
+    on each head (one weight for all heads: under TP its gradient is summed over the TP group)."""
+    import transformers as tf
+
+    config = tf.Qwen3MoeConfig(num_key_value_heads=2, head_dim=HIDDEN // HEADS, intermediate_size=FFN,
+                               moe_intermediate_size=FFN, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                               tie_word_embeddings=False, **_hf_common())
+    return _hf_lit(tf.Qwen3MoeForCausalLM(config))
+
+
 # ------------------------------------------------------------------------------------------- litgpt
 
 
@@ -792,6 +803,8 @@ MODELS: dict[str, ThirdPartyModel] = {
     "olmoe_default": ThirdPartyModel(make_olmoe_default, moe=True, not_run=("zero3", "tp2", "pp2", "ga2")),
     "mixtral_default": ThirdPartyModel(make_mixtral_default, moe=True, not_run=("zero3", "tp2", "pp2", "ga2")),
     "qwen2_moe": ThirdPartyModel(make_qwen2_moe, moe=True, not_run=("auto", "zero3", "tp2", "pp2", "ga2")),
+    # issue 26: Qwen3-MoE (per-head q/k norms, fused experts), at its default config
+    "qwen3_moe": ThirdPartyModel(make_qwen3_moe, moe=True),
     "litgpt": ThirdPartyModel(make_litgpt),
     "litgpt_moe": ThirdPartyModel(make_litgpt_moe, moe=True),
     "nanogpt": ThirdPartyModel(make_nanogpt, tied=True),
