@@ -246,6 +246,27 @@ def test_split_hugging_face_llama():
     torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
 
 
+def test_split_reads_each_blocks_own_per_layer_config():
+    """Hugging Face's loop reads ``config.layer_types[i]`` by the block's position (Gemma 3 here: sliding and full
+    attention alternating): each chunk sees the list cut to its own blocks, so the split output is the model's
+    exactly (before, a later chunk's first block took layer 0's sliding window)."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_autopar.profile.analyze import analyze
+
+    torch.manual_seed(0)
+    kinds = ["sliding_attention", "full_attention"] * 2
+    cfg = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                        layer_types=kinds, max_position_embeddings=32, tie_word_embeddings=False,
+                                        attn_implementation="eager")
+    model = transformers.Gemma3ForCausalLM(cfg)
+    analysis = analyze(model, trace=False)
+    ids = torch.randint(0, 64, (2, 16))
+    out, _ = _split_and_run(model, analysis, 2, 2, ((), {"input_ids": ids}))
+    torch.testing.assert_close(out.logits, model(input_ids=ids).logits, rtol=0, atol=0)
+    assert model.config.layer_types == kinds  # restored after each chunk
+
+
 @pytest.mark.parametrize("pp, vpp", [(2, 1), (4, 1), (2, 2)])
 def test_split_moe_gpt_carries_balance_losses(pp, vpp):
     """Every stage's MoE balance losses reach the last stage's loss (model.aux_loss() there sees all layers)

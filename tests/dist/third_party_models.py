@@ -152,6 +152,17 @@ def make_qwen3_moe(**_: object) -> L.LightningModule:
     return _hf_lit(tf.Qwen3MoeForCausalLM(config))
 
 
+def make_gpt_oss(**_: object) -> L.LightningModule:
+    """GptOssForCausalLM: sliding-window and full attention alternating by ``config.layer_types[i]`` (read by the
+    block's position in the model's loop), attention sinks (a parameter per head), fused MoE experts with biases."""
+    import transformers as tf
+
+    config = tf.GptOssConfig(num_key_value_heads=2, head_dim=HIDDEN // HEADS, intermediate_size=FFN,
+                             num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, sliding_window=SEQ // 2,
+                             tie_word_embeddings=False, **{**_hf_common(), "attn_implementation": "eager"})
+    return _hf_lit(tf.GptOssForCausalLM(config))
+
+
 # ------------------------------------------------------------------------------------------- litgpt
 
 
@@ -805,6 +816,8 @@ MODELS: dict[str, ThirdPartyModel] = {
     "qwen2_moe": ThirdPartyModel(make_qwen2_moe, moe=True, not_run=("auto", "zero3", "tp2", "pp2", "ga2")),
     # issue 26: Qwen3-MoE (per-head q/k norms, fused experts), at its default config
     "qwen3_moe": ThirdPartyModel(make_qwen3_moe, moe=True),
+    # issue 26: GPT-OSS (per-layer attention kinds read by position: a pipeline stage sees its own layers' kinds)
+    "gpt_oss": ThirdPartyModel(make_gpt_oss, moe=True),
     "litgpt": ThirdPartyModel(make_litgpt),
     "litgpt_moe": ThirdPartyModel(make_litgpt_moe, moe=True),
     "nanogpt": ThirdPartyModel(make_nanogpt, tied=True),

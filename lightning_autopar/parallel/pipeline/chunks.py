@@ -9,7 +9,9 @@
   the schedule and rebuilt before the user's loss code sees it).
 
 Every chunk calls the model with the arguments the user's step passed for its micro-batch (``capture``):
-positions and masks derived from the inputs are right on every stage.
+positions and masks derived from the inputs are right on every stage. A model whose loop reads a per-layer list
+of its config by the block's position (Hugging Face's ``config.layer_types[i]``: GPT-OSS, Gemma, Qwen with sliding
+windows) sees that list cut to the chunk's blocks while the chunk runs (``PerLayerLists``), as the blocks are.
 """
 
 from __future__ import annotations
@@ -30,6 +32,33 @@ if TYPE_CHECKING:
     from lightning_autopar.profile.analyze import ModelAnalysis
 
 
+class PerLayerLists:
+    """The per-layer lists of the transformer's configs (any list or tuple of plain values with one entry per
+    block, on a ``config`` object a module holds), led by one chunk's entries while it runs: the model's own loop
+    enumerates the chunk's blocks from 0, so ``layer_types[i]`` must be the chunk's i-th block's entry. The list
+    keeps its length (the rest as it was), as what reads it by a block's own index expects: a Hugging Face cache
+    built from ``config.layer_types`` has one layer per block, and a training forward's single pass returns the
+    same keys and values from either kind of cache layer."""
+
+    def __init__(self, transformer: nn.Module, num_blocks: int) -> None:
+        configs = {id(c): c for m in transformer.modules() if (c := getattr(m, "config", None)) is not None
+                   and hasattr(c, "__dict__") and not isinstance(c, nn.Module)}
+        self.lists = [(c, name) for c in configs.values() for name, value in vars(c).items()
+                      if isinstance(value, (list, tuple)) and len(value) == num_blocks
+                      and all(v is None or isinstance(v, (str, int, float, bool)) for v in value)]
+
+    @contextmanager
+    def cut(self, start: int, stop: int) -> Iterator[None]:
+        saved = [getattr(c, name) for c, name in self.lists]
+        try:
+            for (c, name), value in zip(self.lists, saved):
+                object.__setattr__(c, name, type(value)([*value[start:stop], *value[stop - start:]]))
+            yield
+        finally:
+            for (c, name), value in zip(self.lists, saved):
+                object.__setattr__(c, name, value)
+
+
 class PipelineChunk(nn.Module):
     """One pipeline chunk (stage) of the user's transformer, as torch.distributed.pipelining's stage module.
 
@@ -42,8 +71,11 @@ class PipelineChunk(nn.Module):
                  block_items: list[tuple[str, nn.Module]], owned: dict[str, nn.Module],
                  stand_ins: dict[str, nn.Module], inputs: Callable[[int], tuple[tuple, dict]],
                  own: Sequence[MoESource] = (), before: Sequence[MoESource] = (),
-                 replay_targets: Sequence[nn.Module] = ()) -> None:
+                 replay_targets: Sequence[nn.Module] = (), first_block: int = 0,
+                 per_layer: PerLayerLists | None = None) -> None:
         super().__init__()
+        self._block_range = (first_block, first_block + len(block_items))  # in the whole stack
+        self._per_layer = per_layer
         self.index, self.num_chunks = index, num_chunks
         self.blocks = nn.ModuleList(m for _, m in block_items)
         self.owned = nn.ModuleList(owned.values())
@@ -138,7 +170,11 @@ class PipelineChunk(nn.Module):
             replace_submodule(transformer, fqn, module)
         self._run.received = received
         try:
-            yield
+            if self._per_layer is not None and self._per_layer.lists:
+                with self._per_layer.cut(*self._block_range):
+                    yield
+            else:
+                yield
         finally:
             self._run.received = None
             object.__setattr__(blocks, "_modules", saved_blocks)
@@ -207,6 +243,7 @@ def split_model(transformer: nn.Module, analysis: ModelAnalysis, pp_rank: int, p
     owners = list(owners) if owners is not None else [j % pp for j in range(num_chunks)]
     mine = [j for j in range(num_chunks) if owners[j] == pp_rank]
     run_stub = ChunkRun()
+    per_layer = PerLayerLists(transformer, len(all_items))
     stand_ins: dict[str, nn.Module] = {}
     for fqn in (analysis.token_embedding, analysis.position_embedding):
         if fqn:
@@ -235,7 +272,7 @@ def split_model(transformer: nn.Module, analysis: ModelAnalysis, pp_rank: int, p
                                        analysis.blocks_fqn)
         chunks.append(PipelineChunk(j, num_chunks, transformer, analysis, items, owned, stand_ins, inputs,
                                     own=sources[j], before=[s for before in sources[:j] for s in before],
-                                    replay_targets=replay))
+                                    replay_targets=replay, first_block=bounds[j], per_layer=per_layer))
     owned_here = {f for c in chunks for f in c._pieces if c._pieces[f] is originals.get(f)}
     for fqn, stand_in in stand_ins.items():
         if fqn not in owned_here:
