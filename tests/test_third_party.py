@@ -81,8 +81,9 @@ EQUAL, REFUSED = "equal", "refused"
 # trains equal at every column.
 # GPT-OSS (sliding and full attention alternating by ``config.layer_types[i]``, i the block's position in the model's
 # loop; attention sinks, one parameter per head) trains equal at every column but tp2: a pipeline stage reads its own
-# blocks' entries (before: stage 1's first block took layer 0's sliding window, 3e-4 off at step 0); tp=2 is
-# refused in one line (the sinks are not split with the heads yet).
+# blocks' entries (before: stage 1's first block took layer 0's sliding window, 3e-4 off at step 0); its sinks are
+# split with the heads (the titan_sinks row: equal at tp2), but tp=2 is refused in one line for its fused experts'
+# 2-D biases (ep and dp shard them).
 # Switch Transformers (T5's encoder-decoder, a top-1 MoE every other block: a ModuleDict of experts with a forward of
 # its own, called with a one-hot dispatch mask; capacity drops tokens per sequence) is found as MoE from its routing
 # (the experts loop, data-dependent, runs on meta as each expert on its expected rows) and trains equal at auto and

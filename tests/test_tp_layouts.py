@@ -184,6 +184,18 @@ def test_qwen3_per_head_qk_norms_are_found_so_tp_sums_their_gradient():
     check_tp(a, 2)
 
 
+def test_attention_sinks_are_per_head_parameters_split_with_the_heads():
+    """GPT-OSS's attention sinks (one logit per head, a plain parameter of the attention module): found as a
+    per-head parameter, sharded with the heads in the dry run, so tp=2 is not refused for them (the matrix's
+    titan_sinks row trains equal at tp=2). A norm whose width happens to equal the head count is no such parameter."""
+    from third_party_models import TitanTransformer
+
+    model = TitanTransformer(sinks=True)
+    a = analyze(model, trace=True)
+    assert all(b.attention.head_params == ["sinks"] and b.attention.tp_refusal is None for b in a.blocks)
+    check_tp(a, 2)
+
+
 def test_t5_relative_bias_is_sharded_with_the_heads_and_cross_attention_refuses_sp():
     """Issue 26: T5's relative position bias (an Embedding [buckets, heads] in each stack's first self-attention)
     is a per-head table: TP shards it with the heads, so tp=2 runs on the local heads; the decoder's cross-attention

@@ -305,6 +305,28 @@ def block_layout(block: BlockInfo, expert_keys: list[str] | None = None, sp: boo
     return layout
 
 
+def shard_head_param(attention: nn.Module, path: str, tp_mesh: DeviceMesh) -> None:
+    """A per-head parameter (``AttentionInfo.head_params``: one value per head, GPT-OSS's sinks) sharded along the
+    heads (``Shard(0)``, a DTensor under its own name); its module's forward sees this rank's heads as a plain
+    tensor, autograd reaching the DTensor (``swap_in_local`` / ``swap_back``)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    owner_path, _, leaf = path.rpartition(".")
+    owner = attention.get_submodule(owner_path) if owner_path else attention
+    param = getattr(owner, leaf)
+    owner.register_parameter(leaf, nn.Parameter(distribute_tensor(param.detach(), tp_mesh, [Shard(0)]),
+                                                requires_grad=param.requires_grad))
+    names = list(getattr(owner, "_head_param_names", []))
+    if not names:  # the first of the module's per-head parameters: its hooks
+        owner.register_forward_pre_hook(_local_head_params)
+        owner.register_forward_hook(lambda module, args, out: swap_back(module), always_call=True)
+    owner._head_param_names = names + [leaf]
+
+
+def _local_head_params(module: nn.Module, args: tuple) -> None:
+    swap_in_local(module, module._head_param_names)
+
+
 def apply_tensor_parallel(transformer: nn.Module, analysis: ModelAnalysis, tp_mesh: DeviceMesh,
                           sp: bool = False) -> None:
     """Shard every block of ``transformer`` over ``tp_mesh`` in place; parameter names are unchanged. ``sp``: the
@@ -325,6 +347,8 @@ def apply_tensor_parallel(transformer: nn.Module, analysis: ModelAnalysis, tp_me
         parallelize_module(block, tp_mesh, block_layout(info, expert_keys, sp))
         attention = block.get_submodule(info.attention.fqn)
         divide_attributes(attention, info.attention.tp_attrs, tp)
+        for path in info.attention.head_params:
+            shard_head_param(attention, path, tp_mesh)
         for path in info.attention.head_norms:  # one weight for all heads, used here on the local heads only
             norm = attention.get_submodule(path)
             norm.register_forward_pre_hook(sum_grads_pre(tp_mesh.get_group()))

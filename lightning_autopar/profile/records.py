@@ -43,6 +43,9 @@ class AttentionInfo:
     # head_dim): one weight for every head, so under TP each rank's use of it sees its local heads only and its
     # gradient is summed over the TP group
     head_norms: list[str] = field(default_factory=list)
+    # per-head parameters (relative to ``fqn``): a 1-D parameter of one value per head on the attention module
+    # itself, not on a layer (GPT-OSS's attention sinks): TP shards it along the heads with the projections
+    head_params: list[str] = field(default_factory=list)
 
     @property
     def fused(self) -> bool:

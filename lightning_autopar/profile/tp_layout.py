@@ -107,7 +107,8 @@ def fused_layout(consumers: list, width: int, pieces: int, groups: int = 0, per_
     return ("sequential", sliced) if sliced else None
 
 
-Shards = dict[str, tuple[str, bool]]  # projection (relative to the unit) -> ("col" | "row", weight stored [in, out])
+# projection (relative to the unit) -> ("col" | "row", weight stored [in, out]); a per-head parameter -> ("heads", _)
+Shards = dict[str, tuple[str, bool]]
 
 
 def _local_params(unit: nn.Module, shards: Shards, tp: int) -> dict[str, torch.Tensor]:
@@ -117,7 +118,9 @@ def _local_params(unit: nn.Module, shards: Shards, tp: int) -> dict[str, torch.T
     for name, p in unit.named_parameters():
         proj, _, leaf = name.rpartition(".")
         shape = list(p.shape)
-        if proj in shards:
+        if shards.get(name, ("",))[0] == "heads":  # a per-head parameter: its local heads
+            shape[0] //= tp
+        elif proj in shards:
             kind, transposed = shards[proj]
             if leaf == "weight":
                 dim = (1 if transposed else 0) if kind == "col" else (0 if transposed else 1)
@@ -142,9 +145,9 @@ def local_width_attributes(unit: nn.Module, shards: Shards, tp: int) -> list[tup
     """(module, attribute, local value) for every column projection of ``unit`` (``leaf_width_attributes``)."""
     found = []
     for name, (kind, transposed) in shards.items():
-        mod = unit.get_submodule(name)
         if kind != "col":
             continue
+        mod = unit.get_submodule(name)
         out = mod.weight.shape[1] if transposed else mod.weight.shape[0]
         found += [(mod, attr, out // tp) for attr in leaf_width_attributes(mod, out)]
     return found
@@ -284,6 +287,7 @@ def _attention_tp(block0: str, attn_mod: nn.Module, info: AttentionInfo, traced:
     shards: Shards = {p: ("col", p in transposed) for p in projections}
     shards[info.o] = ("row", info.o in transposed)
     shards.update({table: ("col", True) for table in info.head_tables})  # [n, heads]: the heads are its columns
+    shards.update({param: ("heads", False) for param in info.head_params})  # [heads]
     expected = [(h // tp, kvh // tp, hd) for s, h, kvh, hd in traced.attention if s == site or s.startswith(site + ".")]
     values = {info.heads, info.kv_heads, q_width, kv_width}
     candidates = _width_attributes(attn_mod, values, {info.head_dim})
@@ -334,6 +338,13 @@ def head_tables(attention: nn.Module, heads: int) -> list[str]:
     return [n for n, m in attention.named_modules() if isinstance(m, nn.Embedding) and m.embedding_dim == heads]
 
 
+def head_params(attention: nn.Module, heads: int) -> list[str]:
+    """The per-head parameters of an attention module: 1-D, one value per head, held by a module with children
+    (the attention itself, not a layer such as a norm whose width may equal the head count): GPT-OSS's sinks."""
+    return [_join(owner, leaf) for owner, m in attention.named_modules() if list(m.children())
+            for leaf, p in m.named_parameters(recurse=False) if p.dim() == 1 and p.shape[0] == heads]
+
+
 def _smallest_split(*sizes: int) -> int:
     """The smallest tp > 1 dividing all ``sizes`` (what the dry run checks), or 0 when none does."""
     return next((t for t in range(2, min(sizes) + 1) if all(s % t == 0 for s in sizes)), 0) if sizes else 0
@@ -347,7 +358,9 @@ def _tp_feasibility(blocks: Sequence[nn.Module], infos: list[BlockInfo], traced:
         return
     for block, info in zip(blocks, infos):
         if info.attention is not None and info.attention.heads:
-            info.attention.head_tables = head_tables(block.get_submodule(info.attention.fqn), info.attention.heads)
+            attention = block.get_submodule(info.attention.fqn)
+            info.attention.head_tables = head_tables(attention, info.attention.heads)
+            info.attention.head_params = head_params(attention, info.attention.heads)
     first, block0 = infos[0], blocks[0]
     attn, mlp = first.attention, first.mlp
     if attn is not None and attn.fqn:

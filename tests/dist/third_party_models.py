@@ -154,7 +154,8 @@ def make_qwen3_moe(**_: object) -> L.LightningModule:
 
 def make_gpt_oss(**_: object) -> L.LightningModule:
     """GptOssForCausalLM: sliding-window and full attention alternating by ``config.layer_types[i]`` (read by the
-    block's position in the model's loop), attention sinks (a parameter per head), fused MoE experts with biases."""
+    block's position in the model's loop), attention sinks (a parameter per head), fused MoE experts with biases
+    (which TP does not split: tp=2 is refused for them)."""
     import transformers as tf
 
     config = tf.GptOssConfig(num_key_value_heads=2, head_dim=HIDDEN // HEADS, intermediate_size=FFN,
@@ -613,10 +614,33 @@ class TitanGroupedMoE(nn.Module):
         return torch.zeros_like(x).index_add(0, token, out).view(bs, seq, dim)
 
 
+class SinkAttention(TitanAttention):
+    """TitanAttention with GPT-OSS's attention sinks: one learned logit per head (a plain parameter of the
+    attention module) joins each query's scores before the softmax and is dropped after it."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__(dim, n_heads, n_kv_heads)
+        self.sinks = nn.Parameter(torch.linspace(-1.0, 1.0, n_heads))
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = _rotate(xq, rope[:seqlen]), _rotate(xk, rope[:seqlen])
+        rep = xq.shape[2] // xk.shape[2]
+        q, k, v = (t.transpose(1, 2) for t in (xq, xk.repeat_interleave(rep, dim=2), xv.repeat_interleave(rep, dim=2)))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device).triu(1), -1e9)
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(bs, -1, seqlen, 1)
+        weights = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+        return self.wo((weights @ v).transpose(1, 2).reshape(bs, seqlen, -1))
+
+
 class TitanBlock(nn.Module):
-    def __init__(self, dim: int, moe: bool | str) -> None:
+    def __init__(self, dim: int, moe: bool | str, sinks: bool = False) -> None:
         super().__init__()
-        self.attention = TitanAttention(dim, HEADS, 2)
+        self.attention = (SinkAttention if sinks else TitanAttention)(dim, HEADS, 2)
         self.feed_forward = (TitanGroupedMoE(dim, FFN, EXPERTS, TOP_K) if moe == "grouped" else
                              titan_moe(dim, FFN, EXPERTS, TOP_K) if moe else TitanFeedForward(dim, FFN))
         self.attention_norm = nn.RMSNorm(dim, eps=1e-5)
@@ -632,12 +656,12 @@ class TitanTransformer(nn.Module):
     ``layers`` (keys "0", "1", ...: torchtitan keeps the names stable when pipeline stages delete layers), a
     non-persistent rotary buffer, ``norm``, ``output``; forward runs ``self.layers.values()`` in order."""
 
-    def __init__(self, moe: bool | str = False) -> None:
+    def __init__(self, moe: bool | str = False, sinks: bool = False) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, HIDDEN)
         # as torchtitan, for a max_seq_len above the training length; the forward takes its first seqlen rows
         self.register_buffer("rope", _rope_table(HIDDEN // HEADS, TITAN_MAX_SEQ), persistent=False)
-        self.layers = nn.ModuleDict({str(i): TitanBlock(HIDDEN, moe) for i in range(LAYERS)})
+        self.layers = nn.ModuleDict({str(i): TitanBlock(HIDDEN, moe, sinks) for i in range(LAYERS)})
         self.norm = nn.RMSNorm(HIDDEN, eps=1e-5)
         self.output = nn.Linear(HIDDEN, VOCAB, bias=False)
 
@@ -664,6 +688,11 @@ def make_titan_llama(**_: object) -> L.LightningModule:
 def make_titan_moe(**_: object) -> L.LightningModule:
     """The torchtitan-style Llama with an MoE feed-forward per block (the autocast router)."""
     return LitLM(TitanTransformer(moe=True))
+
+
+def make_titan_sinks(**_: object) -> L.LightningModule:
+    """The torchtitan-style Llama with GPT-OSS's attention sinks (a parameter per head, split with the heads by TP)."""
+    return LitLM(TitanTransformer(sinks=True))
 
 
 def make_titan_grouped_moe(**_: object) -> L.LightningModule:
@@ -834,6 +863,8 @@ MODELS: dict[str, ThirdPartyModel] = {
     "llava": ThirdPartyModel(make_llava),
     "titan_llama": ThirdPartyModel(make_titan_llama),
     "titan_moe": ThirdPartyModel(make_titan_moe, moe=True),
+    # attention sinks (issue 26: a per-head parameter TP shards with the heads); the other columns run as titan_llama's
+    "titan_sinks": ThirdPartyModel(make_titan_sinks, not_run=("zero3", "pp2", "ga2")),
     # torchtitan's own MoE layout (issue 26: found as MoE from its router and 3-D experts): ga2 runs as titan_moe's
     "titan_grouped_moe": ThirdPartyModel(make_titan_grouped_moe, moe=True, not_run=("ga2",)),
     # BatchNorm statistics: per micro-batch. A pinned grad_accum=2 gives 1 row per rank and micro-batch, 4 values
