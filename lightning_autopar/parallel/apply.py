@@ -229,10 +229,13 @@ def model_capabilities(root: nn.Module, transformer: nn.Module | None, analysis:
     from lightning_autopar.parallel.context import check_cp
     from lightning_autopar.parallel.sequence import check_sp
     from lightning_autopar.parallel.tensor import check_tp
+    from lightning_autopar.parallel.tp_experts import check_fused_experts_tp
 
     caps = Capabilities.of(analysis)
     try:
         check_tp(analysis, 2, structure_only=True)
+        if transformer is not None:  # the fused experts' layout, checked on the modules as the apply does
+            check_fused_experts_tp(transformer, analysis.blocks, 2)
     except ConfigError as err:
         caps.exclude("tp", [1], str(err))
     if caps.allowed.get("tp") != [1]:

@@ -101,6 +101,20 @@ def _probe_call(moe: MoEInfo, rows: torch.Tensor, gen: torch.Generator) -> tuple
     return rows, torch.stack([torch.arange(n) % E, (torch.arange(n) + 1) % E], 1), torch.rand(n, 2, generator=gen)
 
 
+def check_fused_experts_tp(transformer: nn.Module, blocks: list[Any], tp: int) -> None:
+    """What ``shard_fused_experts`` refuses on each fused experts module of ``blocks`` (``BlockInfo``s of
+    ``transformer``), before any plan is priced: a parameter TP cannot split, a layout it does not recognise, a
+    [gate | up] cut the module's forward does not make."""
+    for block in blocks:
+        moe = block.moe
+        if moe is None or not moe.fused:
+            continue
+        where = f"{block.fqn}.{moe.fqn}".rstrip(".")
+        layer = transformer.get_submodule(where)
+        experts = layer.get_submodule(moe.experts) if moe.experts else layer
+        probe_fused_split(experts, moe, fused_split_dims(experts, moe, where), tp, where)
+
+
 def shard_fused_experts(experts: nn.Module, moe: MoEInfo, tp_mesh: DeviceMesh, where: str) -> None:
     """Megatron's split inside each expert of a fused 3-D experts module: input projections by output features
     (a fused [gate | up] as ``_StridedShard(1, split_factor=2)``, so the global tensor stays the single-device
