@@ -512,7 +512,8 @@ class TitanAttention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def heads(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as (batch, heads, seq, head_dim): rotated, k and v repeated to the query heads."""
         bs, seqlen, _ = x.shape
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
@@ -520,8 +521,11 @@ class TitanAttention(nn.Module):
         xq, xk = _rotate(xq, rope[:seqlen]), _rotate(xk, rope[:seqlen])
         rep = xq.shape[2] // xk.shape[2]
         xk, xv = xk.repeat_interleave(rep, dim=2), xv.repeat_interleave(rep, dim=2)
-        out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2),
-                                             is_causal=True)
+        return xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        out = F.scaled_dot_product_attention(*self.heads(x, rope), is_causal=True)
         return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
 
 
@@ -624,12 +628,7 @@ class SinkAttention(TitanAttention):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bs, seqlen, _ = x.shape
-        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
-        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
-        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        xq, xk = _rotate(xq, rope[:seqlen]), _rotate(xk, rope[:seqlen])
-        rep = xq.shape[2] // xk.shape[2]
-        q, k, v = (t.transpose(1, 2) for t in (xq, xk.repeat_interleave(rep, dim=2), xv.repeat_interleave(rep, dim=2)))
+        q, k, v = self.heads(x, rope)
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
         scores = scores.masked_fill(torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device).triu(1), -1e9)
         sinks = self.sinks.reshape(1, -1, 1, 1).expand(bs, -1, seqlen, 1)
