@@ -9,7 +9,8 @@ with frozen and unused parameters, a Llama with frozen lower layers (zero3, tp2,
 own MoE layout (router module, 3-D GroupedExperts), Qwen2-MoE at its default config (no
 router logits; ep2 only), OLMoE and Mixtral at their default configs (auto, ep2), a model whose forward does not run on meta tensors,
 the encoder-decoders Hugging Face BART, Whisper (a Conv1d front-end on log-mel features), T5 and Switch
-Transformers (T5 with top-1 MoE layers), LLaVA (a vision-language model), Qwen3-MoE (per-head q/k norms) and GPT-OSS (per-layer attention kinds).
+Transformers (T5 with top-1 MoE layers), LLaVA (a vision-language model), Qwen3-MoE (per-head q/k norms) and
+GPT-OSS (per-layer attention kinds).
 Columns: the planner's own plan, zero=3 (dp=4), tp=2 (dp=2), ep=2 (dp=4, MoE rows) and pp=2 (dp=2). In the suite the
 cells run in the batch of world 4 (tests/conftest.py: one launch per world size); ``--run`` below launches them
 alone (tests/dist/third_party_scenarios.py).
@@ -65,7 +66,8 @@ EQUAL, REFUSED = "equal", "refused"
 # Issue 26's rows: torchtitan-style Llama and MoE (blocks in a ModuleDict, an autocast router) are transformers and
 # equal at every column. The CIFAR-size ResNet is in unit form (tp: nothing to split) with BatchNorm (pp: a stage
 # would normalise each micro-batch apart); its ga2 cell (4 values per channel on the 1x1 map) runs in float64, where
-# it equals one device to 1e-14 (float32 rounding over so few values ends ~1e-5 apart); the two-tower model (unused and frozen parameters) is in unit form
+# it equals one device to 1e-14 (float32 rounding over so few values ends ~1e-5 apart); the two-tower model (unused
+# and frozen parameters) is in unit form
 # (tp); the pad-skipping model's forward does not run on meta tensors: data parallelism only (tp, pp refused).
 # torchtitan's own MoE layout (a router module, GroupedExperts called with the tokens sorted by expert and the count
 # per expert) is found as MoE with that call, which TP (inside each expert) and EP (the rows exchanged by expert)

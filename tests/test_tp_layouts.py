@@ -184,6 +184,20 @@ def test_qwen3_per_head_qk_norms_are_found_so_tp_sums_their_gradient():
     check_tp(a, 2)
 
 
+def test_a_module_per_head_is_refused():
+    """StableLM's q/k LayerNorms are one LayerNorm per head (a ModuleList zipped with the heads): on a TP rank's
+    local heads they would pair with the wrong heads (a tp=2 run drifted 3e-4 from one device, silently), so tp is
+    refused in one line naming the module."""
+    import transformers
+
+    cfg = transformers.StableLmConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, qk_layernorm=True,
+                                      max_position_embeddings=16, bos_token_id=0, eos_token_id=0)
+    reason = refusal(transformers.StableLmForCausalLM(cfg))
+    assert "layers.0.self_attn.q_layernorm.norms holds one LayerNorm per head (4)" in reason
+    assert reason.endswith("fix: use tp=1")
+
+
 def test_attention_sinks_are_per_head_parameters_split_with_the_heads():
     """GPT-OSS's attention sinks (one logit per head, a plain parameter of the attention module): found as a
     per-head parameter, sharded with the heads in the dry run, so tp=2 is not refused for them (the matrix's

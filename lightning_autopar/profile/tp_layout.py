@@ -260,6 +260,10 @@ def _attention_tp(block0: str, attn_mod: nn.Module, info: AttentionInfo, traced:
     q_width, kv_width = info.heads * info.head_dim, info.kv_heads * info.head_dim
     probe = traced.probe
     projections = [p for p in (info.q, info.k, info.v, info.qkv) if p]
+    per_head = _module_per_head(attn_mod, {info.heads, info.kv_heads}, info.fqn)
+    if per_head:
+        info.tp_refusal = per_head
+        return
     info.head_norms = []
     for norm, (source, width, numel) in probe.norm_inputs.items():
         if not (norm.startswith(site + ".") and source in {f"{site}.{p}" for p in projections} and numel == width):
@@ -330,6 +334,21 @@ def _other_attention(block: nn.Module, attn_fqn: str, traced: Trace | None, bloc
         found |= {s[len(block_fqn) + 1:] for s, *_ in traced.attention if s.startswith(block_fqn + ".")}
     return sorted(n for n in found if n != attn_fqn and not n.startswith(attn_fqn + ".")
                   and not attn_fqn.startswith(n + "."))
+
+
+def _module_per_head(attention: nn.Module, counts: set[int], prefix: str) -> str:
+    """Why TP cannot split an attention that holds one module of 1-D parameters per head (StableLM's q/k
+    LayerNorms: a ModuleList of ``heads`` norms zipped with the heads in its forward): on a rank's local heads the
+    forward would pair them with the first modules of the list, not their own. "" when it holds none; ``prefix``:
+    the attention's path in its block."""
+    for name, m in attention.named_modules():
+        children = list(m.children())
+        if name and len(children) in counts and len(children) > 1 and len({type(c) for c in children}) == 1 \
+                and all(any(True for _ in c.parameters()) and all(p.dim() == 1 for p in c.parameters())
+                        for c in children):  # norms, say; never the projections (2-D weights)
+            return (f"{_join(prefix, name)} holds one {type(children[0]).__name__} per head ({len(children)}): "
+                    "on a TP rank's local heads its forward would pair them with the wrong heads")
+    return ""
 
 
 def head_tables(attention: nn.Module, heads: int) -> list[str]:

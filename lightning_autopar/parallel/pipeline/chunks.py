@@ -11,7 +11,7 @@
 Every chunk calls the model with the arguments the user's step passed for its micro-batch (``capture``):
 positions and masks derived from the inputs are right on every stage. A model whose loop reads a per-layer list
 of its config by the block's position (Hugging Face's ``config.layer_types[i]``: GPT-OSS, Gemma, Qwen with sliding
-windows) sees that list cut to the chunk's blocks while the chunk runs (``PerLayerLists``), as the blocks are.
+windows) sees that list led by the chunk's blocks' entries while the chunk runs (``PerLayerLists``).
 """
 
 from __future__ import annotations
