@@ -102,7 +102,7 @@ from lightning_autopar.errors import ConfigError
 from lightning_autopar.parallel.dtensor_private import concatenate_meshes, own_parameters
 from lightning_autopar.parallel.stand_in import stand_in_for
 from lightning_autopar.profile.analyze import plain_moe_layout as plain_layout
-from lightning_autopar.profile.records import FUSED_CALL_REFUSAL, FUSED_EXPERT_CALLS
+from lightning_autopar.profile.records import FUSED_CALL_REFUSAL, FUSED_EXPERT_CALLS, _join
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -484,10 +484,6 @@ def experts_always_used(transformer: nn.Module, analysis: ModelAnalysis) -> None
             continue
         layer = transformer.get_submodule(_join(block.fqn, block.moe.fqn))
         layer.register_forward_hook(lambda module, args, out, path=block.moe.experts: _touched(module, path, out))
-
-
-def _join(*names: str) -> str:
-    return ".".join(n for n in names if n)
 
 
 def _touched(layer: nn.Module, experts: str, out: Any) -> Any:

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from lightning_autopar.profile.records import (AttentionInfo, BlockInfo, MLPInfo, ModelAnalysis, MoEInfo,  # noqa: F401
-                                               _join)
+                                               _join, one_class_children)
 from lightning_autopar.profile.routing import RoutedLayer, Routing, within
 from lightning_autopar.profile.tp_layout import (MAX_DRY_RUNS, divide_attributes, fused_layout,  # noqa: F401
                                                  leaf_width_attributes, local_width_attributes, _tp_feasibility)
@@ -68,8 +68,8 @@ def block_modules(container: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _repeated(child: nn.Module) -> bool:
     """``child`` holds >= 2 children of one class that are not Linears (a block container: find_block_list)."""
-    kids = [m for _, m in block_modules(child)]
-    return len(kids) >= 2 and len({type(c) for c in kids}) == 1 and not isinstance(kids[0], nn.Linear)
+    kids = one_class_children(child)
+    return bool(kids) and not isinstance(kids[0], nn.Linear)
 
 
 def in_any_blocks(module: nn.Module) -> set[str]:
@@ -470,9 +470,8 @@ def _routed_moe(block: nn.Module, block_fqn: str, routed: list[RoutedLayer], hid
             return None
         return _listed_moe(fqn, _under(fqn, router), _under(fqn, holder), block.get_submodule(experts[0]),
                            layer.num_experts, layer.top_k, hidden, orient)
-    container = block.get_submodule(holder)
-    children = list(container.children())
-    if len(children) == layer.num_experts and len({type(c) for c in children}) == 1 and holder != fqn:
+    children = one_class_children(block.get_submodule(holder))
+    if len(children) == layer.num_experts and holder != fqn:
         # one module called with the routing that dispatches to its E experts itself (Switch Transformers'
         # experts: a ModuleDict with a forward of its own, called with a one-hot dispatch mask)
         return _listed_moe(fqn, _under(fqn, router), _under(fqn, holder), children[0], layer.num_experts,

@@ -10,6 +10,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from lightning_autopar.profile.records import one_class_children
+
 
 class _MetaAutocast(torch.amp.autocast_mode.autocast):
     """``torch.autocast`` that takes ``device_type="meta"`` (code calling ``autocast(x.device.type)``, as
@@ -78,9 +80,9 @@ def meta_friendly(model: nn.Module) -> Iterator[None]:
 def _expert_container(module: nn.Module) -> bool:
     """A module with a forward of its own whose children are >= 2 modules of one class, each with parameters:
     what holds a layer's experts and dispatches to them itself."""
-    children = list(module.children())
-    return (type(module).forward is not nn.Module.forward and len(children) >= 2
-            and len({type(c) for c in children}) == 1 and all(any(True for _ in c.parameters()) for c in children))
+    children = one_class_children(module)
+    return bool(children) and type(module).forward is not nn.Module.forward \
+        and all(any(True for _ in c.parameters()) for c in children)
 
 
 def _data_dependent(err: BaseException) -> bool:

@@ -5,7 +5,7 @@ model's analysis, a tagged union (``Analysis``: ``ModelAnalysis`` for a transfor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from lightning_autopar.specs import ModelSpec
 
@@ -173,3 +173,10 @@ class ModelAnalysis(Analysis):
 
 def _join(*names: str) -> str:
     return ".".join(n for n in names if n)
+
+
+def one_class_children(module: Any) -> list[Any]:
+    """``module``'s children (an ``nn.Module``'s) when there are at least two, all of one class -- a stack of
+    blocks, a layer's experts, one norm per head --; else []."""
+    kids = list(module.children())
+    return kids if len(kids) >= 2 and len({type(c) for c in kids}) == 1 else []

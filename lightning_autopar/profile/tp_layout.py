@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from lightning_autopar.profile.records import AttentionInfo, BlockInfo, MLPInfo, _join
+from lightning_autopar.profile.records import AttentionInfo, BlockInfo, MLPInfo, _join, one_class_children
 from lightning_autopar.profile.trace import Dataflow, Trace, meta_forward
 
 
@@ -342,10 +342,10 @@ def _module_per_head(attention: nn.Module, counts: set[int], prefix: str) -> str
     forward would pair them with the first modules of the list, not their own. "" when it holds none; ``prefix``:
     the attention's path in its block."""
     for name, m in attention.named_modules():
-        children = list(m.children())
-        if name and len(children) in counts and len(children) > 1 and len({type(c) for c in children}) == 1 \
-                and all(any(True for _ in c.parameters()) and all(p.dim() == 1 for p in c.parameters())
-                        for c in children):  # norms, say; never the projections (2-D weights)
+        children = one_class_children(m)
+        if name and children and len(children) in counts and all(
+                any(True for _ in c.parameters()) and all(p.dim() == 1 for p in c.parameters())
+                for c in children):  # norms, say; never the projections (2-D weights)
             return (f"{_join(prefix, name)} holds one {type(children[0]).__name__} per head ({len(children)}): "
                     "on a TP rank's local heads its forward would pair them with the wrong heads")
     return ""

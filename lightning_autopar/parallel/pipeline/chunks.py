@@ -17,7 +17,7 @@ windows) sees that list led by the chunk's blocks' entries while the chunk runs 
 from __future__ import annotations
 
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
@@ -170,10 +170,7 @@ class PipelineChunk(nn.Module):
             replace_submodule(transformer, fqn, module)
         self._run.received = received
         try:
-            if self._per_layer is not None and self._per_layer.lists:
-                with self._per_layer.cut(*self._block_range):
-                    yield
-            else:
+            with self._per_layer.cut(*self._block_range) if self._per_layer is not None else nullcontext():
                 yield
         finally:
             self._run.received = None
