@@ -61,8 +61,8 @@ EQUAL, REFUSED = "equal", "refused"
 # accepts either TP keeping them exact or the planner restricting tp with a reason. BERT (an encoder: its
 # attention output projection and its MLP's second half sit in sibling modules, found from the traced dataflow)
 # and ViT train equal at tp=2 (issue 13); BERT's decoder is tied to the word embeddings (no pp). ViT's CLS token
-# and position embeddings are parameters outside the layers that no stage of today's block-stack pipeline owns:
-# pp=2 is refused in one line, or equal once the pipeline splits other models (issue 13, item 2).
+# and position embeddings (parameters outside the layers, in the embeddings module the traced call runs before
+# them) go with the first stage, its final layernorm and classifier with the last: equal at pp=2.
 # Issue 26's rows: torchtitan-style Llama and MoE (blocks in a ModuleDict, an autocast router) are transformers and
 # equal at every column. The CIFAR-size ResNet is in unit form (tp: nothing to split) with BatchNorm (pp: a stage
 # would normalise each micro-batch apart); its ga2 cell (4 values per channel on the 1x1 map) runs in float64, where
@@ -92,12 +92,13 @@ EQUAL, REFUSED = "equal", "refused"
 # zero3 (ep=2: the user's dispatch over every expert's call slot), tp2 and ga2 (ep=1: an expert a rank's micro-batch
 # skips still takes a zero gradient, so the ranks reduce the same tensors); pp=2 is refused for T5's tie.
 # LLaVA (a frozen CLIP tower, a projector, a Llama text model; the tower's post_layernorm unused) trains equal at
-# auto, zero3, tp2 (the text model's stack is split) and ga2; pp=2 is refused: the tower's CLS embedding and
-# position table sit outside the one stack a pipeline splits (pipelines over two stacks: issue 26, open).
+# every column: tp2 splits the text model's stack; pp2 splits it too, the user's call traced (token ids alone never
+# reach the tower) shows the tower and the projector run before it, so the first stage owns them and the others
+# run zeros of their outputs' shapes.
 REFUSALS = {"gpt2__pp2", "nanogpt__pp2", "nanogpt__tp2", "bert__pp2", "resnet__tp2", "resnet__pp2", "two_tower__tp2",
             "pad_skipping__tp2", "pad_skipping__pp2", "bart__pp2", "whisper__pp2", "t5__pp2",
-            "llava__pp2", "switch__pp2", "gpt_oss__tp2"}
-EITHER = {"olmoe__tp2", "vit__pp2"}
+            "switch__pp2", "gpt_oss__tp2"}
+EITHER = {"olmoe__tp2"}
 EXPECTED: dict[str, str | set[str]] = {
     cell: (REFUSED if cell in REFUSALS else {EQUAL, REFUSED} if cell in EITHER else EQUAL) for cell in cells()}
 

@@ -221,11 +221,14 @@ LOOP_BACKWARD_PP = ("pipeline parallelism runs backward itself and the user's lo
 
 
 def model_capabilities(root: nn.Module, transformer: nn.Module | None, analysis: ModelAnalysis,
-                       automatic_optimization: bool = True) -> Capabilities:
+                       automatic_optimization: bool = True, model_call: Callable[[], Any] | None = None
+                       ) -> Capabilities:
     """The capabilities of a transformer (``root`` the LightningModule holding it): what each parallelism's check
     refuses for this model's structure, each with its reason. tp=2 and cp=2 are the smallest splits: what refuses
     them refuses every degree > 1; pp is checked at 2 on the pipeline split. ``automatic_optimization`` False: the
-    user's loop runs backward (one micro-batch per step, no pipeline)."""
+    user's loop runs backward (one micro-batch per step, no pipeline). ``model_call``: the user's call of its
+    model (``profile.units.ModelCall``), traced where the trace on token ids leaves parts of the model idle (a
+    VLM's vision tower), so the pipeline knows which stage runs them."""
     from lightning_autopar.parallel.context import check_cp
     from lightning_autopar.parallel.sequence import check_sp
     from lightning_autopar.parallel.tensor import check_tp
@@ -251,13 +254,15 @@ def model_capabilities(root: nn.Module, transformer: nn.Module | None, analysis:
         caps.exclude("cp", [1], str(err))
     if not automatic_optimization:
         caps.exclude("grad_accum", [1], LOOP_BACKWARD_ACCUM)
-    for name, (values, reason) in _pipeline_expert_limits(root, analysis, automatic_optimization, caps).items():
+    for name, (values, reason) in _pipeline_expert_limits(root, analysis, automatic_optimization, caps,
+                                                          model_call).items():
         caps.exclude(name, values, reason)
     return caps
 
 
 def _pipeline_expert_limits(root: nn.Module, analysis: ModelAnalysis, automatic_optimization: bool,
-                            caps: Capabilities) -> dict[str, tuple[list[Any], str]]:
+                            caps: Capabilities, model_call: Callable[[], Any] | None = None
+                            ) -> dict[str, tuple[list[Any], str]]:
     """pp and ep values the runtime can apply to this model: pp needs a splittable stack of blocks and automatic
     optimization; ep needs MoE layers with a route() method, the fused layout of HF Mixtral or the plain layout
     (parallel.experts). Field -> (allowed values, why the others are not). Sets ``caps.moe``."""
@@ -268,7 +273,7 @@ def _pipeline_expert_limits(root: nn.Module, analysis: ModelAnalysis, automatic_
     out: dict[str, tuple[list[Any], str]] = {}
     pipeline_refusal = ""
     try:
-        check_pipeline_once(root, transformer, analysis, 2, 1, caps)
+        check_pipeline_once(root, transformer, analysis, 2, 1, caps, model_call)
         splittable = True
     except ConfigError as err:
         splittable, pipeline_refusal = False, str(err)
@@ -292,16 +297,46 @@ def _pipeline_expert_limits(root: nn.Module, analysis: ModelAnalysis, automatic_
 
 
 def check_pipeline_once(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis, pp: int, vpp: int,
-                        caps: Capabilities) -> None:
-    """``pipeline.check_pipeline`` of the pipeline split at (``pp``, ``vpp``), once per degree; the split and its
-    analysis once per model."""
+                        caps: Capabilities, model_call: Callable[[], Any] | None = None) -> None:
+    """``pipeline.check_pipeline`` of the pipeline split at (``pp``, ``vpp``), once per degree; the split, its
+    analysis and the trace telling which stage owns the parts outside the blocks once per model (the parts kept
+    as the memo "pipeline parts", for the split)."""
     from lightning_autopar.parallel.pipeline import check_pipeline
 
     def run() -> None:
         split, split_analysis = caps.memo("pipeline split", lambda: pipeline_split(root, transformer, analysis))
-        check_pipeline(split_analysis, split, root, pp, vpp)
+        path = next(n for n, m in root.named_modules() if m is split)
+        trace = pipeline_trace(root, transformer, analysis, caps, split, model_call)
+        parts = check_pipeline(split_analysis, split, root, pp, vpp, trace, path)
+        caps.memo("pipeline parts", lambda: parts)
 
     caps.checked("pp", (pp, vpp), run)
+
+
+def pipeline_trace(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis, caps: Capabilities,
+                   split: nn.Module, model_call: Callable[[], Any] | None) -> Any:
+    """The trace that tells the pipeline which stage runs each part outside the blocks: the call trace on token
+    ids, or, where it fails (a ViT: pixels) or leaves a parameter-holding module outside the blocks uncalled that
+    the user's call may run (a VLM's vision tower and projector: token ids alone never reach them), the trace of
+    the user's call (``model_call``, run up to the model's forward once). Once per model."""
+    from lightning_autopar.parallel.units import trace_model_call
+
+    def choose() -> Any:
+        trace = call_trace(root, transformer, analysis, caps)
+        path = next(n for n, m in root.named_modules() if m is split)
+        modules = [n for n, m in split.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+        outside = [f"{path}.{n}" if path else n for n in modules if not n.startswith(analysis.blocks_fqn + ".")]
+        if model_call is None or (trace.traced and all(n in trace.called for n in outside)):
+            return trace
+        try:
+            call = model_call()
+        except Exception:  # noqa: BLE001 -- no batch to run the step on: the trace on token ids
+            return trace
+        transformer_path = next(n for n, m in root.named_modules() if m is transformer)
+        block_fqns = [f"{transformer_path}.{b.fqn}" if transformer_path else b.fqn for b in analysis.blocks]
+        return trace_model_call(root, call, block_fqns, analysis.spec.seq_len)
+
+    return caps.memo("pipeline trace", choose)
 
 
 def call_trace(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis, caps: Capabilities,
@@ -445,7 +480,7 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
         else:
             split, split_analysis = pipeline_split(root, transformer, analysis)
             pipeline = Pipeline(split, split_analysis, layout["pp"], schedule, plan.vpp, plan.grad_accum, device,
-                                loss_fn, layers_per_stage)
+                                loss_fn, layers_per_stage, parts=caps.memo("pipeline parts", lambda: None))
     local = present_blocks(analysis, transformer)
     apply_tensor_parallel(transformer, local, layout["tp"], sp=plan.sp)  # 2. TP
     if plan.sp:  # 2. SP (parallel.sequence): hooks on the blocks this rank keeps, cut between pipeline chunks

@@ -26,12 +26,13 @@ from __future__ import annotations
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from lightning_autopar.errors import ConfigError
+from lightning_autopar.profile.stage_flow import StageFlow
 from lightning_autopar.profile.trace import (ParameterUses, first_line, implements_forward, meta_example, meta_forward,
                                              token_ids)
 
@@ -68,6 +69,8 @@ class CallTrace:
     uses: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)
     failure: str = ""
     partial: bool = False
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # module -> its (first, last) call (``Trace``)
+    carried: tuple[str, ...] = ()  # what reaches the blocks besides their hidden state (``Trace.carried``)
 
 
 @dataclass(frozen=True)
@@ -131,13 +134,14 @@ def _trace(root: nn.Module, entry: str, seq_len: int, blocks: Iterable[str] = ()
     its names); ``blocks`` (root-relative) stand in as identity where they cannot run on meta tensors. Raises the
     model's error when the forward does not run."""
     model = root.get_submodule(entry)
+    blocks = list(blocks)
     stand_ins = [root.get_submodule(b) for b in blocks if _inside(b, entry) and b != entry]
-    trace = meta_forward(model, _meta_call(example, seq_len), [ParameterUses(stacks=True)], grad=False,
-                         every_name=True, prefix=entry, stand_in=stand_ins)
+    trace = meta_forward(model, _meta_call(example, seq_len), [ParameterUses(stacks=True), StageFlow(blocks)],
+                         grad=False, every_name=True, prefix=entry, stand_in=stand_ins)
     if trace.error is not None:
         raise trace.error
     return CallTrace(entry, True, frozenset(trace.called), trace.uses, "; ".join(dict.fromkeys(trace.stood_in)),
-                     partial=bool(trace.stood_in))
+                     partial=bool(trace.stood_in), spans=trace.spans, carried=tuple(trace.carried))
 
 
 def trace_calls(root: nn.Module, transformer: nn.Module, seq_len: int, block_fqns: Iterable[str] = (),
@@ -160,6 +164,15 @@ def trace_calls(root: nn.Module, transformer: nn.Module, seq_len: int, block_fqn
             failure = failure or first_line(err)
     called = frozenset(n for n, m in root.named_modules() if n and implements_forward(m))
     return CallTrace(path, False, called, {}, failure)
+
+
+def trace_model_call(root: nn.Module, call: Any, blocks: Iterable[str], seq_len: int) -> CallTrace:
+    """The trace of the user's own call of its model (``call``: a ``profile.units.ModelCall`` found under
+    ``root``); ``blocks`` root-relative. A forward that does not run on meta tensors: ``traced`` False."""
+    try:
+        return _trace(root, call.fqn, seq_len, blocks, (tuple(call.args), dict(call.kwargs)))
+    except Exception as err:  # noqa: BLE001 -- the model's own error, as a failed trace
+        return CallTrace(call.fqn, False, frozenset(), {}, first_line(err))
 
 
 # ------------------------------------------------------------------------------------------- choice

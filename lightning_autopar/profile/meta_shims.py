@@ -34,6 +34,20 @@ def _batch_norm_two_rows(batch_norm: Any) -> Any:
     return call
 
 
+def _value_check_on_meta(check: Callable[..., None], cond_at: int) -> Callable[..., None]:
+    """``torch._check_tensor_all`` / ``_check_tensor_all_with`` that pass a meta condition: a runtime check of a
+    tensor's values (Hugging Face's ``torch_compilable_check``: a VLM's image tokens = its image features) has no
+    values to check on meta tensors; any other tensor is checked."""
+
+    def call(*args: Any, **kwargs: Any) -> None:
+        cond = args[cond_at] if len(args) > cond_at else kwargs.get("cond")
+        if isinstance(cond, torch.Tensor) and cond.device.type == "meta":
+            return None
+        return check(*args, **kwargs)
+
+    return call
+
+
 @contextmanager
 def meta_friendly(model: nn.Module) -> Iterator[None]:
     """What every meta forward runs under, so the trace survives what real code does on meta tensors:
@@ -47,7 +61,8 @@ def meta_friendly(model: nn.Module) -> Iterator[None]:
       of itself, the same shapes and, but for that one op, the same FLOPs (``_batch_norm_two_rows``);
     - an experts container that loops over the experts its tokens were routed to (Switch Transformers' experts:
       the experts hit from ``nonzero``, each picked by a tensor's value) cannot run on meta tensors: where its
-      forward fails for that, each expert runs once on the expected rows instead (``_expert_loop_stand_in``)."""
+      forward fails for that, each expert runs once on the expected rows instead (``_expert_loop_stand_in``);
+    - torch's checks of a tensor's values pass on meta tensors, which have none (``_value_check_on_meta``)."""
     import torch.nn.functional as F
 
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
@@ -57,7 +72,10 @@ def meta_friendly(model: nn.Module) -> Iterator[None]:
     batch_norm = F.batch_norm
     loops = [m for name, m in model.named_modules() if name and _expert_container(m)]
     own = [m.__dict__.get("forward") for m in loops]  # a forward set on the instance, if any
+    checks = torch._check_tensor_all, torch._check_tensor_all_with
     try:
+        torch._check_tensor_all = _value_check_on_meta(checks[0], 0)
+        torch._check_tensor_all_with = _value_check_on_meta(checks[1], 1)
         for c in configs.values():
             c._experts_implementation = "batched_mm"
         torch.autocast = torch.amp.autocast = _MetaAutocast
@@ -69,6 +87,7 @@ def meta_friendly(model: nn.Module) -> Iterator[None]:
         for key, c in configs.items():
             c._experts_implementation = saved[key]
         torch.autocast, torch.amp.autocast = autocasts
+        torch._check_tensor_all, torch._check_tensor_all_with = checks
         F.batch_norm = batch_norm
         for m, previous in zip(loops, own):
             if previous is None:

@@ -17,6 +17,8 @@ and each recorder adds what it sees to one typed ``Trace``:
   its projections and each module's first call (``Probe``);
 * ``AttentionCalls``: per block, whether each SDPA call is causal by itself (context parallelism, SP's padding);
 * ``Output``: what the forward returned (the SP dry run checks its shape);
+* ``StageFlow`` (profile/stage_flow.py): where what runs before the blocks reaches them other than through the
+  first block's hidden state (what a pipeline stage's zeros would change);
 * ``StopAtModule``: the forward stops when a module is called (``StopAtCall``, the one stop-at-call exception,
   a BaseException so that a model's or a step's ``except Exception`` lets it through).
 
@@ -384,6 +386,7 @@ class Trace:
     failure: str | None = None
     error: BaseException | None = field(default=None, repr=False, compare=False)
     called: list[str] = field(default_factory=list)  # modules whose forward ran, in first-call order
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # module -> (first, last) call, in call order
     # ParameterUses: trainable parameters never taken; per parameter name, the stacks running at its uses
     unused: list[str] = field(default_factory=list)
     uses: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)
@@ -411,6 +414,9 @@ class Trace:
     collectives: list[str] = field(default_factory=list)
     # Routing (profile/routing.py): the MoE layers, each a router's selection and the experts it feeds
     routing: list[Any] = field(default_factory=list)
+    # StageFlow (profile/stage_flow.py): where a value computed before the blocks reaches them (or what follows
+    # them) other than through the first block's hidden state, one line each
+    carried: list[str] = field(default_factory=list)
 
     @property
     def order(self) -> dict[str, int]:
@@ -436,6 +442,7 @@ class Trace:
         probe = self.probe or Probe()
         return Trace(
             failure=self.failure, error=self.error, called=[rel(n) for n in self.called],
+            spans={rel(k): v for k, v in self.spans.items()},
             unused=[rel(n) for n in self.unused if n.startswith(inside)],
             uses={rel(k): v for k, v in self.uses.items() if k.startswith(inside)},
             attention=[(rel(site), *rest) for site, *rest in self.attention], attn_seq=self.attn_seq,
@@ -449,7 +456,8 @@ class Trace:
             flops={rel(k): v for k, v in self.flops.items()}, saved={rel(k): v for k, v in self.saved.items()},
             total_flops=self.total_flops, costs=self.costs, outputs=self.outputs, output_shape=self.output_shape,
             stood_in=self.stood_in, stopped=self.stopped, sdpa={rel(k): v for k, v in self.sdpa.items()},
-            output=self.output, routing=[r.relative(rel) for r in self.routing if r.router.startswith(inside)])
+            output=self.output, routing=[r.relative(rel) for r in self.routing if r.router.startswith(inside)],
+            carried=self.carried)
 
 
 # ------------------------------------------------------------------------------------------- recorders
@@ -480,17 +488,23 @@ class Recorder:
 
 
 class ModuleStack(Recorder):
-    """The stack of module forwards running (``stack``, outermost first; ``key`` as a tuple) and the modules
-    called, in first-call order. ``every_name``: a module registered under several names is pushed under each."""
+    """The stack of module forwards running (``stack``, outermost first; ``key`` as a tuple), the modules
+    called, in first-call order, and each one's first and last call among all calls (``Trace.spans``: what runs
+    before, among or after a stack of blocks). ``every_name``: a module registered under several names is pushed
+    under each."""
 
     def __init__(self, prefix: str = "", every_name: bool = False) -> None:
         self.prefix, self.every_name = prefix, every_name
         self.stack: list[str] = []
         self.key: tuple[str, ...] = ()
         self.order: dict[str, int] = {}
+        self.spans: dict[str, tuple[int, int]] = {}
+        self.calls = 0
 
     def push(self, name: str) -> None:
         self.order.setdefault(name, len(self.order))
+        self.spans[name] = (self.spans.get(name, (self.calls,))[0], self.calls)
+        self.calls += 1
         self.stack.append(name)
         self.key = tuple(self.stack)
 
@@ -509,6 +523,7 @@ class ModuleStack(Recorder):
 
     def finish(self, run: Run, trace: Trace) -> None:
         trace.called = list(self.order)
+        trace.spans = dict(self.spans)
 
 
 _FLAT = (torch.Tensor, int, float, bool, str, type(None))
@@ -522,10 +537,22 @@ def _leaves(args: tuple, kwargs: dict) -> Any:
     return tree_leaves((args, kwargs))
 
 
+# a tensor's attributes that describe it without reading its values: reading one is no use of a parameter
+# (``self.proj.weight.dtype`` in a ViT's forward, outside the projection's module)
+METADATA = frozenset({"dtype", "shape", "device", "ndim", "layout", "requires_grad", "is_leaf", "is_meta",
+                      "is_cuda", "is_cpu", "is_sparse", "is_quantized", "names", "itemsize", "nbytes"})
+
+
+def _reads_metadata(func: Any) -> bool:
+    """``func`` is the getter of a tensor attribute in ``METADATA``."""
+    return getattr(getattr(func, "__self__", None), "__name__", None) in METADATA
+
+
 class ParameterUses(Recorder, torch.overrides.TorchFunctionMode):
     """The parameters any torch function of the forward takes (by every name of the parameter); the trainable
     ones it never took (``Trace.unused``; none known when a block stood in: it did not run to its end) and, with
-    ``stacks``, per parameter name the stacks of module forwards running at its uses (``Trace.uses``)."""
+    ``stacks``, per parameter name the stacks of module forwards running at its uses (``Trace.uses``). Reading a
+    parameter's metadata (its dtype, shape, device: ``METADATA``) is no use."""
 
     def __init__(self, stacks: bool = False) -> None:
         torch.overrides.TorchFunctionMode.__init__(self)
@@ -541,6 +568,8 @@ class ParameterUses(Recorder, torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _reads_metadata(func):
+            return func(*args, **kwargs)
         names = self.names
         for leaf in _leaves(args, kwargs):
             found = names.get(id(leaf))  # the meta tensors are alive: no other object has their id

@@ -221,7 +221,8 @@ class PlanningMixin(ABC):
         ``self.excluded`` kept, the planner's ``restrict`` returned."""
         capable = (live or Live()).shared(
             lambda: find_capabilities(self.lightning_module, model, analysis, example, self._options(),
-                                      self._automatic_optimization(), self.world_size, self.global_rank),
+                                      self._automatic_optimization(), self.world_size, self.global_rank,
+                                      self._model_call),
             lambda found: Capable(found.capabilities.for_copy(), found.restrict))
         self.capabilities, self.excluded = capable.capabilities, capable.excluded
         return capable.restrict

@@ -221,10 +221,11 @@ def _restricted(caps: Any, user: Mapping[str, list[Any]]) -> Capable:
 
 def find_capabilities(module: nn.Module, model: nn.Module | None, analysis: Any, example: tuple[tuple, dict] | None,
                       options: SetupOptions, automatic: bool = True, world_size: int = 1,
-                      rank: int = 0) -> Capable:
+                      rank: int = 0, model_call: Callable[[], Any] | None = None) -> Capable:
     """The capabilities stage: a fixed tp checked, then the runtime's limits for a transformer (what each
-    parallelism's check refuses for this model's structure, ``parallel.apply.model_capabilities``) or for a model
-    in unit form (``_unit_capabilities``), each with its reason in the report."""
+    parallelism's check refuses for this model's structure, ``parallel.apply.model_capabilities``; ``model_call``
+    the user's call of its model, traced where token ids leave parts of it idle) or for a model in unit form
+    (``_unit_capabilities``), each with its reason in the report."""
     from lightning_autopar.parallel.apply import check_pipeline_once, check_unit_pipeline, model_capabilities
     from lightning_autopar.parallel.tensor import check_tp
 
@@ -237,9 +238,9 @@ def find_capabilities(module: nn.Module, model: nn.Module | None, analysis: Any,
     else:
         if "tp" in fix:  # unit form: the planner refuses tp > 1 (check_unit_fix)
             check_tp(analysis, fix["tp"])
-        caps = model_capabilities(module, model, analysis, automatic)
+        caps = model_capabilities(module, model, analysis, automatic, model_call)
         if pp > 1:
-            check_pipeline_once(module, model, analysis, pp, vpp, caps)
+            check_pipeline_once(module, model, analysis, pp, vpp, caps, model_call)
     if analysis.collectives:
         _own_collectives(caps, analysis.collectives, rank)
     return _restricted(caps, options.restrict)

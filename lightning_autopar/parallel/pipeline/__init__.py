@@ -8,7 +8,8 @@ chunks; the user's ``training_step`` is not rewritten.
 
 Modules, one concern each:
 
-* ``partition``: what is split (``pipeline_root``), whether it can be (``check_pipeline``), blocks per chunk,
+* ``partition``: what is split (``pipeline_root``), whether it can be (``check_pipeline``), which stage owns each
+  part outside the blocks (``stage_parts``: from the model's traced call), blocks per chunk,
   which rank holds each chunk (``stage_owners``: round-robin or a V), what torch's schedule can run
   (``check_schedule``);
 * ``standins``: parameter-free modules in place of what a chunk does not own (names stay the user's);
@@ -24,17 +25,17 @@ Modules, one concern each:
 from lightning_autopar.parallel.pipeline.capture import capture_model_call, model_call_replaced
 from lightning_autopar.parallel.pipeline.chunks import PipelineChunk, split_model
 from lightning_autopar.parallel.pipeline.moe import MoESource, moe_sources, router_recorder
-from lightning_autopar.parallel.pipeline.partition import (check_pipeline, check_schedule, chunk_sizes, pipeline_root,
-                                                           stage_owners)
+from lightning_autopar.parallel.pipeline.partition import (StageParts, check_pipeline, check_schedule, chunk_sizes,
+                                                           pipeline_root, stage_owners, stage_parts)
 from lightning_autopar.parallel.pipeline.runtime import Pipeline, StagedPipeline
-from lightning_autopar.parallel.pipeline.standins import StageBlocks, ZeroEmbedding, stand_in_module
+from lightning_autopar.parallel.pipeline.standins import StageBlocks, ZeroEmbedding, ZeroOutputs, stand_in_module
 from lightning_autopar.parallel.pipeline.trace import (SplitRefusals, TracedSplit, UnitOrderError, check_traced_pipeline,
                                                        flatten_inputs, split_refusals, trace_split)
 from lightning_autopar.parallel.pipeline.traced import TracedChunk, TracedPipeline
 
 __all__ = [
-    "MoESource", "Pipeline", "PipelineChunk", "SplitRefusals", "StageBlocks", "StagedPipeline", "TracedChunk", "TracedPipeline",
-    "TracedSplit", "UnitOrderError", "ZeroEmbedding", "capture_model_call", "check_pipeline", "check_schedule", "check_traced_pipeline",
+    "MoESource", "Pipeline", "PipelineChunk", "SplitRefusals", "StageBlocks", "StageParts", "StagedPipeline", "TracedChunk", "TracedPipeline",
+    "TracedSplit", "UnitOrderError", "ZeroEmbedding", "ZeroOutputs", "capture_model_call", "check_pipeline", "check_schedule", "check_traced_pipeline",
     "chunk_sizes", "flatten_inputs", "model_call_replaced", "moe_sources", "pipeline_root", "router_recorder",
-    "split_model", "split_refusals", "stage_owners", "stand_in_module", "trace_split",
+    "split_model", "split_refusals", "stage_owners", "stage_parts", "stand_in_module", "trace_split",
 ]

@@ -1,10 +1,12 @@
 """The block-stack pipeline's chunks: this rank's part of the user's transformer, each run by the user's own
 ``forward`` with the chunk's pieces swapped in.
 
-* a non-first chunk gets zeros from its embedding stand-ins, and its first block receives the activation sent
-  by the previous stage instead (whatever the model computes before the blocks is discarded);
-* a non-last chunk stops at the final norm (it raises the block output out of the forward), so the norm, the
-  head and anything after them (e.g. a loss inside a Hugging Face model) never run there;
+* a non-first chunk gets zeros from the stand-ins of the parts before the blocks (the embeddings; a vision tower
+  or a projector: zeros of their outputs' shapes, from a meta copy), and its first block receives the
+  activation sent by the previous stage instead (whatever the model computes before the blocks is discarded);
+* a non-last chunk stops at the first part after the blocks, the final norm (it raises the block output out of
+  the forward), so the norm, the head and anything after them (e.g. a loss inside a Hugging Face model) never
+  run there;
 * the last chunk returns the model's output (a tensor, a tuple, or a ``ModelOutput``: flattened to tensors for
   the schedule and rebuilt before the user's loss code sees it).
 
@@ -25,8 +27,10 @@ from torch import nn
 
 from lightning_autopar.parallel.pipeline.moe import (MoESource, hand_over_targets, install_recorders, moe_sources,
                                                      router_recorder)
+from lightning_autopar.parallel.pipeline.partition import StageParts, named_parts
 from lightning_autopar.parallel.pipeline.standins import (ChunkRun, ExitStage, InjectReceived, StageOutput,
-                                                          ZeroEmbedding, blocks_container, replace_submodule)
+                                                          ZeroEmbedding, ZeroOutputs, blocks_container,
+                                                          replace_submodule, stand_in_module)
 
 if TYPE_CHECKING:
     from lightning_autopar.profile.analyze import ModelAnalysis
@@ -69,11 +73,12 @@ class PipelineChunk(nn.Module):
 
     def __init__(self, index: int, num_chunks: int, transformer: nn.Module, analysis: ModelAnalysis,
                  block_items: list[tuple[str, nn.Module]], owned: dict[str, nn.Module],
-                 stand_ins: dict[str, nn.Module], inputs: Callable[[int], tuple[tuple, dict]],
+                 originals: dict[str, nn.Module], inputs: Callable[[int], tuple[tuple, dict]],
                  own: Sequence[MoESource] = (), before: Sequence[MoESource] = (),
                  replay_targets: Sequence[nn.Module] = (), first_block: int = 0,
-                 per_layer: PerLayerLists | None = None) -> None:
+                 per_layer: PerLayerLists | None = None, parts: StageParts | None = None) -> None:
         super().__init__()
+        parts = parts if parts is not None else named_parts(analysis)
         self._block_range = (first_block, first_block + len(block_items))  # in the whole stack
         self._per_layer = per_layer
         self.index, self.num_chunks = index, num_chunks
@@ -99,16 +104,15 @@ class PipelineChunk(nn.Module):
                 source.module.register_forward_hook(self._recorder(source))
         if index == num_chunks - 1 and any(s.index is not None for s in self._before):
             self._run.replay = self._replay_recorded
-        # the pieces' modules while this chunk runs
+        # the pieces' modules while this chunk runs: its own parts, else their stand-ins (``split_model``); a
+        # non-last chunk ends its forward at the first part after the blocks
         first, last = index == 0, index == num_chunks - 1
-        self._pieces: dict[str, nn.Module] = {}
-        for fqn in (analysis.token_embedding, analysis.position_embedding):
-            if fqn:
-                self._pieces[fqn] = owned[fqn] if first else ZeroEmbedding(stand_ins[fqn].dim, self._run)
-        exit_at = analysis.final_norm or analysis.lm_head
-        for fqn in (analysis.final_norm, analysis.lm_head):
-            if fqn:
-                self._pieces[fqn] = owned[fqn] if last else (ExitStage() if fqn == exit_at else nn.Identity())
+        mine = set(parts.before + parts.idle) if first else set()
+        mine |= set(parts.after) if last else set()
+        self._pieces: dict[str, nn.Module] = part_stand_ins(originals, parts, analysis, self._run, skip=mine)
+        self._pieces.update({fqn: owned[fqn] for fqn in mine})
+        if not last:
+            self._pieces[parts.after[0]] = ExitStage()
 
     @property
     def is_first(self) -> bool:
@@ -228,9 +232,10 @@ class PipelineChunk(nn.Module):
 
 def split_model(transformer: nn.Module, analysis: ModelAnalysis, pp_rank: int, pp: int, vpp: int,
                 sizes: Sequence[int], inputs: Callable[[int], tuple[tuple, dict]],
-                owners: Sequence[int] | None = None) -> list[PipelineChunk]:
+                owners: Sequence[int] | None = None, parts: StageParts | None = None) -> list[PipelineChunk]:
     """Prune ``transformer`` in place to what pipeline rank ``pp_rank`` owns; return its chunks (stage order).
-    ``owners[j]`` is the rank of chunk j (``partition.stage_owners``; default round-robin, j % pp)."""
+    ``owners[j]`` is the rank of chunk j (``partition.stage_owners``; default round-robin, j % pp). ``parts``: who
+    owns what outside the blocks (``partition.stage_parts``; default the embeddings, final norm and head)."""
     blocks = transformer.get_submodule(analysis.blocks_fqn)
     all_items = list(blocks._modules.items())
     bounds = [0]
@@ -239,17 +244,11 @@ def split_model(transformer: nn.Module, analysis: ModelAnalysis, pp_rank: int, p
     num_chunks = pp * vpp
     owners = list(owners) if owners is not None else [j % pp for j in range(num_chunks)]
     mine = [j for j in range(num_chunks) if owners[j] == pp_rank]
+    parts = parts if parts is not None else named_parts(analysis)
     run_stub = ChunkRun()
     per_layer = PerLayerLists(transformer, len(all_items))
-    stand_ins: dict[str, nn.Module] = {}
-    for fqn in (analysis.token_embedding, analysis.position_embedding):
-        if fqn:
-            weight = transformer.get_submodule(fqn).weight
-            stand_ins[fqn] = ZeroEmbedding(int(weight.shape[-1]), run_stub)
-    for fqn in (analysis.final_norm, analysis.lm_head):
-        if fqn:
-            stand_ins[fqn] = nn.Identity()
-    originals = {fqn: transformer.get_submodule(fqn) for fqn in stand_ins}
+    originals = {fqn: transformer.get_submodule(fqn) for fqn in parts.all}
+    stand_ins = part_stand_ins(originals, parts, analysis, run_stub)  # what the pruned model holds
     if router_recorder(transformer) is not None:
         install_recorders(transformer)
     sources = [moe_sources(transformer, analysis, all_items[bounds[j]:bounds[j + 1]]) for j in range(num_chunks)]
@@ -261,18 +260,36 @@ def split_model(transformer: nn.Module, analysis: ModelAnalysis, pp_rank: int, p
         local_items += items
         owned = {}
         if j == 0:
-            owned.update({f: originals[f] for f in (analysis.token_embedding, analysis.position_embedding) if f})
+            owned.update({f: originals[f] for f in parts.before + parts.idle})
         replay: list[nn.Module] = []
         if j == num_chunks - 1:
-            owned.update({f: originals[f] for f in (analysis.final_norm, analysis.lm_head) if f})
+            owned.update({f: originals[f] for f in parts.after})
             replay = hand_over_targets([s for before in sources[:j] for s in before], local_keys, transformer,
                                        analysis.blocks_fqn)
-        chunks.append(PipelineChunk(j, num_chunks, transformer, analysis, items, owned, stand_ins, inputs,
+        chunks.append(PipelineChunk(j, num_chunks, transformer, analysis, items, owned, originals, inputs,
                                     own=sources[j], before=[s for before in sources[:j] for s in before],
-                                    replay_targets=replay, first_block=bounds[j], per_layer=per_layer))
+                                    replay_targets=replay, first_block=bounds[j], per_layer=per_layer, parts=parts))
     owned_here = {f for c in chunks for f in c._pieces if c._pieces[f] is originals.get(f)}
     for fqn, stand_in in stand_ins.items():
         if fqn not in owned_here:
             replace_submodule(transformer, fqn, stand_in)
     replace_submodule(transformer, analysis.blocks_fqn, blocks_container(local_items, blocks))
     return chunks
+
+
+def part_stand_ins(originals: dict[str, nn.Module], parts: StageParts, analysis: ModelAnalysis,
+                   run: ChunkRun, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, nn.Module]:
+    """What takes each part's place (but ``skip``'s) on a chunk that does not own it: before the blocks, zeros of
+    its output (``ZeroEmbedding`` for an embedding, else ``ZeroOutputs``), shaped as ``run``'s activation; after
+    them nothing runs (a non-last chunk ends at the first, ``ExitStage``): an identity; never called: a
+    parameter-free copy of its class."""
+    embeddings = {f for f in (analysis.token_embedding, analysis.position_embedding) if f}
+    stand_ins: dict[str, nn.Module] = {}
+    for fqn in parts.before:
+        if fqn not in skip:
+            module = originals[fqn]
+            stand_ins[fqn] = (ZeroEmbedding(int(module.weight.shape[-1]), run) if fqn in embeddings
+                              else ZeroOutputs(module, run))
+    stand_ins.update({fqn: nn.Identity() for fqn in parts.after if fqn not in skip})
+    stand_ins.update({fqn: stand_in_module(originals[fqn]) for fqn in parts.idle if fqn not in skip})
+    return stand_ins

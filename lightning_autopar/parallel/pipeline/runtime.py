@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from lightning_autopar.parallel.pipeline.chunks import split_model
-from lightning_autopar.parallel.pipeline.partition import check_schedule, chunk_sizes, schedule_count, stage_owners
+from lightning_autopar.parallel.pipeline.partition import (StageParts, check_schedule, chunk_sizes, schedule_count,
+                                                           stage_owners)
 from lightning_autopar.parallel.pipeline.stage import stage_class
 
 if TYPE_CHECKING:
@@ -215,12 +216,12 @@ class Pipeline(StagedPipeline):
 
     def __init__(self, transformer: nn.Module, analysis: ModelAnalysis, pp_mesh: DeviceMesh, schedule: str, vpp: int,
                  n_microbatches: int, device: torch.device, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-                 layers_per_stage: Sequence[int] | None = None) -> None:
+                 layers_per_stage: Sequence[int] | None = None, parts: StageParts | None = None) -> None:
         self._join(pp_mesh, device, n_microbatches)
         check_schedule(schedule, self.pp, n_microbatches)
         self.sizes = chunk_sizes(len(analysis.blocks), self.pp, vpp, layers_per_stage)
         self.chunks = split_model(transformer, analysis, self.pp_rank, self.pp, vpp, self.sizes, self.input_of,
-                                  stage_owners(self.pp, self.pp * vpp, schedule))
+                                  stage_owners(self.pp, self.pp * vpp, schedule), parts)
         user_loss = loss_fn
 
         def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """Parameter-free modules that take the place of what a chunk does not own, so names stay the user's.
 
 Each rank keeps only its blocks, under their original indices (``StageBlocks``: a ``ModuleList`` whose keys are
-the original ones), and stand-ins for the embeddings, norm and head it does not own, so the parameter names of
-what remains are exactly the user's (``model.blocks.5.attn.q_proj.weight``): DCP checkpoints and
+the original ones), and stand-ins for the parts outside the blocks it does not own (the embeddings, a vision
+tower, the final norm, the head: ``partition.StageParts``), so the parameter names of what remains are exactly
+the user's (``model.blocks.5.attn.q_proj.weight``): DCP checkpoints and
 ``get_model_state_dict`` work per rank, and their union is the single-device state dict. While a chunk runs, a
-non-first chunk's embeddings give zeros (``ZeroEmbedding``) and its first block receives the previous stage's
-activation (``InjectReceived``); a non-last chunk stops at the final norm (``ExitStage`` raises
-``StageOutput``).
+non-first chunk's embeddings give zeros (``ZeroEmbedding``), as do its other parts before the blocks
+(``ZeroOutputs``, shaped by a meta copy of the part), and its first block receives the previous stage's
+activation (``InjectReceived``); a non-last chunk stops at the first part after the blocks, the final norm
+(``ExitStage`` raises ``StageOutput``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 
 class StageBlocks(nn.ModuleList):
@@ -69,6 +72,59 @@ class ZeroEmbedding(nn.Module):
         return torch.zeros(*ids.shape, self.dim, dtype=self._run[0].dtype(), device=ids.device)
 
 
+class ReadsThrough(nn.Module):
+    """A stand-in whose attributes it lacks are those of what it stands for (``_original``, kept out of the
+    submodules: names stay the user's), as the user's forward reads them (a block's config, a tower's patch
+    size)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_original"], name)
+
+
+class ZeroOutputs(ReadsThrough):
+    """Stands in for a part another stage runs before the blocks (a vision tower, a projector): its outputs'
+    zeros, in their structure (a tensor, a tuple, a ``ModelOutput``), on the activation's device. Their shapes
+    come from a meta copy of the part run on the call's arguments as meta tensors (no memory, no compute); what
+    the user's forward reads of the part besides its call (its config, ...) is the copy's."""
+
+    def __init__(self, module: nn.Module, run: ChunkRun) -> None:
+        super().__init__()
+        self.__dict__["_original"] = meta_copy(module)  # no parameters: they stay the owning stage's
+        self._run = [run]  # a list: not a submodule
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        run = self._run[0]
+        device = run.received.device if run.received is not None else next(
+            (t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+        def to_meta(t: Any) -> Any:
+            return t.to("meta") if isinstance(t, torch.Tensor) else t
+
+        def zeros(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            return torch.zeros(t.shape, dtype=run.dtype() if t.is_floating_point() else t.dtype, device=device)
+
+        with torch.no_grad():
+            out = self.__dict__["_original"](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        return tree_map(zeros, out)
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are meta tensors (no data copied)."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = b.detach().to("meta")
+    return copy.deepcopy(module, memo)
+
+
 class StageOutput(Exception):
     """Carries a non-last chunk's block output out of the user's forward (raised by ``ExitStage``)."""
 
@@ -84,19 +140,13 @@ class ExitStage(nn.Module):
         raise StageOutput(x)
 
 
-class InjectReceived(nn.Module):
+class InjectReceived(ReadsThrough):
     """In place of a non-first chunk's first block while it runs: feeds it the received activation."""
 
     def __init__(self, block: nn.Module, run: ChunkRun) -> None:
         super().__init__()
-        self.__dict__["_block"] = block  # not a submodule: names stay the user's
+        self.__dict__["_original"] = block
         self.__dict__["_run_ref"] = run
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["_block"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         received = self.__dict__["_run_ref"].received
@@ -110,7 +160,7 @@ class InjectReceived(nn.Module):
         replay = self.__dict__["_run_ref"].replay
         if replay is not None:  # before the chunk's first router, so recorded outputs stay in layer order
             replay()
-        return self.__dict__["_block"](*args, **kwargs)
+        return self.__dict__["_original"](*args, **kwargs)
 
 
 def replace_submodule(root: nn.Module, fqn: str, module: nn.Module) -> None:
