@@ -9,8 +9,8 @@ with frozen and unused parameters, a Llama with frozen lower layers (zero3, tp2,
 own MoE layout (router module, 3-D GroupedExperts), Qwen2-MoE at its default config (no
 router logits; ep2 only), OLMoE and Mixtral at their default configs (auto, ep2), a model whose forward does not run on meta tensors,
 the encoder-decoders Hugging Face BART, Whisper (a Conv1d front-end on log-mel features), T5 and Switch
-Transformers (T5 with top-1 MoE layers), LLaVA (a vision-language model), Qwen3-MoE (per-head q/k norms) and
-GPT-OSS (per-layer attention kinds).
+Transformers (T5 with top-1 MoE layers), LLaVA (a vision-language model), Qwen3-MoE (per-head q/k norms),
+GPT-OSS (per-layer attention kinds) and GPT-NeoX (q, k, v fused and interleaved per head).
 Columns: the planner's own plan, zero=3 (dp=4), tp=2 (dp=2), ep=2 (dp=4, MoE rows) and pp=2 (dp=2). In the suite the
 cells run in the batch of world 4 (tests/conftest.py: one launch per world size); ``--run`` below launches them
 alone (tests/dist/third_party_scenarios.py).
@@ -95,6 +95,8 @@ EQUAL, REFUSED = "equal", "refused"
 # every column: tp2 splits the text model's stack; pp2 splits it too, the user's call traced (token ids alone never
 # reach the tower) shows the tower and the projector run before it, so the first stage owns them and the others
 # run zeros of their outputs' shapes.
+# GPT-NeoX (one query_key_value viewed as (heads, 3 * head_dim), then chunked: q, k and v interleaved per head) is
+# equal at tp2: a contiguous split of the fused rows gives each rank whole heads.
 REFUSALS = {"gpt2__pp2", "nanogpt__pp2", "nanogpt__tp2", "bert__pp2", "resnet__tp2", "resnet__pp2", "two_tower__tp2",
             "pad_skipping__tp2", "pad_skipping__pp2", "bart__pp2", "whisper__pp2", "t5__pp2",
             "switch__pp2", "gpt_oss__tp2"}

@@ -253,6 +253,7 @@ def test_the_planner_is_told_why_tp_is_not_offered():
     (96, "view", ((1, 16, 3, 4, 8),), ("sequential", [32, 32, 32])),
     (64, "view", ((1, 16, 2, 4, 8),), ("grouped", [2, 4, 8])),  # (groups, q_per_kv + 2, head_dim)
     (96, "view", ((1, 16, 12, 8),), None),  # heads straight away: which rows are q, k, v is unknown
+    (64, "view", ((1, 16, -1, 32),), ("grouped", [2, 4, 8])),  # a row per group, split after (GPT-NeoX's view)
 ])
 def test_fused_layout_rules(width, op, args, expected):
     """How a fused output is cut, from the first op the trace saw on it (4 heads, 2 kv groups of 8)."""

@@ -91,7 +91,9 @@ def fused_layout(consumers: list, width: int, pieces: int, groups: int = 0, per_
                  ) -> tuple[str, list[int]] | None:
     """How the model's code splits a fused projection's output of ``width`` features, from the ops the trace saw:
     ("sequential", piece widths) for [a | b | c] (split, chunk, slices, or a view into (pieces, ...)); ("grouped",
-    [groups, per_group, ...]) for a view into one group per kv head (q heads of the group, then its k and v).
+    [groups, per_group, ...]) for a view into one group per kv head (q heads of the group, then its k and v), or
+    into one row per group that the code splits afterwards (GPT-NeoX: ``view(..., heads, 3 * head_dim)``, then
+    ``chunk(3, -1)``: q, k and v interleaved per head).
     None when not recognised (or ambiguous: ``groups == pieces``)."""
     for name, shape, args, kwargs in consumers:
         found = _pieces_of(name, shape, args, kwargs, width)
@@ -103,6 +105,9 @@ def fused_layout(consumers: list, width: int, pieces: int, groups: int = 0, per_
                 return "sequential", [width // pieces] * pieces
             if len(tail) >= 3 and groups and tail[0] == groups and tail[1] == per_group and groups != pieces:
                 return "grouped", tail
+            if len(tail) == 2 and groups and tail[0] == groups and groups != pieces and per_group \
+                    and tail[1] % per_group == 0:  # one row per group, split within it (GPT-NeoX's [q_h|k_h|v_h])
+                return "grouped", [groups, per_group, tail[1] // per_group]
     sliced = _slice_pieces(consumers, width)
     return ("sequential", sliced) if sliced else None
 

@@ -1,7 +1,7 @@
 """The third-party model matrix (issue 12): tiny random-init models written by others, each in a LightningModule.
 
 Every model is the library's own class, used unchanged (Hugging Face GPT-2, Llama, Mixtral, Qwen2, Phi-3, OLMoE,
-BERT, ViT, BART, Whisper, T5, LLaVA; litgpt's GPT dense and MoE), written here the way its authors write it (a nanoGPT-style model with one fused
+BERT, ViT, BART, Whisper, T5, LLaVA, GPT-NeoX; litgpt's GPT dense and MoE), written here the way its authors write it (a nanoGPT-style model with one fused
 c_attn and tied wte/lm_head), or the plain-loop MoE of the expert-parallel tests (plain_moe.py). Shapes follow
 tests/dist/common.py: hidden 32, 2 layers, 4 heads, vocab 64, seq 16 (ViT: the 16 ids of a row as a 4x4 image);
 MoE: 4 experts, top-2; fp32. Seed
@@ -497,6 +497,22 @@ def make_llava(**_: object) -> L.LightningModule:
     return LitVisionLanguage(model)
 
 
+# ------------------------------------------------------------------------------------------- fused per-head qkv
+
+
+def make_neox(**_: object) -> L.LightningModule:
+    """GPTNeoXForCausalLM (Pythia): one ``query_key_value`` whose output the attention views as (heads,
+    3 * head_dim) and chunks into q, k, v, so the three are interleaved per head; partial rotary, a parallel
+    residual, an untied ``embed_out`` head."""
+    import transformers as tf
+
+    config = tf.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                              num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=SEQ,
+                              hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
+                              attn_implementation="sdpa")
+    return LitLM(tf.GPTNeoXForCausalLM(config))
+
+
 # ------------------------------------------------------------------------------------------- torchtitan-style
 
 
@@ -861,6 +877,9 @@ MODELS: dict[str, ThirdPartyModel] = {
     # a vision-language model (issue 26): a frozen CLIP tower, a projector, a Llama text model
     "llava": ThirdPartyModel(make_llava),
     "titan_llama": ThirdPartyModel(make_titan_llama),
+    # q, k and v fused and interleaved per head (``view(..., heads, 3 * head_dim)``, then ``chunk(3, -1)``): the
+    # row's point is tp2; zero3 and ga2 run as llama's
+    "neox": ThirdPartyModel(make_neox, not_run=("zero3", "ga2")),
     "titan_moe": ThirdPartyModel(make_titan_moe, moe=True),
     # attention sinks (issue 26: a per-head parameter TP shards with the heads); the other columns run as titan_llama's
     "titan_sinks": ThirdPartyModel(make_titan_sinks, not_run=("zero3", "pp2", "ga2")),
