@@ -167,19 +167,20 @@ def test_router_logits_gathered_only_in_exact_training_forwards():
 def test_fused_experts_tp_split_checked_on_their_forward():
     """The TP split of the fused experts (gate_up_proj strided on dim 1 in [gate | up] pieces, down_proj on dim 2)
     is checked on the module's own forward, for each experts implementation; a forward cutting gate/up
-    interleaved is refused with one line, and the module keeps its weights either way."""
-    from lightning_autopar.parallel.tp_experts import fused_split_dims, probe_fused_split
+    interleaved fails that probe and gets the contiguous split, which its probe passes; one cutting it otherwise
+    is refused with one line; the module keeps its weights either way."""
+    from lightning_autopar.parallel.tp_experts import choose_fused_split, fused_split_dims, probe_fused_split
     from lightning_autopar.profile.analyze import analyze, find_transformer
 
     transformer = find_transformer(_tiny_mixtral())[1]
     moe = analyze(transformer, trace=False).blocks[0].moe
     experts = transformer.layers[0].mlp.experts
     before = {n: p.detach().clone() for n, p in experts.named_parameters()}
-    dims = fused_split_dims(experts, moe, "layers.0.mlp.experts")
-    assert dims == {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
+    split = fused_split_dims(experts, moe, "layers.0.mlp.experts")
+    assert split.dims == {"gate_up_proj": (1, 2), "down_proj": (2, 1)} and split.once == ()
     for implementation in ("eager", "grouped_mm", "batched_mm"):
         experts.config._experts_implementation = implementation
-        probe_fused_split(experts, moe, dims, 2, "layers.0.mlp.experts")
+        probe_fused_split(experts, moe, split, 2, "layers.0.mlp.experts")
 
     class InterleavedExperts(type(experts)):
         """gate and up interleaved along dim 1 ([g0, u0, g1, u1, ...]): not a [gate | up] chunk."""
@@ -190,14 +191,38 @@ def test_fused_experts_tp_split_checked_on_their_forward():
                 for e in range(self.gate_up_proj.shape[0]):
                     rows = top_k_index[:, k] == e
                     h = torch.nn.functional.linear(hidden_states[rows], self.gate_up_proj[e])
-                    h = torch.nn.functional.linear(self.act_fn(h[:, 0::2]) * h[:, 1::2], self.down_proj[e])
+                    h = torch.nn.functional.linear(self.act_fn(h[:, self.gate]) * h[:, self.up], self.down_proj[e])
                     out[rows] += h * top_k_weights[rows, k, None]
             return out
 
     experts.__class__ = InterleavedExperts
-    with pytest.raises(ConfigError, match=r"^plan.tp: layers.0.mlp.experts: .*not cut \[gate \| up\]"):
-        probe_fused_split(experts, moe, dims, 2, "layers.0.mlp.experts")
+    experts.gate, experts.up = slice(0, None, 2), slice(1, None, 2)
+    with pytest.raises(ConfigError, match=r"^plan.tp: layers.0.mlp.experts: .*cut neither \[gate \| up\]"):
+        probe_fused_split(experts, moe, split, 2, "layers.0.mlp.experts")
+    assert choose_fused_split(experts, moe, 2, "layers.0.mlp.experts").dims == {"gate_up_proj": (1, 1),
+                                                                                 "down_proj": (2, 1)}
+    experts.gate, experts.up = slice(0, None, 3), slice(1, None, 3)  # neither: every third column
+    with pytest.raises(ConfigError, match=r"^plan.tp: layers.0.mlp.experts: "):
+        choose_fused_split(experts, moe, 2, "layers.0.mlp.experts")
     assert all(torch.equal(p, before[n]) for n, p in experts.named_parameters())
+
+
+def test_gpt_oss_experts_split_interleaved_with_their_biases():
+    """GPT-OSS's fused experts ([E, hidden, 2*ffn] with gate and up interleaved, [E, ffn, hidden], a bias of each):
+    the weights split on their FFN side, contiguously; the input bias with them; the output bias added once (TP
+    rank 0), as the probe on their own forward confirms."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_autopar.parallel.tp_experts import choose_fused_split
+    from lightning_autopar.profile.analyze import analyze
+
+    config = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2)
+    model = transformers.GptOssModel(config)
+    moe = analyze(model, trace=True).blocks[0].moe
+    split = choose_fused_split(model.layers[0].mlp.experts, moe, 2, "layers.0.mlp.experts")
+    assert split.dims == {"gate_up_proj": (2, 1), "gate_up_proj_bias": (1, 1), "down_proj": (1, 1)}
+    assert split.once == ("down_proj_bias",)
 
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "mixtral"])

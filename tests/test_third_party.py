@@ -82,10 +82,11 @@ EQUAL, REFUSED = "equal", "refused"
 # Qwen3-MoE (q/k norms over head_dim on each head: one weight for all heads, whose gradient TP sums over the TP group)
 # trains equal at every column.
 # GPT-OSS (sliding and full attention alternating by ``config.layer_types[i]``, i the block's position in the model's
-# loop; attention sinks, one parameter per head) trains equal at every column but tp2: a pipeline stage reads its own
-# blocks' entries (before: stage 1's first block took layer 0's sliding window, 3e-4 off at step 0); its sinks are
-# split with the heads (the titan_sinks row: equal at tp2), but tp=2 is refused in one line for its fused experts'
-# 2-D biases (ep and dp shard them).
+# loop; attention sinks, one parameter per head; fused experts with gate and up interleaved and a bias of each
+# projection) trains equal at every column: a pipeline stage reads its own blocks' entries (before: stage 1's first
+# block took layer 0's sliding window, 3e-4 off at step 0); its sinks are split with the heads; TP splits the
+# experts' interleaved gate/up contiguously (the probe on their forward says which cut is exact), their input
+# bias with it, and adds the output bias once (TP rank 0).
 # Switch Transformers (T5's encoder-decoder, a top-1 MoE every other block: a ModuleDict of experts with a forward of
 # its own, called with a one-hot dispatch mask; capacity drops tokens per sequence) is found as MoE from its routing
 # (the experts loop, data-dependent, runs on meta as each expert on its expected rows) and trains equal at auto and
@@ -99,7 +100,7 @@ EQUAL, REFUSED = "equal", "refused"
 # equal at tp2: a contiguous split of the fused rows gives each rank whole heads.
 REFUSALS = {"gpt2__pp2", "nanogpt__pp2", "nanogpt__tp2", "bert__pp2", "resnet__tp2", "resnet__pp2", "two_tower__tp2",
             "pad_skipping__tp2", "pad_skipping__pp2", "bart__pp2", "whisper__pp2", "t5__pp2",
-            "switch__pp2", "gpt_oss__tp2"}
+            "switch__pp2"}
 EITHER = {"olmoe__tp2"}
 EXPECTED: dict[str, str | set[str]] = {
     cell: (REFUSED if cell in REFUSALS else {EQUAL, REFUSED} if cell in EITHER else EQUAL) for cell in cells()}
