@@ -250,3 +250,32 @@ def test_an_lm_head_is_never_a_block_of_another_stack():
     a = analyze(model, trace=False)
     assert a.blocks_fqn == "model.decoder.layers"
     assert a.lm_head == "lm_head" and a.token_embedding == "model.shared" and a.tied_embeddings
+
+
+def test_of_two_stacks_the_one_the_token_embedding_feeds_is_the_blocks():
+    """A vision-language shape whose vision tower (a patch projection, no embedding table) has more parameters
+    than its text model (Mistral 3's Pixtral tower at tiny sizes): the blocks are the text model's, the stack the
+    token table feeds; a tower with a position table of its own (LLaVA's CLIP) does not count as holding it."""
+    from lightning_autopar.profile.analyze import find_block_list
+
+    class Tower(nn.Module):
+        def __init__(self, positions: bool) -> None:
+            super().__init__()
+            self.patch = nn.Linear(16, 64)
+            self.positions = nn.Embedding(5, 64) if positions else None
+            self.layers = nn.ModuleList(nn.TransformerEncoderLayer(64, 4, 256, batch_first=True) for _ in range(3))
+
+    class Text(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = nn.Embedding(100, 32)
+            self.layers = nn.ModuleList(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True) for _ in range(2))
+
+    for positions in (False, True):
+        vlm = nn.Module()
+        vlm.vision_tower, vlm.language_model = Tower(positions), Text()
+        vlm.lm_head = nn.Linear(32, 100)
+        assert find_block_list(vlm)[0] == "language_model.layers"
+        assert find_transformer(vlm)[0] == "language_model"
+    alone = Tower(positions=False)  # no token table anywhere: the stack with the most parameters
+    assert find_block_list(alone)[0] == "layers"

@@ -80,16 +80,27 @@ def in_any_blocks(module: nn.Module) -> set[str]:
 
 
 def find_block_list(module: nn.Module) -> tuple[str, nn.Module] | None:
-    """The container of >= 2 children of one class (the blocks) holding the most parameters, whatever its
-    class: a ModuleList, a Sequential, a ModuleDict (torchtitan keeps its blocks in ``layers``, a ModuleDict),
-    or a module of the user's own holding only its blocks. Linears (a projection list) are not blocks."""
-    best: tuple[int, str, nn.Module] | None = None
+    """The container of >= 2 children of one class (the blocks), whatever its class: a ModuleList, a Sequential,
+    a ModuleDict (torchtitan keeps its blocks in ``layers``, a ModuleDict), or a module of the user's own holding
+    only its blocks. Linears (a projection list) are not blocks. Of several stacks (a vision-language model's tower
+    and text model, an encoder-decoder's two), the one the token embedding feeds: the stack whose nearest
+    ancestor holding an embedding holds the largest one (the token table, not a tower's position table), the
+    nearest such ancestor first (a text model's own, before the whole VLM's); then the most parameters."""
+    tables = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    token = max(tables, key=lambda m: m.num_embeddings) if tables else None
+    holders = {name: m for name, m in module.named_modules() if token is not None and any(
+        isinstance(c, nn.Embedding) for c in m.modules())}
+    best: tuple[tuple[int, int, int], str, nn.Module] | None = None
     for name, child in module.named_modules():
         if not _repeated(child):
             continue
-        count = _param_count(child)
-        if best is None or count > best[0]:
-            best = (count, name, child)
+        parts = name.split(".")
+        owner = next((".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1) if ".".join(parts[:i]) in holders),
+                     None)
+        feeds = owner is not None and any(m is token for m in holders[owner].modules())
+        key = (int(feeds), owner.count(".") + 1 if feeds and owner else 0, _param_count(child))
+        if best is None or key > best[0]:
+            best = (key, name, child)
     return (best[1], best[2]) if best else None
 
 
