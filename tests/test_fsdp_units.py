@@ -235,3 +235,16 @@ def test_blocks_that_cannot_run_on_meta_stand_in_as_identity():
     units = choose_units(root, transformer, ["blocks.0", "blocks.1"], SEQ, trace=trace)
     assert units.blocks == ("model.blocks.0", "model.blocks.1") and units.rest == ("model",)
     assert "forward" not in root.model.blocks[0].__dict__  # the stand-in is gone
+
+
+def test_unreached_modules_are_the_outermost_wholly_unreached_ones():
+    """What the FSDP reach check watches: the tower and the projector a VLM's token-id trace never reached, not
+    their layers, and not a module holding reached parameters too."""
+    from lightning_autopar.parallel.unreached import unreached_modules
+
+    vlm = torch.nn.Module()
+    vlm.tower = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    vlm.projector = torch.nn.Linear(4, 4)
+    vlm.text = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    names = [n for n, _ in vlm.named_parameters() if not n.startswith("text.")] + ["text.1.bias"]
+    assert unreached_modules(vlm, names) == ["tower", "projector"]  # text.1's weight was reached

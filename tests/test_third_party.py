@@ -96,11 +96,18 @@ EQUAL, REFUSED = "equal", "refused"
 # every column: tp2 splits the text model's stack; pp2 splits it too, the user's call traced (token ids alone never
 # reach the tower) shows the tower and the projector run before it, so the first stage owns them and the others
 # run zeros of their outputs' shapes.
+# LLaVA with its tower trained, on batches where some rows have no image (llava_mixed): one rank's second batch
+# has none, so it skips the tower and the projector. The token-id trace never reaches them: DDP (auto) is told to
+# find unused parameters and trains equal; FSDP (zero3) would reduce different gradients on each rank (gloo
+# aborted), so the ranks compare what ran after each forward and refuse in one line (parallel/unreached.py).
 # GPT-NeoX (one query_key_value viewed as (heads, 3 * head_dim), then chunked: q, k and v interleaved per head) is
 # equal at tp2: a contiguous split of the fused rows gives each rank whole heads.
 REFUSALS = {"gpt2__pp2", "nanogpt__pp2", "nanogpt__tp2", "bert__pp2", "resnet__tp2", "resnet__pp2", "two_tower__tp2",
             "pad_skipping__tp2", "pad_skipping__pp2", "bart__pp2", "whisper__pp2", "t5__pp2",
-            "switch__pp2"}
+            "switch__pp2", "llava_mixed__zero3"}
+# refused at the step where the data-parallel ranks' batches disagree on what ran: the data's, which the planner
+# cannot know (its own plan shows no reason for them)
+DATA_REFUSALS = {"llava_mixed__zero3"}
 EITHER = {"olmoe__tp2"}
 EXPECTED: dict[str, str | set[str]] = {
     cell: (REFUSED if cell in REFUSALS else {EQUAL, REFUSED} if cell in EITHER else EQUAL) for cell in cells()}
@@ -269,8 +276,8 @@ def test_own_plan_reports_what_it_excludes(matrix, model):
     excluded = result["excluded"]
     assert all(isinstance(r, str) and r.strip() for r in excluded.values()), excluded
     must = {"ep"} if not MODELS[model].moe else set()
-    must |= {PLAN_FIELD[column] for column in PLANS
-             if column in PLAN_FIELD and outcome(matrix, f"{model}__{column}")[0] == REFUSED}
+    must |= {PLAN_FIELD[column] for column in PLANS if column in PLAN_FIELD
+             and f"{model}__{column}" not in DATA_REFUSALS and outcome(matrix, f"{model}__{column}")[0] == REFUSED}
     assert must <= set(excluded), f"{model}: no reason shown for {sorted(must - set(excluded))}: {excluded}"
 
 

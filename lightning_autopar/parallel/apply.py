@@ -235,6 +235,9 @@ def model_capabilities(root: nn.Module, transformer: nn.Module | None, analysis:
     from lightning_autopar.parallel.tp_experts import check_fused_experts_tp
 
     caps = Capabilities.of(analysis)
+    if transformer is not None:
+        caps.unreached = _unreached(root, call_trace(root, transformer, analysis, caps))
+        caps.unused = list(dict.fromkeys([*caps.unused, *caps.unreached]))
     try:
         check_tp(analysis, 2, structure_only=True)
         if transformer is not None:  # the fused experts' layout, checked on the modules as the apply does
@@ -258,6 +261,15 @@ def model_capabilities(root: nn.Module, transformer: nn.Module | None, analysis:
                                                           model_call).items():
         caps.exclude(name, values, reason)
     return caps
+
+
+def _unreached(root: nn.Module, trace: Any) -> list[str]:
+    """The trainable parameters of ``root`` that the call trace on token ids never reached (a VLM's projector and
+    trainable tower: a batch without images skips them, and whether a rank's batch has any is the data's, so DDP
+    looks for unused parameters and FSDP checks, ``unreached.ReachCheck``)."""
+    if not trace.traced or trace.partial:
+        return []
+    return [n for n, p in root.named_parameters() if p.requires_grad and n not in trace.uses]
 
 
 def _pipeline_expert_limits(root: nn.Module, analysis: ModelAnalysis, automatic_optimization: bool,
@@ -422,6 +434,15 @@ def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer
     return caps
 
 
+def _check_reach(root: nn.Module, caps: Capabilities, model: nn.Module, layout: MeshLayout,
+                 device: torch.device) -> None:
+    """FSDP over a model with modules the trace on token ids never reached: after each call of ``model`` the
+    data-parallel ranks agree on which of them ran, or all raise one line (``unreached.ReachCheck``)."""
+    from lightning_autopar.parallel.unreached import ReachCheck, unreached_modules
+
+    ReachCheck(root, unreached_modules(root, caps.unreached), model, layout["dp_flat"].get_group(), device)
+
+
 def cp_flavour(plan: Plan) -> Callable[..., Any] | None:
     """The cp attention ``plan.cp_kind`` asks for (``context.apply_context_parallel``'s ``attention``): None for
     the K/V all-gather, ``context_heads.heads_attention`` for the all-to-all over heads."""
@@ -531,6 +552,9 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     elif plain_ddp(plan, local):
         roots = apply_replicate(root, units, layout["dp_flat"].get_group(), find_unused=bool(caps.unused))
     else:
+        if caps.unreached and plan.dp > 1:  # FSDP reduces what has a gradient: the ranks must agree on what ran
+            _check_reach(root, caps, root.get_submodule(call_trace(root, transformer, analysis, caps).entry), layout,
+                         device)
         roots = apply_data_parallel(root, units, dp_mesh, plan.zero, plan.precision, divide, offload)
     check_applied(root, ties, every_param=pipeline is None)
     return Applied(fsdp_roots=roots, pipeline=pipeline, pipeline_root=split, experts=experts, expert_meshes=meshes,

@@ -39,6 +39,9 @@ class Capabilities:
     causal: bool | None = None  # every block's attention is causal by itself (None: not known; ``check_cp``)
     unpaddable: dict[int, str] = field(default_factory=dict)  # tp -> why SP cannot pad ('' where it can)
     unused: list[str] = field(default_factory=list)  # trainable parameters no forward uses (the trace's)
+    # trainable parameters (root-relative) the call trace on token ids never reached: a batch may skip them (a
+    # VLM's projector without images), and whether one does is the data's (parallel/unreached.py)
+    unreached: list[str] = field(default_factory=list)
     moe: str = ""  # "": no MoE layers; "ep": a layout expert parallelism supports; "unsupported"
     # why the embedding and LM head of this model cannot be sharded by vocabulary ('' where they can;
     # ``parallel.vocab.module_refusal``); a plan's own reasons (pp, tp not dividing V) come from ``vocab.refusal``
@@ -58,7 +61,7 @@ class Capabilities:
         # which do not deep-copy), traced facts -- are read, never changed, so both records hold the same ones
         return dataclasses.replace(
             self, allowed=copy.deepcopy(self.allowed), excluded=dict(self.excluded), unpaddable=dict(self.unpaddable),
-            unused=list(self.unused), _checks=dict(self._checks),
+            unused=list(self.unused), unreached=list(self.unreached), _checks=dict(self._checks),
             _memo={key: value for key, value in self._memo.items() if key not in MODULE_MEMOS})
 
     def ties(self, root: nn.Module) -> list[Any]:

@@ -497,6 +497,30 @@ def make_llava(**_: object) -> L.LightningModule:
     return LitVisionLanguage(model)
 
 
+class LitMixedVisionLanguage(LitVisionLanguage):
+    """LitVisionLanguage where only the rows whose first id is even carry an image (the others: text only, no
+    placeholder): a data-parallel rank whose rows have none skips the tower and the projector."""
+
+    def loss(self, batch) -> torch.Tensor:
+        from lightning_autopar.models.gpt import lm_loss
+
+        idx, targets = batch
+        image = idx[:, 0] % 2 == 0
+        pixels = (idx.float() * (2.0 / VOCAB) - 1.0).view(-1, CHANNELS, IMAGE, IMAGE)[image]
+        slots = image[:, None] & (torch.arange(idx.shape[1], device=idx.device) < PATCHES)[None, :]
+        ids = torch.where(slots, torch.full_like(idx, IMAGE_TOKEN), idx)
+        logits = self.model(input_ids=ids, pixel_values=pixels if bool(image.any()) else None).logits
+        return lm_loss(logits[:, PATCHES:], targets[:, PATCHES:])
+
+
+def make_llava_mixed(**_: object) -> L.LightningModule:
+    """LLaVA with its tower trained, on batches where some rows have no image: in the matrix's data, one of the
+    four data-parallel ranks' second batch has none."""
+    lit = make_llava()
+    lit.model.model.vision_tower.requires_grad_(True)
+    return LitMixedVisionLanguage(lit.model)
+
+
 # ------------------------------------------------------------------------------------------- fused per-head qkv
 
 
@@ -876,6 +900,8 @@ MODELS: dict[str, ThirdPartyModel] = {
     "switch": ThirdPartyModel(make_switch, moe=True, tied=True),
     # a vision-language model (issue 26): a frozen CLIP tower, a projector, a Llama text model
     "llava": ThirdPartyModel(make_llava),
+    # images in some rows only (issue 26: parameters a rank's batch may skip); tp2, pp2 and ga2 run as llava's
+    "llava_mixed": ThirdPartyModel(make_llava_mixed, not_run=("tp2", "pp2", "ga2")),
     "titan_llama": ThirdPartyModel(make_titan_llama),
     # q, k and v fused and interleaved per head (``view(..., heads, 3 * head_dim)``, then ``chunk(3, -1)``): the
     # row's point is tp2; zero3 and ga2 run as llama's
