@@ -318,7 +318,7 @@ def check_pipeline_once(root: nn.Module, transformer: nn.Module, analysis: Model
     def run() -> None:
         split, split_analysis = caps.memo("pipeline split", lambda: pipeline_split(root, transformer, analysis))
         path = next(n for n, m in root.named_modules() if m is split)
-        trace = pipeline_trace(root, transformer, analysis, caps, split, model_call)
+        trace = pipeline_trace(root, transformer, analysis, caps, split, path, model_call)
         parts = check_pipeline(split_analysis, split, root, pp, vpp, trace, path)
         caps.memo("pipeline parts", lambda: parts)
 
@@ -326,16 +326,16 @@ def check_pipeline_once(root: nn.Module, transformer: nn.Module, analysis: Model
 
 
 def pipeline_trace(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis, caps: Capabilities,
-                   split: nn.Module, model_call: Callable[[], Any] | None) -> Any:
+                   split: nn.Module, path: str, model_call: Callable[[], Any] | None) -> Any:
     """The trace that tells the pipeline which stage runs each part outside the blocks: the call trace on token
     ids, or, where it fails (a ViT: pixels) or leaves a parameter-holding module outside the blocks uncalled that
     the user's call may run (a VLM's vision tower and projector: token ids alone never reach them), the trace of
-    the user's call (``model_call``, run up to the model's forward once). Once per model."""
+    the user's call (``model_call``, run up to the model's forward once). ``path``: the split's name under
+    ``root``. Once per model."""
     from lightning_autopar.parallel.units import trace_model_call
 
     def choose() -> Any:
         trace = call_trace(root, transformer, analysis, caps)
-        path = next(n for n, m in root.named_modules() if m is split)
         modules = [n for n, m in split.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
         outside = [f"{path}.{n}" if path else n for n in modules if not n.startswith(analysis.blocks_fqn + ".")]
         if model_call is None or (trace.traced and all(n in trace.called for n in outside)):
@@ -501,7 +501,8 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
         else:
             split, split_analysis = pipeline_split(root, transformer, analysis)
             pipeline = Pipeline(split, split_analysis, layout["pp"], schedule, plan.vpp, plan.grad_accum, device,
-                                loss_fn, layers_per_stage, parts=caps.memo("pipeline parts", lambda: None))
+                                loss_fn, layers_per_stage,
+                                parts=caps.memo("pipeline parts", lambda: None))  # check_plan's pipeline check's
     local = present_blocks(analysis, transformer)
     apply_tensor_parallel(transformer, local, layout["tp"], sp=plan.sp)  # 2. TP
     if plan.sp:  # 2. SP (parallel.sequence): hooks on the blocks this rank keeps, cut between pipeline chunks
