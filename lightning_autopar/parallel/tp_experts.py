@@ -52,6 +52,7 @@ def fused_split_dims(experts: nn.Module, moe: MoEInfo, where: str, interleaved: 
     widths = (ffn, 2 * ffn)
     dims: dict[str, tuple[int, int]] = {}
     once: list[str] = []
+    hidden = _hidden_of(experts, moe)
 
     def pieces(width: int) -> int:
         return 1 if interleaved or not moe.gated else width // ffn
@@ -60,10 +61,10 @@ def fused_split_dims(experts: nn.Module, moe: MoEInfo, where: str, interleaved: 
         param = own_parameters(experts)[name]
         shape = tuple(param.shape)
         if param.dim() == 2:
-            if shape[1] in widths and shape[1] != _hidden_of(experts, moe):
+            if shape[1] in widths and shape[1] != hidden:
                 dims[name] = (1, pieces(shape[1]))
                 continue
-            if shape[1] == _hidden_of(experts, moe) and shape[1] not in widths:
+            if shape[1] == hidden and shape[1] not in widths:
                 once.append(name)
                 continue
         elif param.dim() == 3:

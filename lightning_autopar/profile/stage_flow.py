@@ -12,7 +12,7 @@ The recorder follows the values: the outputs of every module that holds paramete
 before the first block are *tainted*, and so is whatever an op computes from a tainted value outside the blocks
 (not ops that read only a tensor's metadata or shape: ``new_zeros``, ``*_like``, ``x.to(y)``'s ``y``). A tainted
 value reaching a block other than as its hidden state (the first positional tensor, else the first floating
-keyword: ``standins.hidden_argument``), a later block's hidden state, an op inside a block, or an op after the
+keyword: ``hidden_slot``), a later block's hidden state, an op inside a block, or an op after the
 last block is recorded as one line naming where it came from (``Trace.carried``).
 """
 
@@ -33,12 +33,19 @@ VALUE_FREE = frozenset({"new_zeros", "new_ones", "new_empty", "new_full", "zeros
 SELF_ONLY = frozenset({"to", "type_as", "expand_as", "view_as", "reshape_as"})
 
 
-def hidden_argument(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """A block's hidden-state input: its first positional tensor argument, else its first floating keyword one
-    (what a pipeline stage replaces with the received activation)."""
+def hidden_slot(args: tuple, kwargs: dict) -> int | str | None:
+    """Where a block's hidden-state input is (what a pipeline stage replaces with the received activation):
+    position 0 when it has positional arguments, else the first floating tensor keyword; None when neither."""
     if args:
-        return args[0] if isinstance(args[0], torch.Tensor) else None
-    return next((v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+        return 0
+    return next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+
+
+def hidden_argument(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A block's hidden-state input (``hidden_slot``), None where it is no tensor."""
+    slot = hidden_slot(args, kwargs)
+    value = args[0] if slot == 0 else kwargs[slot] if slot is not None else None
+    return value if isinstance(value, torch.Tensor) else None
 
 
 class StageFlow(Recorder, torch.overrides.TorchFunctionMode):

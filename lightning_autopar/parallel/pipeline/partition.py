@@ -103,10 +103,6 @@ class StageParts:
         return self.before + self.after + self.idle
 
 
-def _under(name: str, fqn: str) -> bool:
-    return fqn == "" or name == fqn or name.startswith(fqn + ".")
-
-
 def named_parts(analysis: ModelAnalysis) -> StageParts:
     """The parts the structure names, without a trace: the embeddings before the blocks, the final norm and the LM
     head after them."""
@@ -123,13 +119,16 @@ def stage_parts(split: nn.Module, analysis: ModelAnalysis, trace: CallTrace | No
     used among the blocks, held by a module holding the blocks, or used outside its module's forward. Without a
     trace of the call (or a block it never ran), the parts the structure names (``named_parts``) and nothing
     else."""
+    from lightning_autopar.parallel.units import _inside
+    from lightning_autopar.profile.records import _join
+
     blocks = analysis.blocks_fqn
 
     def full(name: str) -> str:
-        return f"{path}.{name}" if path and name else path or name
+        return _join(path, name)
 
     block_calls = [span for name, span in (trace.spans.items() if trace is not None else ())
-                   if _under(name, full(blocks)) and name != full(blocks)]
+                   if _inside(name, full(blocks)) and name != full(blocks)]
     if trace is None or not trace.traced or trace.partial or not block_calls:
         why = ("not traced" if trace is None else f"not traced ({trace.failure})" if not trace.traced or
                trace.partial else "traced without running the blocks")
@@ -153,7 +152,7 @@ def stage_parts(split: nn.Module, analysis: ModelAnalysis, trace: CallTrace | No
     def visit(fqn: str) -> None:
         module = split.get_submodule(fqn)
         direct = [_join(fqn, n) for n, _ in module.named_parameters(recurse=False)]
-        if _under(blocks, fqn):  # an ancestor of the blocks: its own parameters cannot leave it
+        if _inside(blocks, fqn):  # an ancestor of the blocks: its own parameters cannot leave it
             if direct:
                 raise refuse(direct[0], f"is held by '{fqn or type(split).__name__}', which also holds the blocks")
             for child, _ in module.named_children():
@@ -169,7 +168,7 @@ def stage_parts(split: nn.Module, analysis: ModelAnalysis, trace: CallTrace | No
                 return
         elif all(full(fqn) in stack for stack in stacks):
             first, last = trace.spans[full(fqn)]
-            inside_blocks = any(_under(m, full(blocks)) for stack in stacks for m in stack)
+            inside_blocks = any(_inside(m, full(blocks)) for stack in stacks for m in stack)
             if last < first_block and not inside_blocks:
                 parts["before"].append(fqn)
                 return
@@ -187,10 +186,6 @@ def stage_parts(split: nn.Module, analysis: ModelAnalysis, trace: CallTrace | No
     visit("")
     after = sorted(parts["after"], key=lambda f: trace.spans[full(f)][0])
     return StageParts(tuple(parts["before"]), tuple(after), tuple(parts["idle"]))
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def _checked_named_parts(split: nn.Module, analysis: ModelAnalysis, why: str = "not traced") -> StageParts:

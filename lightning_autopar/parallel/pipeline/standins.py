@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_autopar.profile.stage_flow import hidden_slot
+
 
 class StageBlocks(nn.ModuleList):
     """A ModuleList holding some of the original blocks under their original indices (names unchanged);
@@ -150,13 +152,13 @@ class InjectReceived(ReadsThrough):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         received = self.__dict__["_run_ref"].received
-        if args:
+        slot = hidden_slot(args, kwargs)
+        if slot is None:
+            raise RuntimeError("pipeline: cannot find the hidden-state argument of the first block")
+        if slot == 0:
             args = (received, *args[1:])
         else:
-            key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
-            if key is None:
-                raise RuntimeError("pipeline: cannot find the hidden-state argument of the first block")
-            kwargs = {**kwargs, key: received}
+            kwargs = {**kwargs, slot: received}
         replay = self.__dict__["_run_ref"].replay
         if replay is not None:  # before the chunk's first router, so recorded outputs stay in layer order
             replay()
