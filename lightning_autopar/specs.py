@@ -122,7 +122,7 @@ class ModelSpec:
     moe_replay: bool = False
     # the runtime can shard the token embedding and LM head by vocabulary over TP (parallel.vocab; False where the
     # model's capabilities refuse it: a weight used outside its module, not an nn.Embedding / nn.Linear). The
-    # planner then divides them by tp where pp == 1 and tp divides the vocabulary (planner.cost_memory.vocab_split)
+    # planner then divides them by tp where tp divides the vocabulary (planner.cost_memory.vocab_split)
     vocab_parallel: bool = True
     units: list[UnitSpec] = field(default_factory=list)  # unit form (any model); empty: a transformer
     # unit form from the module structure alone: why the meta trace of the forward failed. Only data

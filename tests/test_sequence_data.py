@@ -1,6 +1,7 @@
 """SP and CP on real data (issue 18): batches whose sequence length changes (64/32) at tp2+sp x dp2 and cp2 x dp2,
-lengths the split does not divide (30 at tp4+sp and at cp2: padded at the split, the padding dropped where the
-sequence is gathered back, causal attention only), and Hugging Face Llama on right-padded batches with an
+lengths the split does not divide (30 at tp4+sp and at cp2, 31 at tp2+sp x pp2 whose stages send the padded
+sequence split: padded at the split, the padding dropped where the sequence is gathered back, causal attention
+only), and Hugging Face Llama on right-padded batches with an
 ``attention_mask`` at cp2 x dp2 and tp2+sp x dp2 -- each equal to the single-process loop over the same batches
 (losses every step, final weights). A bidirectional encoder with an indivisible length is refused in one line."""
 

@@ -1,7 +1,9 @@
 """Vocabulary parallelism (``parallel.vocab``): under tp the token embedding is sharded by vocabulary rows, the LM
 head by output columns, the token cross-entropy computed on the shards. Every plan equals the single-process loop
 (losses per step, final weights: rtol 1e-5) -- our GPT with tied weights at tp=2, tp=4 and tp=2 x dp=2 zero=3, a
-tiny HF Llama (untied; its ``labels=`` loss too), GPT-2 (tied) --, each rank holds 1/tp of the embedding and head,
+tiny HF Llama (untied; its ``labels=`` loss too), GPT-2 (tied), and under pp=2 x tp=2 our untied GPT and the
+Llama (its ``labels=`` loss; with SP), each stage sharding what it holds --, each rank holds 1/tp of the embedding
+and head,
 a loss that is not the token cross-entropy gathers the logits (exact, one line), and the planner prices what runs
 (no processes for the refusals and the planner)."""
 
@@ -81,10 +83,10 @@ def _plan(**fields) -> Plan:
     return Plan(**{"dp": 1, "tp": 2, "pp": 1, **fields})
 
 
-def test_refused_where_tp_does_not_divide_the_vocabulary_or_under_pp():
+def test_refused_where_tp_does_not_divide_the_vocabulary():
     assert refusal(_plan(tp=2), 64, "") == ""
+    assert refusal(_plan(tp=2, pp=2), 64, "") == ""  # each stage shards the part it holds
     assert refusal(_plan(tp=3), 64, "") == "tp=3 does not divide the vocabulary (64 rows)"
-    assert refusal(_plan(tp=2, pp=2), 64, "") == "pp=2: the pipeline stages hold the embedding and the head apart"
     assert refusal(_plan(tp=2), 64, "a model's reason") == "a model's reason"
 
 
@@ -126,8 +128,8 @@ LLAMA_32K = ModelSpec(name="llama-32k", layers=2, hidden=4096, heads=32, ffn_hid
 
 def test_the_planner_divides_embedding_head_and_logits_where_the_runtime_does():
     tp, pp = np.array([1, 4, 4, 3]), np.array([1, 1, 2, 1])
-    assert vocab_split(LLAMA_32K, tp, pp).tolist() == [1, 4, 1, 1]  # pp > 1, 3 not dividing 32000: whole
-    assert logits_split(LLAMA_32K, tp, pp, np.array([1, 1, 1, 1])).tolist() == [1, 4, 1, 1]
+    assert vocab_split(LLAMA_32K, tp, pp).tolist() == [1, 4, 4, 1]  # 3 not dividing 32000: whole
+    assert logits_split(LLAMA_32K, tp, pp, np.array([1, 1, 1, 1])).tolist() == [1, 4, 4, 1]
     assert logits_split(LLAMA_32K, 4, 1, 2) == 1  # cp: the head's output gathered whole
     off = ModelSpec(**{**LLAMA_32K.__dict__, "vocab_parallel": False})
     assert vocab_split(off, 4, 1) == 1

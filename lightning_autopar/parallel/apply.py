@@ -7,8 +7,9 @@
 2. TP (``tensor``): DTensor layouts on the remaining blocks (all experts still present, each split inside); with
    plan.sp, SP (``sequence``): the hidden states between the TP regions split along the sequence over the tp ranks.
 2a. Vocabulary parallel (``vocab``): the token embedding sharded by vocabulary rows and the LM head by output
-   columns over the tp group, the token cross-entropy computed on the vocabulary shards; off (one line saying why)
-   under pp > 1, when tp does not divide the vocabulary, or when the model uses either weight outside its module.
+   columns over the tp group (under pp, each stage the part it holds), the token cross-entropy computed on the
+   vocabulary shards; off (one line saying why) when tp does not divide the vocabulary, or when the model uses
+   either weight outside its module.
 2b. CP (``context``): the transformer's sequence inputs split over the cp ranks and its outputs gathered back,
    attention over the whole sequence (K/V all-gathered); after TP (heads local), checked live on a short sequence;
    with PP before the split (the hooks must reach the embeddings the stages swap in and out, and the whole model
@@ -383,19 +384,21 @@ def vocab_modules(root: nn.Module, transformer: nn.Module, analysis: ModelAnalys
     return where
 
 
-def _apply_vocab(root: nn.Module, where: VocabModules | None, plan: Plan, layout: MeshLayout,
+def _apply_vocab(root: nn.Module, where: VocabModules | None, rows: int, plan: Plan, layout: MeshLayout,
                  caps: Capabilities) -> VocabState | None:
-    """Step 2a: the vocabulary shards, or one line (rank 0) saying why the embedding and head stay whole."""
+    """Step 2a: the vocabulary shards (``rows``: the embedding's, read before a pipeline split), or one line
+    (rank 0) saying why the embedding and head stay whole."""
     from lightning_autopar.parallel.vocab import apply_vocab_parallel, refusal
 
-    rows = root.get_submodule(where.embedding).weight.shape[0] if where is not None else 0
     why = refusal(plan, rows, caps.vocab if where is not None else caps.vocab or "not found")
     if why:
         if torch.distributed.get_rank() == 0:
             print(f"autopar: vocabulary parallel off ({why}): the embedding and the LM head stay whole on every "
                   "tp rank", flush=True)
         return None
-    return apply_vocab_parallel(root, where, layout["tp"], gather_logits=plan.cp > 1)
+    me = torch.distributed.get_rank()
+    first = all(min(layout.ranks(name)) == me for name in ("dp_flat", "cp"))  # (the head's stage prints the line)
+    return apply_vocab_parallel(root, where, layout["tp"], rows, gather_logits=plan.cp > 1, first_replica=first)
 
 
 def check_plan(plan: Plan, analysis: ModelAnalysis, root: nn.Module, transformer: nn.Module,
@@ -476,7 +479,8 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     check_compile(plan.compile, plan.pp, device.type, schedule=applied_schedule(plan))
     check_offload(plan.offload, plan.precision, device.type)
     ties = caps.ties(root)
-    where = vocab_modules(root, transformer, analysis, caps) if plan.tp > 1 and plan.pp == 1 else None
+    where = vocab_modules(root, transformer, analysis, caps) if plan.tp > 1 else None
+    rows = root.get_submodule(where.embedding).weight.shape[0] if where is not None else 0  # before the split
     units = None
     if plan.pp == 1:  # chosen on the untouched model: TP and EP below change its parameters
         units = choose_units(root, transformer, [b.fqn for b in analysis.blocks], analysis.spec.seq_len,
@@ -508,9 +512,10 @@ def apply_plan(root: nn.Module, transformer: nn.Module, analysis: ModelAnalysis,
     if plan.sp:  # 2. SP (parallel.sequence): hooks on the blocks this rank keeps, cut between pipeline chunks
         from lightning_autopar.parallel.sequence import apply_sequence_parallel
 
-        chunks = [list(c.blocks) for c in pipeline.chunks] if isinstance(pipeline, Pipeline) else None
+        chunks = ([(list(c.blocks), c.is_first, c.is_last) for c in pipeline.chunks]
+                  if isinstance(pipeline, Pipeline) else None)
         apply_sequence_parallel(transformer, local, layout["tp"], chunks, unpaddable=caps.unpaddable_at(plan.tp))
-    vocab = _apply_vocab(root, where, plan, layout, caps) if plan.tp > 1 else None  # 2a. vocabulary parallel
+    vocab = _apply_vocab(root, where, rows, plan, layout, caps) if plan.tp > 1 else None  # 2a. vocabulary parallel
     if plan.cp > 1 and plan.pp == 1:  # 2b. CP
         context = apply_context_parallel(transformer, [transformer.get_submodule(b.fqn) for b in local.blocks],
                                          layout["cp"].get_group(), analysis.spec.name, root,

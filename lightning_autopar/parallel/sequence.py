@@ -6,7 +6,9 @@ states), so the activations of norms, residual adds and dropout are divided by t
 
 * each run of consecutive blocks present on this rank (with PP: each contiguous run of each chunk) scatters its
   hidden-state input along S at its first block (backward: all-gather of the gradients) and all-gathers its output
-  at its last block (backward: this rank's chunk of the TP-replicated gradient). Other block arguments (masks,
+  at its last block (backward: this rank's chunk of the TP-replicated gradient). Between pipeline stages the
+  sequence stays split: a non-last chunk sends its output as this rank's chunk and the next one takes it as such
+  (Megatron-LM's p2p of the sequence shard, 1/tp of the bytes; ``StageEdges``). Other block arguments (masks,
   rotary cos/sin, position ids) stay whole;
 * the attention module and a dense MLP module all-gather their hidden-state input (backward: reduce-scatter,
   summing the column projections' partial input gradients, which then run without Megatron's f). Their column
@@ -88,10 +90,13 @@ def _map_call(args: tuple, kwargs: dict, fn: Callable, test: Callable[[Any], boo
 # ------------------------------------------------------------------------------------------- hooks
 
 
-def _scatter_hook(state: _SeqState, where: str) -> Callable:
+def _scatter_hook(state: _SeqState, where: str, received: bool = False) -> Callable:
     """First block of a run: its whole-sequence hidden-state input -> this rank's chunk, zero-padded at the end to
     a multiple of tp first where that is exact (``check_length``). The chunk is tagged, so the re-run of a
-    recomputed block (called again with its chunked input) leaves it alone."""
+    recomputed block (called again with its chunked input) leaves it alone. ``received``: the run starts a
+    pipeline chunk whose input is the previous stage's output, already this rank's chunk (``_received_hook``)."""
+    if received:
+        return _received_hook(state)
 
     def split(t: torch.Tensor) -> torch.Tensor:
         seq, tp = t.shape[1], state.comm.tp
@@ -109,6 +114,29 @@ def _scatter_hook(state: _SeqState, where: str) -> Callable:
         if hidden is not None and hidden.shape[1] % state.comm.tp:
             check_length(where, hidden.shape[1], state.comm.tp, state.unpaddable or _spanning(args, kwargs, hidden))
         return _map_call(args, kwargs, split, test)
+
+    return hook
+
+
+def _received_hook(state: _SeqState) -> Callable:
+    """First block of a non-first pipeline chunk: the received activation is this rank's sequence chunk (the
+    previous stage sent its run's output split: Megatron's p2p of the sequence shard under SP, 1/tp of the
+    bytes); only the lengths are set, the whole one from the hidden state the activation stands for (what the
+    stage computed before its blocks: ``pipeline.standins.STANDS_FOR``). A recompute, outside the stage's
+    forward, keeps the lengths its forward set."""
+    from lightning_autopar.parallel.pipeline.standins import STANDS_FOR
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = next((t for t in tree_flatten((args, kwargs))[0] if _is_hidden(t, state, None)), None)
+        if hidden is None:
+            return
+        whole = STANDS_FOR.get()
+        state.local = hidden.shape[1]
+        if whole is not None and len(whole) > 1:
+            state.length = whole[1]
+        elif -(-state.length // state.comm.tp) != state.local:
+            state.length = state.local * state.comm.tp
+        hidden._autopar_sp_local = True
 
     return hook
 
@@ -232,17 +260,20 @@ def block_runs(transformer: nn.Module, analysis: ModelAnalysis,
 
 
 def install(transformer: nn.Module, analysis: ModelAnalysis, comm: SeqComm, runs: list[list[str]],
-            gather_runs: bool = True, unpaddable: str = NOT_CHECKED) -> list[RemovableHandle]:
+            gather_runs: bool = True, unpaddable: str = NOT_CHECKED,
+            edges: StageEdges | None = None) -> list[RemovableHandle]:
     """Add the SP hooks (module doc) to the blocks of ``analysis`` in ``transformer``; ``runs``: the block paths of
     each contiguous run (``block_runs``); ``gather_runs`` False leaves the runs' outputs split (the dry run);
-    ``unpaddable``: why a length tp does not divide cannot be padded ('' where it can: ``check_sp``). Returns the
-    hooks' handles."""
+    ``unpaddable``: why a length tp does not divide cannot be padded ('' where it can: ``check_sp``); ``edges``:
+    the runs that a pipeline stage receives split and those it sends split. Returns the hooks' handles."""
     state = _SeqState(comm, analysis.spec.hidden, unpaddable)
+    edges = edges or StageEdges()
     handles = []
     for run in runs:
         first, last = transformer.get_submodule(run[0]), transformer.get_submodule(run[-1])
-        handles.append(first.register_forward_pre_hook(_scatter_hook(state, run[0]), with_kwargs=True))
-        if gather_runs:
+        handles.append(first.register_forward_pre_hook(
+            _scatter_hook(state, run[0], received=id(first) in edges.received), with_kwargs=True))
+        if gather_runs and id(last) not in edges.sent:
             handles.append(last.register_forward_hook(_gather_output_hook(state)))
     for info in analysis.blocks:
         _check_structure(info)
@@ -279,14 +310,32 @@ def _grad_sum_hooks(block: nn.Module, info: BlockInfo, group: Any) -> list[Remov
     return handles
 
 
+@dataclass(frozen=True)
+class StageEdges:
+    """A pipeline's sequence-split edges on this rank (ids of block modules): ``received``, the first block of each
+    non-first chunk, whose input arrives as this rank's sequence chunk; ``sent``, the last block of each non-last
+    chunk, whose output leaves split (the stage sends 1/tp of the sequence, as Megatron-LM does under SP)."""
+
+    received: frozenset[int] = frozenset()
+    sent: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, chunks: list[tuple[list[nn.Module], bool, bool]]) -> StageEdges:
+        """From each chunk's (block modules, is first, is last)."""
+        return cls(frozenset(id(blocks[0]) for blocks, first, _ in chunks if blocks and not first),
+                   frozenset(id(blocks[-1]) for blocks, _, last in chunks if blocks and not last))
+
+
 def apply_sequence_parallel(transformer: nn.Module, analysis: ModelAnalysis, tp_mesh: DeviceMesh,
-                            chunks: list[list[nn.Module]] | None = None, unpaddable: str = NOT_CHECKED) -> None:
-    """SP on the blocks of ``analysis`` present in ``transformer`` (``chunks``: the pipeline chunks' block
-    modules), after ``tensor.apply_tensor_parallel`` with ``sp=True`` laid out their projections; ``unpaddable``:
-    the model's ``Capabilities.unpaddable_at(tp)`` (``check_sp``)."""
+                            chunks: list[tuple[list[nn.Module], bool, bool]] | None = None,
+                            unpaddable: str = NOT_CHECKED) -> None:
+    """SP on the blocks of ``analysis`` present in ``transformer`` (``chunks``: the pipeline chunks' block modules,
+    and whether each is the first / last chunk), after ``tensor.apply_tensor_parallel`` with ``sp=True`` laid out
+    their projections; ``unpaddable``: the model's ``Capabilities.unpaddable_at(tp)`` (``check_sp``)."""
     if tp_mesh.size() > 1:
         comm = SeqComm(tp_mesh.get_group(), tp_mesh.size(), tp_mesh.get_local_rank())
-        install(transformer, analysis, comm, block_runs(transformer, analysis, chunks), unpaddable=unpaddable)
+        runs = block_runs(transformer, analysis, [blocks for blocks, _, _ in chunks] if chunks else None)
+        install(transformer, analysis, comm, runs, unpaddable=unpaddable, edges=StageEdges.of(chunks or []))
 
 
 # ------------------------------------------------------------------------------------------- check

@@ -16,8 +16,9 @@ after TP (``apply.apply_plan``).
   shape and dtype steps a loss takes first (``reshape``, ``view``, ``float``, slicing the tokens) keep the shards.
   Any other use gathers the logits whole (``full_tensor``, exact, differentiable) with one line on rank 0.
 
-It stays off, with the reason (``refusal``), under pp > 1 (the stages hold the embedding and the head apart), when
-tp does not divide the vocabulary, when the embedding or the head is not a plain ``nn.Embedding`` / ``nn.Linear``,
+Under pp > 1 each stage shards what it holds: the first stage's embedding, the last stage's head (whose logits go
+to the user's loss on that stage as ``VocabLogits``); a tie across stages is refused by the split itself
+(``pipeline.partition``). It stays off, with the reason (``refusal``), when tp does not divide the vocabulary, when the embedding or the head is not a plain ``nn.Embedding`` / ``nn.Linear``,
 and when the model uses either weight outside that module's own call (found by the trace of the model's call:
 a functional use would meet a shard where it expects the whole matrix). Under CP the head's output is gathered
 (``gather_logits``): CP's hooks gather the sequence of plain tensors.
@@ -56,14 +57,14 @@ class VocabModules:
 @dataclass
 class VocabState:
     """One model's vocabulary shards: the TP mesh, this rank's rows [start, end), whether the head's output is
-    gathered (CP), and whether the gather line was printed."""
+    gathered (CP), whether the gather line was printed, and whether this rank prints it (``reporter``)."""
 
     mesh: Any
     start: int
     end: int
     gather_logits: bool = False
     reported: bool = False
-    rank: int = 0
+    reporter: bool = False
     handles: list[Any] = field(default_factory=list)
 
     @property
@@ -96,15 +97,16 @@ def _tied_head(root: nn.Module, weight: Any) -> str:
     return next((n for n, m in root.named_modules() if isinstance(m, nn.Linear) and m.weight is weight), "")
 
 
-def _holders(root: nn.Module, where: VocabModules) -> tuple[list[str], list[str]]:
-    """(embeddings, heads): every nn.Embedding holding the token embedding's weight and every nn.Linear holding
-    the head's -- a tie across modules (T5, BART: one table for the encoder's, the decoder's and the shared
-    embedding, and the head) makes each of them a lookup or a head of the same shards. Called once
-    ``module_refusal`` found the two modules of those types, so each list holds at least that one."""
-    emb, head = root.get_submodule(where.embedding), root.get_submodule(where.head)
-    embeddings = [n for n, m in root.named_modules() if isinstance(m, nn.Embedding) and m.weight is emb.weight]
-    heads = [n for n, m in root.named_modules() if isinstance(m, nn.Linear) and m.weight is head.weight]
-    return embeddings, heads
+def _holders(root: nn.Module, emb: nn.Module | None, head: nn.Module | None) -> tuple[list[str], list[str]]:
+    """(embeddings, heads): every nn.Embedding holding ``emb``'s weight and every nn.Linear holding ``head``'s --
+    a tie across modules (T5, BART: one table for the encoder's, the decoder's and the shared embedding, and the
+    head) makes each of them a lookup or a head of the same shards. None (a pipeline stage without it): no
+    holders."""
+    def holding(kind: type[nn.Module], weight: Any) -> list[str]:
+        return [n for n, m in root.named_modules() if isinstance(m, kind) and m.weight is weight]
+
+    return (holding(nn.Embedding, emb.weight) if emb is not None else [],
+            holding(nn.Linear, head.weight) if head is not None else [])
 
 
 def _join(prefix: str, name: str) -> str:
@@ -120,7 +122,7 @@ def module_refusal(root: nn.Module, where: VocabModules, uses: dict[str, list[tu
         return f"the token embedding '{where.embedding}' is a {type(emb).__name__}, not an nn.Embedding"
     if not isinstance(head, nn.Linear) or tuple(head.weight.shape) != tuple(emb.weight.shape):
         return f"the LM head '{where.head}' is not an nn.Linear of the embedding's shape {tuple(emb.weight.shape)}"
-    embeddings, heads = _holders(root, where)
+    embeddings, heads = _holders(root, emb, head)
     odd = next((n for n in embeddings if not _plain_embedding(root.get_submodule(n))), None)
     if odd is not None:
         return f"the token embedding '{odd}' renormalises or scales its gradient by frequency"
@@ -145,8 +147,6 @@ def refusal(plan: Plan, rows: int, model_refusal: str) -> str:
     embedding's, ``model_refusal`` the model's own reason (``module_refusal``)."""
     if plan.tp == 1:
         return "tp=1"
-    if plan.pp > 1:
-        return f"pp={plan.pp}: the pipeline stages hold the embedding and the head apart"
     if rows % plan.tp:
         return f"tp={plan.tp} does not divide the vocabulary ({rows} rows)"
     return model_refusal
@@ -155,20 +155,24 @@ def refusal(plan: Plan, rows: int, model_refusal: str) -> str:
 # ------------------------------------------------------------------------------------------- apply
 
 
-def apply_vocab_parallel(root: nn.Module, where: VocabModules, tp_mesh: DeviceMesh,
-                         gather_logits: bool = False) -> VocabState:
+def apply_vocab_parallel(root: nn.Module, where: VocabModules, tp_mesh: DeviceMesh, rows: int,
+                         gather_logits: bool = False, first_replica: bool = True) -> VocabState:
     """Shard ``where``'s embedding by vocabulary rows and its head by output columns over ``tp_mesh`` (module doc),
     in place; a tie stays one Parameter, and every module holding it looks up / projects through the shards
-    (``_holders``). ``gather_logits``: the head returns the whole logits (CP)."""
-    import torch.distributed as dist
-
-    emb, head = root.get_submodule(where.embedding), root.get_submodule(where.head)
+    (``_holders``). ``rows``: the vocabulary (the embedding's rows, read before a pipeline split, after which a
+    stage holds only its own part: the embedding, the head, or neither -- a stand-in in their place).
+    ``gather_logits``: the head returns the whole logits (CP). ``first_replica``: this rank is the first of its data-
+    and context-parallel groups (with the head and TP rank 0, it prints the gather line)."""
     tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
-    rows = emb.weight.shape[0] // tp
-    for param in dict.fromkeys([emb.weight, head.weight] + ([head.bias] if head.bias is not None else [])):
+    shard = rows // tp
+    emb, head = _held(root, where.embedding, nn.Embedding), _held(root, where.head, nn.Linear)
+    state = VocabState(tp_mesh, rank * shard, (rank + 1) * shard, gather_logits,
+                       reporter=head is not None and rank == 0 and first_replica)
+    params = [m.weight for m in (emb, head) if m is not None] + ([head.bias] if head is not None and head.bias
+                                                                 is not None else [])
+    for param in dict.fromkeys(params):
         _shard_everywhere(root, param, tp_mesh)
-    state = VocabState(tp_mesh, rank * rows, (rank + 1) * rows, gather_logits, rank=dist.get_rank())
-    embeddings, heads = _holders(root, where)
+    embeddings, heads = _holders(root, emb, head)
     for name in embeddings:
         module = root.get_submodule(name)
         state.handles += [module.register_forward_pre_hook(_embedding_pre(state), with_kwargs=True),
@@ -178,6 +182,12 @@ def apply_vocab_parallel(root: nn.Module, where: VocabModules, tp_mesh: DeviceMe
         state.handles += [module.register_forward_pre_hook(_head_pre(state), with_kwargs=True),
                           module.register_forward_hook(_head_post(state))]
     return state
+
+
+def _held(root: nn.Module, path: str, kind: type[nn.Module]) -> nn.Module | None:
+    """The module at ``path`` where this rank holds it (a ``kind``), None where a pipeline stand-in is there."""
+    module = root.get_submodule(path)
+    return module if isinstance(module, kind) else None
 
 
 def _shard_everywhere(root: nn.Module, param: nn.Parameter, mesh: DeviceMesh) -> None:
@@ -278,9 +288,11 @@ _KEEP = {torch.Tensor.reshape, torch.Tensor.view, torch.Tensor.float, torch.Tens
          torch.Tensor.to, torch.Tensor.__getitem__}
 # what reads the logits' metadata only (the global shape, dtype, device), and autograd hooks on them (FSDP2's
 # pre-backward hook on its root's outputs), which see the gradient as the vocab-sharded DTensor it is
-_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
+# (torch.distributed.pipelining's stage reads a last stage's outputs' strides and, after their backward, detaches
+# them in place where they are no views)
+_METADATA = {torch.Tensor.size, torch.Tensor.stride, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
              torch.Tensor.is_floating_point, torch.Tensor.element_size, torch.Tensor.register_hook,
-             torch.Tensor.retain_grad}
+             torch.Tensor.retain_grad, torch.Tensor._is_view, torch.Tensor.detach_}
 
 
 class VocabLogits(torch.distributed.tensor.DTensor):
@@ -343,11 +355,12 @@ def _whole(value: Any) -> Any:
 
 
 def _report(state: VocabState, name: str) -> None:
-    """The one line (rank 0, once per model) saying the logits were gathered."""
+    """The one line (once per model, from one rank holding the head: ``VocabState.reporter``) saying the logits
+    were gathered."""
     if state.reported:
         return
     state.reported = True
-    if state.rank == 0:
+    if state.reporter:
         print(f"autopar: the vocabulary-parallel logits are used by {name}, not the token cross-entropy: gathered "
               "whole over the tp group there (exact; no logits memory saved)", flush=True)
 

@@ -135,11 +135,12 @@ def logits_bytes(m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any) 
 
 def vocab_split(m: ModelSpec, tp: Any, pp: Any) -> Any:
     """The divisor of the token embedding and LM head a TP rank holds: tp where vocabulary parallelism runs
-    (parallel/vocab.py: the model allows it, ``m.vocab_parallel``; pp == 1; tp divides V), else 1 (whole on every
-    TP rank). Embedding rows and head columns V/tp per rank (Megatron-LM's VocabParallelEmbedding and
-    column-parallel output layer, Shoeybi et al. 2019)."""
+    (parallel/vocab.py: the model allows it, ``m.vocab_parallel``; tp divides V; under pp > 1 too, each stage
+    sharding the part it holds), else 1 (whole on every TP rank). Embedding rows and head columns V/tp per rank
+    (Megatron-LM's VocabParallelEmbedding and column-parallel output layer, Shoeybi et al. 2019). ``pp`` sets the
+    result's shape only."""
     tp = np.asarray(tp, dtype=float)
-    on = bool(m.vocab_parallel) & (np.asarray(pp) == 1) & (np.mod(m.vocab, np.maximum(tp, 1)) == 0)
+    on = bool(m.vocab_parallel) & (np.mod(m.vocab, np.maximum(tp, 1)) == 0) & (np.asarray(pp) > 0)
     return np.where(on, tp, 1.0)
 
 

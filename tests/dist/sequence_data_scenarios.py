@@ -28,6 +28,7 @@ PLANS = {
     "gpt_alternating_sp": ("gpt", "tp=2,dp=2,zero=3,sp=true", [64, 32]),
     "gpt_alternating_cp": ("gpt", "cp=2,dp=2,zero=3", [64, 32]),
     "gpt_30_sp": ("gpt", "tp=4,dp=1,sp=true", [30]),
+    "gpt_31_sp_pp2": ("gpt", "tp=2,pp=2,dp=1,sp=true", [31]),  # padded, and sent split between the stages
     "gpt_30_cp": ("gpt", "cp=2,dp=2,zero=3", [30]),
     "llama_mask_cp": ("llama_masked", "cp=2,dp=2,zero=3", [16]),
     "llama_mask_sp": ("llama_masked", "tp=2,dp=2,zero=3,sp=true", [16]),
@@ -123,7 +124,8 @@ def fit(name: str):
 
 
 def run(out: Path, name: str) -> None:
-    from scenarios import full_state, record
+    from pp_scenarios import gathered_state
+    from scenarios import record
 
     from lightning_autopar import AutoparError
 
@@ -136,7 +138,7 @@ def run(out: Path, name: str) -> None:
             record(out, name, error=None)
         return
     module, losses, plan = fit(name)
-    record(out, name, losses=losses, state=full_state(module), plan=plan)
+    record(out, name, losses=losses, state=gathered_state(module), plan=plan)  # pipeline stages merged
 
 
 if __name__ == "__main__":

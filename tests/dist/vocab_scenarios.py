@@ -1,6 +1,7 @@
 """Vocabulary parallelism (``parallel.vocab``) under strategy="autopar": our GPT with tied embedding and head at tp=2,
-tp=4 and tp=2 x dp=2 zero=3, a tiny Hugging Face Llama (untied; its ``labels=`` loss too), GPT-2 (tied), and a loss
-that is not the token cross-entropy (the logits gathered, with one line). Each records the losses, the final state,
+tp=4 and tp=2 x dp=2 zero=3, a tiny Hugging Face Llama (untied; its ``labels=`` loss too), GPT-2 (tied), a loss
+that is not the token cross-entropy (the logits gathered, with one line), and pp=2 x tp=2 (our untied GPT, the
+Llama's ``labels=`` loss, the Llama with SP). Each records the losses, the final state,
 the plan, the embedding / head bytes this rank holds and the lines the run printed (tests/test_vocab_parallel.py
 compares them with the single-process loop).
 
@@ -29,9 +30,13 @@ PLANS = {
     "llama_labels_tp2": ("llama_labels", "tp=2,dp=1"),
     "gpt2_tp2": ("gpt2", "tp=2,dp=1"),
     "gpt_fallback_tp2": ("gpt_fallback", "tp=2,dp=1"),
+    # under a pipeline each stage shards what it holds: the first the embedding, the last the head and the loss
+    "gpt_tp2_pp2": ("gpt", "tp=2,pp=2,dp=1"),
+    "llama_labels_tp2_pp2": ("llama_labels", "tp=2,pp=2,dp=1"),
+    "llama_tp2_pp2_sp": ("llama", "tp=2,pp=2,dp=1,sp=1"),
 }
 WORLD2 = ["gpt_tied_tp2", "llama_tp2", "llama_labels_tp2", "gpt2_tp2", "gpt_fallback_tp2"]
-WORLD4 = ["gpt_tied_tp4", "gpt_tied_tp2_dp2_zero3"]
+WORLD4 = ["gpt_tied_tp4", "gpt_tied_tp2_dp2_zero3", "gpt_tp2_pp2", "llama_labels_tp2_pp2", "llama_tp2_pp2_sp"]
 
 
 class LabelsLM(LitLM):
@@ -56,6 +61,8 @@ def make(model: str):
     """The LightningModule factory for ``model`` (the single-process reference uses the same)."""
     if model == "gpt_tied":
         return lambda **_: make_module(tied_embeddings=True)
+    if model == "gpt":
+        return lambda **_: make_module(tied_embeddings=False)
     if model == "gpt_fallback":
         return lambda **_: LogSoftmaxLM(make_module(tied_embeddings=True).model)
     if model in ("llama", "llama_labels"):
@@ -70,7 +77,21 @@ def make(model: str):
 
 
 def held_bytes(module: torch.nn.Module) -> dict[str, int]:
-    """Bytes of the token embedding's and LM head's weights this rank holds (a tie counted once)."""
+    """Bytes of the token embedding's and LM head's weights each rank holds (a tie counted once), over the ranks
+    (under a pipeline a stage holds one of them): name -> the bytes every rank holding it holds (-1 where ranks
+    differ)."""
+    import torch.distributed as dist
+
+    everyone: list[dict[str, int]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, _held_here(module))
+    out: dict[str, int] = {}
+    for held in everyone:
+        for name, nbytes in held.items():
+            out[name] = nbytes if out.get(name, nbytes) == nbytes else -1
+    return out
+
+
+def _held_here(module: torch.nn.Module) -> dict[str, int]:
     from common import VOCAB
     from torch.distributed.tensor import DTensor
 
@@ -89,14 +110,15 @@ def _vocab_name(name: str) -> bool:
 
 
 def run(out: Path, name: str) -> None:
-    from scenarios import fit, full_state, record
+    from pp_scenarios import gathered_state
+    from scenarios import fit, record
 
     model, fix = PLANS[name]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         trainer, module, losses, plan = fit(fix, make=make(model))
     lines = [line for line in printed.getvalue().splitlines() if line.startswith("autopar:")]
-    record(out, name, losses=losses, state=full_state(module), plan=plan, held=held_bytes(module), lines=lines)
+    record(out, name, losses=losses, state=gathered_state(module), plan=plan, held=held_bytes(module), lines=lines)
 
 
 if __name__ == "__main__":

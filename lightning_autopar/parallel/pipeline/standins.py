@@ -13,6 +13,8 @@ activation (``InjectReceived``); a non-last chunk stops at the first part after 
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 from typing import Any, Callable, Sequence
 
 import torch
@@ -142,6 +144,12 @@ class ExitStage(nn.Module):
         raise StageOutput(x)
 
 
+# while a non-first chunk's first block runs: the shape of the hidden state the received activation stands for
+# (what the stage computed before its blocks; read by SP's hooks, parallel.sequence, where the activation arrives
+# as this rank's sequence chunk and the whole length is not in its shape)
+STANDS_FOR: ContextVar[tuple[int, ...] | None] = ContextVar("autopar_stands_for", default=None)
+
+
 class InjectReceived(ReadsThrough):
     """In place of a non-first chunk's first block while it runs: feeds it the received activation."""
 
@@ -155,6 +163,7 @@ class InjectReceived(ReadsThrough):
         slot = hidden_slot(args, kwargs)
         if slot is None:
             raise RuntimeError("pipeline: cannot find the hidden-state argument of the first block")
+        stands_for = args[0] if slot == 0 else kwargs[slot]
         if slot == 0:
             args = (received, *args[1:])
         else:
@@ -162,7 +171,11 @@ class InjectReceived(ReadsThrough):
         replay = self.__dict__["_run_ref"].replay
         if replay is not None:  # before the chunk's first router, so recorded outputs stay in layer order
             replay()
-        return self.__dict__["_original"](*args, **kwargs)
+        token = STANDS_FOR.set(tuple(stands_for.shape) if isinstance(stands_for, torch.Tensor) else None)
+        try:
+            return self.__dict__["_original"](*args, **kwargs)
+        finally:
+            STANDS_FOR.reset(token)
 
 
 def replace_submodule(root: nn.Module, fqn: str, module: nn.Module) -> None:
