@@ -179,7 +179,8 @@ def lightning_module(built: Any) -> Any:
 
 
 def spec_module(spec: ModelSpec) -> Any:
-    """The reference GPT (``models.gpt``) of ``spec``'s shape with AdamW, as a LightningModule."""
+    """The reference GPT (``models.gpt``) of ``spec``'s shape with AdamW, as a LightningModule; no learned
+    position table (a spec has none: Llama's rotary positions hold no parameters, and the planner prices none)."""
     from lightning_autopar.models import GPTConfig
     from lightning_autopar.models.lit import LitGPT
 
@@ -189,7 +190,7 @@ def spec_module(spec: ModelSpec) -> Any:
     cfg = GPTConfig(vocab=spec.vocab, seq_len=spec.seq_len, layers=spec.layers, hidden=spec.hidden,
                     heads=spec.heads, kv_heads=spec.kv_heads, ffn_hidden=spec.ffn_hidden, ffn_kind=spec.ffn_kind,
                     experts=spec.experts, top_k=spec.top_k, moe_every=spec.moe_every,
-                    tied_embeddings=spec.tied_embeddings)
+                    tied_embeddings=spec.tied_embeddings, learned_positions=False)
     return LitGPT(cfg, optimizer="adamw", lr=1e-4)
 
 
@@ -236,7 +237,8 @@ class CollectiveRecorder:
     (group kind, op) -> [count, bytes] (bytes: torch's ``fake_collectives.CollectiveOp.get_comm_tensor_size``,
     the whole buffer: an all-gather's output, a reduce-scatter's input). The gathers and reductions FSDP2 issues
     (inside its ``foreach_all_gather`` / ``foreach_reduce``, torch 2.13's private names) are "fsdp" whatever their
-    group (with dp_shard 1 and cp, FSDP's group is the cp group); ``kind_of(ranks, op)`` names the others."""
+    group (with dp_shard 1 and cp, FSDP's group is the cp group); ``kind_of(ranks, op)`` names the others. The
+    collectives DTensor issues inside its own dispatch are recorded too."""
 
     def __init__(self, kind_of: Callable[[tuple[int, ...], str], str]) -> None:
         self.kind_of = kind_of
@@ -246,6 +248,7 @@ class CollectiveRecorder:
     def recording(self) -> Iterator[CollectiveRecorder]:
         import torch.distributed as dist
         from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
+        from torch.distributed.tensor import DTensor
         from torch.utils._python_dispatch import TorchDispatchMode
 
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_group
@@ -263,6 +266,10 @@ class CollectiveRecorder:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if any(isinstance(t, type) and issubclass(t, DTensor) for t in types):
+                    # modes run before subclasses: let DTensor run its op, so the collectives it issues inside
+                    # (loss_parallel's reductions, a redistribute) come back here (torch's CommDebugMode does so)
+                    return NotImplemented
                 out = func(*args, **(kwargs or {}))
                 if func in collective_ops and func not in sync_ops:
                     pg = CollectiveOp.get_process_group(func, args)

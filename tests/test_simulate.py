@@ -14,14 +14,13 @@ from lightning_autopar.specs import ModelSpec
 
 GIB = 2**30
 SEQ = 8
-# 2 blocks of hidden 64: the reference GPT adds learned positions (SEQ x hidden, 0.4% here) to the spec's count
+# 2 blocks of hidden 64 (the simulated reference GPT has no learned position table: the spec prices none)
 SPEC = ModelSpec(name="sim-tiny", layers=2, hidden=64, heads=4, vocab=128, seq_len=SEQ)
 BASE = "pp=1,cp=1,ep=1,sp=false,compile=false,recompute=none,offload=none,precision=fp32,mbs=1"
 BLOCK = 4 * 64 * 64 + 2 * 64 * 256 + 4 * 64  # attention, MLP, two LayerNorms (weight + bias)
 EDGE = 2 * 128 * 64 + 2 * 64  # embedding, LM head, final norm
-POS = SEQ * 64
-PARAMS = 2 * BLOCK + EDGE + POS  # what the reference GPT holds
-TENSORS = 2 * 10 + 5  # parameter tensors: 10 per block; embeddings, final norm, head
+PARAMS = 2 * BLOCK + EDGE  # what the reference GPT holds
+TENSORS = 2 * 10 + 4  # parameter tensors: 10 per block; embedding, final norm, head
 
 
 def run(fix: str, world: int, global_batch: int, **kwargs):
@@ -65,11 +64,38 @@ def test_zero3_collectives(zero3):
     # micro-batch's forward those blocks again (the planner priced every unit twice per micro-batch before
     # issue 27; now the kept ones once per step)
     assert ag["count"] == units + (blocks - 1) * (2 * ga - 1) == ag["predicted_count"]
-    kept = BLOCK + EDGE + POS
+    kept = BLOCK + EDGE
     assert ag["bytes"] == 4 * (kept + 2 * ga * (PARAMS - kept))
     assert ag["bytes"] == pytest.approx(ag["predicted_bytes"], rel=0.01)
     loss = collective(zero3, "dp", "all_reduce")  # the logged loss, averaged over the data-parallel ranks
     assert loss["count"] == 1 and loss["bytes"] == 4
+
+
+def test_mixed_precision_states_are_the_planners_in_the_runtimes_split():
+    """bf16-mixed: the planner's ZeRO bytes (2 + 2 + 12 per parameter) stated as the runtime holds them (its fp32
+    parameter is the master copy, its gradient fp32: 4 + 4 + 8; planner.traffic.runtime_split)."""
+    report = run("dp=8,dp_shard=8,tp=1,zero=3,grad_accum=1,precision=bf16-mixed", 8, 8)
+    m, p = report.ranks[0].measured, report.ranks[0].predicted
+    assert m["params_gib"] * GIB == m["grads_gib"] * GIB == PARAMS * 4 / 8
+    for key in ("params_gib", "grads_gib", "optimizer_gib"):
+        assert m[key] == pytest.approx(p[key], rel=0.01), key
+
+
+def test_sequence_parallel_pipeline_collectives():
+    """tp=2 with SP in two pipeline stages, full recompute on every block: the stages send this rank's sequence
+    chunk (Megatron's, 1/tp of the activation), and TP's collectives are counted as the runtime issues them
+    (planner.traffic.tp_block_collectives): 6 all-gathers per block and micro-batch, 4 reduce-scatters plus the
+    recompute's 1, the norms' 4 gradient all-reduces, one gather at each end of the block stack."""
+    report = run("dp=1,tp=2,sp=true,pp=2,zero=1,grad_accum=2,schedule=1f1b,recompute=full", 4, 2,
+                 ranks="first,last")
+    act = 1 * SEQ * 64 * 4 // 2  # one micro-batch's hidden states, fp32, this TP rank's half of the sequence
+    for op in ("send", "recv"):
+        row = collective(report, "pp", op)
+        assert row["count"] == row["predicted_count"] == 2 and row["bytes"] == row["predicted_bytes"] == 2 * act
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):  # (all-reduces: the vocabulary's and the norms')
+        row = collective(report, "tp", op)
+        assert row["count"] == row["predicted_count"], row
+        assert row["bytes"] == pytest.approx(row["predicted_bytes"], rel=0.05), row
 
 
 def test_json_keys(zero3):
@@ -85,24 +111,23 @@ def test_json_keys(zero3):
 def test_tensor_parallel_layout():
     report = run("dp=2,tp=2,zero=0,grad_accum=1", 4, 2, ranks="first,last")
     assert [r.rank for r in report.ranks] == [0, 3]
-    # projections split, and the token embedding and LM head by vocabulary (parallel/vocab.py); norms and the
-    # learned positions whole
-    tp_params = 2 * (BLOCK - 4 * 64) // 2 + 2 * 4 * 64 + EDGE - 128 * 64 + POS
+    # projections split, and the token embedding and LM head by vocabulary (parallel/vocab.py); norms whole
+    tp_params = 2 * (BLOCK - 4 * 64) // 2 + 2 * 4 * 64 + EDGE - 128 * 64
     for rank in report.ranks:
         m, p = rank.measured, rank.predicted
         assert m["params_gib"] * GIB == tp_params * 4  # zero 0: FSDP2 on a replicate mesh keeps them whole
-        # the planner holds the same (less the learned positions); its unsharded compute copy beside the (here
-        # whole) shard, which FSDP2 frees after backward, is left to the peak (planner.traffic.compute_copy_bytes)
-        assert p["params_gib"] * GIB == pytest.approx((tp_params - POS) * 4)
+        # the planner holds the same; its unsharded compute copy beside the (here whole) shard, which FSDP2 frees
+        # after backward, is left to the peak (planner.traffic.compute_copy_bytes)
+        assert p["params_gib"] * GIB == pytest.approx(tp_params * 4)
     ar = collective(report, "tp", "all_reduce")
     tokens = 1 * SEQ * 64 * 4  # one micro-batch's hidden states, fp32
     # per block: o_proj and down_proj forward (g); backward q, k, v and up_proj's inputs (f, one per projection:
     # the planner prices Megatron's fused QKV, two per block each way); the vocabulary-parallel embedding's g
-    # forward and the head's f backward. The loss's three all-reduces of one fp32 value per token (max, sum-exp,
-    # target logit) run inside DTensor's dispatch (loss_parallel), which the recorder's dispatch mode does not
-    # enter: predicted only
-    assert ar["count"] == 2 * 6 + 2 and ar["bytes"] == (2 * 6 + 2) * tokens
-    assert ar["predicted_count"] == 2 * 4 + 2 + 3 and ar["predicted_bytes"] == (2 * 4 + 2) * tokens + 3 * SEQ * 4
+    # forward and the head's f backward; the loss's three all-reduces of one fp32 value per token (max, sum-exp,
+    # target logit), inside DTensor's dispatch (loss_parallel)
+    loss = 3 * SEQ * 4
+    assert ar["count"] == 2 * 6 + 2 + 3 and ar["bytes"] == (2 * 6 + 2) * tokens + loss
+    assert ar["predicted_count"] == 2 * 4 + 2 + 3 and ar["predicted_bytes"] == (2 * 4 + 2) * tokens + loss
 
 
 def test_pipeline_stages():
@@ -111,7 +136,7 @@ def test_pipeline_stages():
     for rank in report.ranks:
         m, p = rank.measured, rank.predicted
         # zero 1 runs as zero 2 (FSDP2 reduce-scatters): gradients and optimizer states sharded over dp
-        for key in ("grads_gib", "optimizer_gib"):
+        for key in ("params_gib", "grads_gib", "optimizer_gib"):
             assert m[key] == pytest.approx(p[key], rel=0.01), (rank.stage, key)
     act = 1 * SEQ * 64 * 4  # one micro-batch's hidden states, fp32
     for op in ("send", "recv"):  # activations forward, gradients backward: one per micro-batch each way

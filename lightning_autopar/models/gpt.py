@@ -29,6 +29,10 @@ class GPTConfig:
     tied_embeddings: bool = False
     dropout: float = 0.0
     aux_loss_coef: float = 0.01
+    # a learned position table (seq_len x hidden); False: none (a spec whose positions hold no parameters, as
+    # Llama's rotary ones: what ``autopar simulate`` builds for such a preset, so the model's parameters are the
+    # spec's)
+    learned_positions: bool = True
 
     def __post_init__(self) -> None:
         self.kv_heads = self.kv_heads or self.heads
@@ -137,7 +141,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_emb = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden) if cfg.learned_positions else None
         self.blocks = nn.ModuleList(
             Block(cfg, moe=cfg.experts > 0 and (i + 1) % cfg.moe_every == 0) for i in range(cfg.layers)
         )
@@ -157,8 +161,9 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))

@@ -7,7 +7,7 @@ tensor, an all-to-all's input, a send's tensor.
 
 Counts follow the cost model's units: one FSDP unit per block plus one for the stage's embedding / norm / head,
 TP's two collectives per block forward and two backward (Megatron's f and g; with SP an all-gather and a
-reduce-scatter each; full recompute re-runs the forward ones), CP's K/V all-gather per block forward and
+reduce-scatter each, and what the time terms hide or leave out: ``tp_block_collectives``), CP's K/V all-gather per block forward and
 reduce-scatter backward (the heads flavour: four all-to-alls each way), EP's dispatch and combine per MoE block each way, one p2p transfer per micro-batch each
 way between neighbouring chunks, and the vocabulary-parallel embedding, head and loss (``vocab_collectives``)."""
 
@@ -20,7 +20,7 @@ import numpy as np
 from lightning_autopar.dims import runs_fsdp, runs_plain_ddp
 from lightning_autopar.planner.cost_comm import cp_heads_kv_heads
 from lightning_autopar.planner.cost_memory import fsdp_shard_copy_bytes, vocab_split
-from lightning_autopar.planner.hardware import ACT_BYTES, GRAD_REDUCE_BYTES, WEIGHT_BYTES, Hardware
+from lightning_autopar.planner.hardware import ACT_BYTES, GRAD_REDUCE_BYTES, OPTIM_BYTES, WEIGHT_BYTES, Hardware
 from lightning_autopar.planner.terms import DPC_TERMS, _dp_rank_terms, rank_param_counts
 from lightning_autopar.specs import OFFLOAD_MODES, PRECISIONS, ModelSpec, Plan, PricedPlan
 
@@ -75,7 +75,22 @@ def predicted_states(model: ModelSpec, cluster: Any, plan: Plan, layers_per_stag
                    a(plan.cp), a(plan.tp), a(plan.ep), a(ds), a(p_d), a(p_e), a(unit), a(0.0), a(plan.pp),
                    np.array([OFFLOAD_MODES.index(plan.offload)]), trains=model.trainable_share(), held_d=a(held_d))
     params, grads, optim = (float(dpc[name][0][0]) / GIB for name in ("m_params", "m_grads", "m_optim"))
-    return params - compute_copy_bytes(plan, held_d + p_e, p_e > 0) / GIB, grads, optim
+    return runtime_split(params - compute_copy_bytes(plan, held_d + p_e, p_e > 0) / GIB, grads, optim,
+                         plan.precision)
+
+
+def runtime_split(params: float, grads: float, optim: float, precision: str) -> tuple[float, float, float]:
+    """The search's (weights, gradients, optimizer) in the runtime's split. The search counts ZeRO's bytes per
+    parameter (Rajbhandari et al. 2020: mixed precision 2 + 2 + 12, the fp32 master copy among the optimizer's
+    12); under autocast and FSDP2's MixedPrecisionPolicy the runtime's parameter is itself the fp32 master copy,
+    its gradient fp32, and the optimizer holds Adam's two states: 4 + 4 + 8, the same 16 bytes (each term here
+    is sharded alike: the compute copy is out, ``compute_copy_bytes``). fp32 runs 4 + 4 + 8 both ways."""
+    prec = PRECISIONS.index(precision)
+    w, o = float(WEIGHT_BYTES[prec]), float(OPTIM_BYTES[prec])
+    master = o - float(OPTIM_BYTES[0])  # the fp32 copy the search puts among the optimizer's states (0 in fp32)
+    if not master:
+        return params, grads, optim
+    return params * master / w, grads * float(GRAD_REDUCE_BYTES[prec]) / w, optim * (o - master) / o
 
 
 def compute_copy_bytes(plan: Plan, params: float, has_moe: bool) -> float:
@@ -126,13 +141,9 @@ def step_collectives(model: ModelSpec, plan: Plan, layers_per_stage: list[int], 
     # full recompute re-runs a block's forward, its collectives included, on one block in recompute_every
     rerun = -(-blocks // max(plan.recompute_every, 1)) if plan.recompute == "full" else 0
     if plan.tp > 1:
-        one = tokens * model.hidden * elem
-        n = ga * (4 * blocks + 2 * rerun)  # f and g forward, their transposes backward
-        if plan.sp:
-            add("tp", "all_gather", n, n * one)
-            add("tp", "reduce_scatter", n, n * one)
-        else:
-            add("tp", "all_reduce", n, n * one)
+        for key, count, nbytes in tp_block_collectives(model, plan, blocks, rerun, tokens, elem, wbytes,
+                                                       int(he) + int(hh)):
+            add("tp", key, count, nbytes)
     for key, count, nbytes in vocab_collectives(model, plan, he, hh, tokens, elem):
         add("tp", key, count, nbytes)
     if plan.cp > 1 and plan.cp_kind == "heads":  # q, k, v and the output exchanged each way (context_heads.py)
@@ -155,6 +166,31 @@ def step_collectives(model: ModelSpec, plan: Plan, layers_per_stage: list[int], 
         add("pp", "send", sends, sends * act)
         add("pp", "recv", sends, sends * act)
     return out
+
+
+def tp_block_collectives(model: ModelSpec, plan: Plan, blocks: int, rerun: int, tokens: float, elem: float,
+                         wbytes: float, ends: int) -> list[tuple[str, float, float]]:
+    """(op, count, bytes) over the TP group of one step for the rank's ``blocks`` (``rerun`` of them recomputed in
+    full), T*h each (``cost_comm.tp_comm_per_block``): Megatron's f and g, two forward and their transposes two
+    backward per block and micro-batch; a recompute re-runs the forward's but the last (torch's checkpoint stops
+    once the saved tensors are rebuilt: the block's output collective is not re-run). With SP (parallel/sequence.py)
+    the forward's pair is an all-gather and a reduce-scatter, and backward also gathers again the input chunk each
+    column projection kept (Megatron's; a recomputed block has it from its recompute): 6 all-gathers per block,
+    4 reduce-scatters plus 1 per recompute; the norms' gradients, computed on this rank's tokens, are summed over TP
+    per use (4 per block: the spec's two norms' weight and bias, ``ModelSpec.block_params``; in the gradient dtype
+    the blocks compute in); and at the stack's ``ends`` the rank holds (its first block: the split's backward, its
+    last: the output's forward; stages in between pass the sequence split) one all-gather each. The time terms
+    leave out the re-gather, hidden behind the weight-gradient GEMM (Korthikanti et al. 2022, sec. 4.2.2), the
+    ends' gathers (one per micro-batch and end, against 6 per block) and the norms' all-reduces (h elements
+    each)."""
+    ga = plan.grad_accum
+    one = tokens * model.hidden * elem
+    if not plan.sp:
+        n = ga * (4 * blocks + rerun)
+        return [("all_reduce", n, n * one)]
+    gathers, scatters, norms = ga * (6 * blocks + ends), ga * (4 * blocks + rerun), ga * 4 * blocks
+    return [("all_gather", gathers, gathers * one), ("reduce_scatter", scatters, scatters * one),
+            ("all_reduce", norms, norms * model.hidden * wbytes)]
 
 
 def vocab_collectives(model: ModelSpec, plan: Plan, he: bool, hh: bool, tokens: float,
