@@ -67,13 +67,14 @@ def test_each_rank_holds_one_tp_th_of_the_embedding_and_head(world2, world4, nam
     assert not any("vocabulary parallel off" in line for line in result["lines"])
 
 
-def test_a_loss_that_is_not_the_cross_entropy_gathers_with_one_line(world2):
-    lines = load(world2, "gpt_fallback_tp2")["lines"]
+def test_a_loss_that_is_not_the_cross_entropy_gathers_with_one_line(world2, world4):
+    lines = load(world2, "gpt_fallback_tp2")["lines"]  # every rank's
     gathered = [line for line in lines if line.startswith(GATHER_LINE)]
     assert len(gathered) == 1 and "log_softmax" in gathered[0], lines
-    for name in V.WORLD2:  # the token cross-entropy (ours, HF's labels=) stays on the shards
-        if name != "gpt_fallback_tp2":
-            assert not any(line.startswith(GATHER_LINE) for line in load(world2, name)["lines"]), name
+    for name in V.WORLD2 + V.WORLD4:  # the token cross-entropy (ours, HF's labels=) stays on the shards, also
+        if name != "gpt_fallback_tp2":  # on a pipeline's last stage (its schedule reads the logits' metadata)
+            lines = _result(world2, world4, name)["lines"]
+            assert not any(line.startswith(GATHER_LINE) for line in lines), (name, lines)
 
 
 # ------------------------------------------------------------------------------------------- refusals (no processes)

@@ -109,6 +109,16 @@ def _vocab_name(name: str) -> bool:
     return any(part in name for part in ("tok_emb", "embed_tokens", "wte", "lm_head"))
 
 
+def every_ranks_lines(mine: list[str]) -> list[str]:
+    """The autopar lines every rank printed, in rank order (under a pipeline the head's stage prints the gather
+    line)."""
+    import torch.distributed as dist
+
+    everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    return [line for lines in everyone for line in lines]
+
+
 def run(out: Path, name: str) -> None:
     from pp_scenarios import gathered_state
     from scenarios import fit, record
@@ -117,7 +127,7 @@ def run(out: Path, name: str) -> None:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         trainer, module, losses, plan = fit(fix, make=make(model))
-    lines = [line for line in printed.getvalue().splitlines() if line.startswith("autopar:")]
+    lines = every_ranks_lines([line for line in printed.getvalue().splitlines() if line.startswith("autopar:")])
     record(out, name, losses=losses, state=gathered_state(module), plan=plan, held=held_bytes(module), lines=lines)
 
 
