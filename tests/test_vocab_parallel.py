@@ -1,7 +1,8 @@
 """Vocabulary parallelism (``parallel.vocab``): under tp the token embedding is sharded by vocabulary rows, the LM
 head by output columns, the token cross-entropy computed on the shards. Every plan equals the single-process loop
 (losses per step, final weights: rtol 1e-5) -- our GPT with tied weights at tp=2, tp=4 and tp=2 x dp=2 zero=3, a
-tiny HF Llama (untied; its ``labels=`` loss too), GPT-2 (tied), and under pp=2 x tp=2 our untied GPT and the
+tiny HF Llama (untied; its ``labels=`` loss too), GPT-2 (tied), ignored targets with ``reduction="none"``, and
+under pp=2 x tp=2 our untied GPT and the
 Llama (its ``labels=`` loss; with SP), each stage sharding what it holds --, each rank holds 1/tp of the embedding
 and head,
 a loss that is not the token cross-entropy gathers the logits (exact, one line), and the planner prices what runs
@@ -61,7 +62,7 @@ def test_each_rank_holds_one_tp_th_of_the_embedding_and_head(world2, world4, nam
     plan = result["plan"]
     whole = VOCAB * HIDDEN * 4  # fp32 [V, h]
     shards = plan["tp"] * (plan["dp"] if plan["zero"] == 3 else 1)  # FSDP shards the TP shard over dp
-    tied = V.PLANS[name][0] in ("gpt_tied", "gpt_fallback", "gpt2")
+    tied = V.PLANS[name][0] in ("gpt_tied", "gpt_fallback", "gpt_ignore_none", "gpt2")
     assert len(result["held"]) == (1 if tied else 2), result["held"]  # a tie stays one tensor
     assert all(b == whole // shards for b in result["held"].values()), result["held"]
     assert not any("vocabulary parallel off" in line for line in result["lines"])

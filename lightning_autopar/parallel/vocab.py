@@ -11,8 +11,9 @@ after TP (``apply.apply_plan``).
   [B, S, V/tp] logits, is returned as ``VocabLogits``: a DTensor ``Shard(-1)`` over the TP mesh. A tied head keeps
   the embedding's sharded Parameter, so the tie stays one tensor.
 * ``F.cross_entropy`` on ``VocabLogits`` (HF's ``labels=`` loss and ``models.gpt.lm_loss`` both call it) runs
-  torch's ``loss_parallel`` on the shards -- the max, the sum of exponentials and the target logit reduced over
-  TP, no rank materialising [tokens, V] -- in the forward and in the backward (``_ShardedCrossEntropy``). The
+  Megatron's vocab-parallel cross-entropy on the shards -- the max, the sum of exponentials and the target logit
+  reduced over TP, no rank materialising [tokens, V], one fp32 buffer of the shard's size that becomes the softmax
+  and then, in place, the gradient (``_ShardedCrossEntropy``). The
   shape and dtype steps a loss takes first (``reshape``, ``view``, ``float``, slicing the tokens) keep the shards.
   Any other use gathers the logits whole (``full_tensor``, exact, differentiable) with one line on rank 0.
 
@@ -366,8 +367,8 @@ def _report(state: VocabState, name: str) -> None:
 
 
 def _sharded_cross_entropy(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """``F.cross_entropy(*args, **kwargs)`` on the vocabulary shards, or None where ``loss_parallel`` does not
-    compute it (class weights, label smoothing, probabilities as targets, logits not [N, V])."""
+    """``F.cross_entropy(*args, **kwargs)`` on the vocabulary shards, or None where ``_ShardedCrossEntropy`` does
+    not compute it (class weights, label smoothing, probabilities as targets, logits not [N, V])."""
     bound = _CROSS_ENTROPY.bind(*args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
@@ -377,33 +378,57 @@ def _sharded_cross_entropy(args: tuple, kwargs: dict) -> torch.Tensor | None:
             or a["size_average"] is not None or a["reduce"] is not None or a["label_smoothing"] != 0.0):
         return None
     with torch_function_disabled():
-        return _ShardedCrossEntropy.apply(logits, target, int(a["ignore_index"]), a["reduction"])
+        local = logits.to_local()  # differentiable: the gradient comes back as the vocab-sharded DTensor
+    return _ShardedCrossEntropy.apply(local, target, logits._vocab, int(a["ignore_index"]), a["reduction"])
 
 
 class _ShardedCrossEntropy(torch.autograd.Function):
-    """torch's ``loss_parallel`` cross-entropy (max, sum-exp and target logit reduced over TP; torchtitan) with its
-    backward run under ``loss_parallel`` too, whenever the caller's ``backward()`` runs: the forward keeps its own
-    small graph from a detached view of the shards, the backward differentiates it. Returns a plain tensor (the
-    same on every TP rank)."""
+    """The token cross-entropy on this rank's vocabulary shard of the logits [N, V/tp] (a plain local tensor; rows
+    [start, end) of the vocabulary), Megatron-LM's ``vocab_parallel_cross_entropy`` (Shoeybi et al. 2019): the row
+    max, the target's logit and the sum of exponentials reduced over the TP group, computed in fp32 in one working
+    buffer that ends as the softmax, saved for backward, where the gradient is made in it in place. Memory: that
+    buffer, T*V/tp*4 bytes, besides the input (torch's ``loss_parallel`` holds three fp32 tensors of that size at
+    its peak). Returns the loss, the same on every TP rank, reduced as ``reduction`` asks (``mean``: over the
+    targets that are not ``ignore_index``, as ``F.cross_entropy``)."""
 
     @staticmethod
-    def forward(ctx, logits: Any, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
-        from torch.distributed.tensor.parallel import loss_parallel
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, state: VocabState, ignore_index: int,
+                reduction: str) -> torch.Tensor:
+        import torch.distributed as dist
 
-        leaf = logits.detach().requires_grad_()
-        with torch.enable_grad(), loss_parallel():
-            loss = F.cross_entropy(leaf, target, ignore_index=ignore_index, reduction=reduction)
-        ctx.graph = (leaf, loss)
-        return loss.to_local().detach()
+        work = logits.float()
+        if work is logits:  # an fp32 input stays the caller's
+            work = logits.clone()
+        top = work.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=state.group)
+        work.sub_(top.unsqueeze(-1))
+        valid = target != ignore_index
+        mine = valid & (target >= state.start) & (target < state.end)
+        local = (target - state.start).masked_fill(~mine, 0)
+        picked = work.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        work.exp_()
+        total = work.sum(dim=-1)
+        dist.all_reduce(picked, group=state.group)
+        dist.all_reduce(total, group=state.group)
+        per_token = (total.log() - picked).masked_fill(~valid, 0.0)
+        work.div_(total.unsqueeze(-1))  # the softmax, for backward
+        ctx.save_for_backward(work, local, mine, valid)
+        ctx.reduction, ctx.dtype = reduction, logits.dtype
+        if reduction == "none":
+            return per_token.to(logits.dtype)
+        loss = per_token.sum()
+        if reduction == "mean":
+            loss = loss / valid.sum()
+        return loss.to(logits.dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[Any, None, None, None]:
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        leaf, loss = ctx.graph
-        ctx.graph = None
-        with loss_parallel():
-            upstream = DTensor.from_local(grad.contiguous(), loss.device_mesh, loss.placements, run_check=False)
-            (out,) = torch.autograd.grad(loss, leaf, upstream)
-        return out, None, None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[Any, None, None, None, None]:
+        softmax, local, mine, valid = ctx.saved_tensors
+        grad_input = softmax  # in place: the softmax is not needed again
+        rows = torch.arange(grad_input.shape[0], device=grad_input.device)
+        grad_input[rows, local] -= mine.to(grad_input.dtype)
+        scale = grad.float() if ctx.reduction == "none" else grad.float().expand(valid.shape)
+        if ctx.reduction == "mean":
+            scale = scale / valid.sum()
+        grad_input.mul_((scale * valid).unsqueeze(-1))
+        return grad_input.to(ctx.dtype), None, None, None, None

@@ -102,8 +102,8 @@ def tp_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, c
 
 def vocab_loss_comm_time(hw: Hardware, mbs: Any, seq: Any, tp: Any, cp: Any, split: Any) -> Any:
     """The cross-entropy on vocabulary shards, per micro-batch: three all-reduces over TP of one fp32 value per
-    token -- the row max, the sum of exponentials and the target logit -- T*4 bytes each, T = mbs*seq/cp (torch's
-    loss_parallel, torchtitan; Megatron-LM's vocab_parallel_cross_entropy, Shoeybi et al. 2019); none where the
+    token -- the row max, the sum of exponentials and the target logit -- T*4 bytes each, T = mbs*seq/cp
+    (Megatron-LM's vocab_parallel_cross_entropy, Shoeybi et al. 2019; parallel/vocab.py); none where the
     vocabulary is not split (``split``: cost_memory.vocab_split, 1 there). The embedding's all-reduce and the
     head's input-gradient all-reduce are the TP edge terms (terms.py ``tp_edge``)."""
     nbytes = mbs * seq / cp * 4.0

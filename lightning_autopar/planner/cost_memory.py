@@ -127,7 +127,8 @@ def ops_saved_elements(m: ModelSpec, tp: Any) -> Any:
 
 
 def logits_bytes(m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any) -> Any:
-    """T*V/tp*(e + 4 + 4): logits, their fp32 copy and the fp32 gradient of the loss (one micro-batch at a time);
+    """T*V/tp*(e + 4 + 4): logits, their fp32 copy and the loss's fp32 buffer, its softmax and then in place its
+    gradient (parallel/vocab.py, Megatron's vocab-parallel cross-entropy; one micro-batch at a time);
     T = mbs*seq whatever cp: the logits are gathered and the loss runs on the whole sequence (parallel/context.py).
     ``tp``: the divisor of the vocabulary the rank holds (``logits_split``)."""
     return mbs * seq * m.vocab / tp * (elem + 8.0)
@@ -146,7 +147,7 @@ def vocab_split(m: ModelSpec, tp: Any, pp: Any) -> Any:
 
 def logits_split(m: ModelSpec, tp: Any, pp: Any, cp: Any) -> Any:
     """The divisor of the logits a rank holds: ``vocab_split`` (this rank's [T, V/tp] shard, the loss computed on
-    the shards: torchtitan's loss_parallel), except under cp > 1, where the head's output is gathered whole for
+    the shards: Megatron's vocab-parallel cross-entropy), except under cp > 1, where the head's output is gathered whole for
     CP's sequence gather (parallel/vocab.py ``gather_logits``)."""
     return np.where(np.asarray(cp) > 1, 1.0, vocab_split(m, tp, pp))
 

@@ -199,8 +199,7 @@ def vocab_collectives(model: ModelSpec, plan: Plan, he: bool, hh: bool, tokens: 
     (parallel/vocab.py, where ``cost_memory.vocab_split`` > 1): per micro-batch the embedding's all-reduce
     forward and the head's input-gradient all-reduce backward (T*h each, the terms' ``tp_edge``), and the loss's
     three all-reduces of T fp32 values (``cost_comm.vocab_loss_comm_time``) -- or, under cp > 1, the head's output
-    gathered whole instead (T*V). Those last run inside DTensor's dispatch (torch's loss_parallel,
-    ``full_tensor``)."""
+    gathered whole instead (T*V, inside DTensor's ``full_tensor``)."""
     if float(vocab_split(model, plan.tp, plan.pp)) <= 1:
         return []
     ga = plan.grad_accum

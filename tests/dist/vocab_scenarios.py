@@ -1,6 +1,7 @@
 """Vocabulary parallelism (``parallel.vocab``) under strategy="autopar": our GPT with tied embedding and head at tp=2,
 tp=4 and tp=2 x dp=2 zero=3, a tiny Hugging Face Llama (untied; its ``labels=`` loss too), GPT-2 (tied), a loss
-that is not the token cross-entropy (the logits gathered, with one line), and pp=2 x tp=2 (our untied GPT, the
+that is not the token cross-entropy (the logits gathered, with one line), one with ignored targets and
+``reduction="none"``, and pp=2 x tp=2 (our untied GPT, the
 Llama's ``labels=`` loss, the Llama with SP). Each records the losses, the final state,
 the plan, the embedding / head bytes this rank holds and the lines the run printed (tests/test_vocab_parallel.py
 compares them with the single-process loop).
@@ -30,12 +31,13 @@ PLANS = {
     "llama_labels_tp2": ("llama_labels", "tp=2,dp=1"),
     "gpt2_tp2": ("gpt2", "tp=2,dp=1"),
     "gpt_fallback_tp2": ("gpt_fallback", "tp=2,dp=1"),
+    "gpt_ignore_none_tp2": ("gpt_ignore_none", "tp=2,dp=1"),
     # under a pipeline each stage shards what it holds: the first the embedding, the last the head and the loss
     "gpt_tp2_pp2": ("gpt", "tp=2,pp=2,dp=1"),
     "llama_labels_tp2_pp2": ("llama_labels", "tp=2,pp=2,dp=1"),
     "llama_tp2_pp2_sp": ("llama", "tp=2,pp=2,dp=1,sp=1"),
 }
-WORLD2 = ["gpt_tied_tp2", "llama_tp2", "llama_labels_tp2", "gpt2_tp2", "gpt_fallback_tp2"]
+WORLD2 = ["gpt_tied_tp2", "llama_tp2", "llama_labels_tp2", "gpt2_tp2", "gpt_fallback_tp2", "gpt_ignore_none_tp2"]
 WORLD4 = ["gpt_tied_tp4", "gpt_tied_tp2_dp2_zero3", "gpt_tp2_pp2", "llama_labels_tp2_pp2", "llama_tp2_pp2_sp"]
 
 
@@ -57,12 +59,27 @@ class LogSoftmaxLM(LitLM):
         return -logp.gather(-1, targets.unsqueeze(-1)).mean()
 
 
+class IgnoredNoneLM(LitLM):
+    """The token cross-entropy per token (``reduction="none"``) with every third target ignored (-100), summed and
+    divided by the targets kept: the vocab-parallel loss's ``ignore_index`` and its other reduction."""
+
+    def loss(self, batch) -> torch.Tensor:
+        idx, targets = batch
+        targets = targets.clone()
+        targets[:, ::3] = -100
+        logits = self.model(idx)
+        per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+        return per_token.sum() / (targets != -100).sum()
+
+
 def make(model: str):
     """The LightningModule factory for ``model`` (the single-process reference uses the same)."""
     if model == "gpt_tied":
         return lambda **_: make_module(tied_embeddings=True)
     if model == "gpt":
         return lambda **_: make_module(tied_embeddings=False)
+    if model == "gpt_ignore_none":
+        return lambda **_: IgnoredNoneLM(make_module(tied_embeddings=True).model)
     if model == "gpt_fallback":
         return lambda **_: LogSoftmaxLM(make_module(tied_embeddings=True).model)
     if model in ("llama", "llama_labels"):
