@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMON = "mbs=1,recompute=full,compile=false,precision=bf16-mixed"
 PP_70B = "tp=8,sp=true,pp=4,vpp=2,schedule=interleaved,dp=16,zero=1,grad_accum=4"  # one stage, and all four
 CASES = {  # name -> (model, cluster, nodes, global batch, seq, fix, ranks)
-    name: (model, "h100-sxm-dgx", nodes, batch, seq, f"{fix},{COMMON}", ranks)
+    name: (model, "a100-80g-dgx" if model == "gpt-1t" else "h100-sxm-dgx", nodes, batch, seq, f"{COMMON},{fix}", ranks)
     for name, model, nodes, batch, seq, fix, ranks in [
         ("llama3-8b-dp8", "llama3-8b", 1, 8, 8192, "dp=8,zero=3,tp=1,pp=1,cp=1,grad_accum=1", None),
         ("llama3-8b-128", "llama3-8b", 16, 16, 8192, "dp=16,tp=8,sp=true,zero=3,pp=1,cp=1,grad_accum=1", None),
@@ -36,6 +36,11 @@ CASES = {  # name -> (model, cluster, nodes, global batch, seq, fix, ranks)
         ("llama3-405b-cp2-1024", "llama3-405b", 128, 64, 8192,
          "tp=8,sp=true,cp=2,pp=1,dp=64,zero=3,grad_accum=1", None),
         ("mixtral-ep8-64", "mixtral-8x7b", 8, 64, 4096, "ep=8,dp=64,zero=3,tp=1,pp=1,cp=1,grad_accum=1", None),
+        # `autopar plan --model gpt-1t --cluster a100-80g-dgx --nodes 384 --global-batch 3072`'s winner (A100s: the
+        # issue's 3,072 GPUs), its first and last stages, at the smallest global batch it allows
+        ("gpt-1t-3072", "gpt-1t", 384, 384, 2048,
+         "dp=24,zero=1,tp=16,sp=true,pp=8,vpp=8,schedule=interleaved,cp=1,grad_accum=8,mbs=2,recompute=none",
+         "first,last"),
     ]
 }
 

@@ -490,15 +490,29 @@ def value_checks_pass() -> Iterator[None]:
 
 
 def _local_bytes(tensors: Sequence[Any]) -> int:
-    """Bytes of this rank's part of ``tensors`` (a DTensor's local shard)."""
+    """Bytes of this rank's part of ``tensors``: a DTensor's shard as allocated (``_padded_numel``)."""
     total, seen = 0, set()
     for t in tensors:
         if t is None or id(t) in seen:
             continue
         seen.add(id(t))
-        local = getattr(t, "_local_tensor", t)
-        total += local.numel() * local.element_size()
+        local = getattr(t, "_local_tensor", None)
+        total += (_padded_numel(t) if local is not None else t.numel()) * t.element_size()
     return total
+
+
+def _padded_numel(dtensor: Any) -> int:
+    """Elements of a DTensor's shard as the rank allocates it: each sharded dim cut in chunks of ceil(size / n), as
+    torch.chunk does and FSDP2 pads its shards to (``_sharded_param_data``); the last ranks of a group whose size
+    does not divide the dim see a shorter view of the same allocation."""
+    import math
+
+    shape = list(dtensor.shape)
+    for mesh_dim, placement in enumerate(dtensor.placements):
+        if placement.is_shard():
+            dim = placement.dim % len(shape)
+            shape[dim] = -(-shape[dim] // dtensor.device_mesh.size(mesh_dim))
+    return math.prod(shape)
 
 
 def _states(module: Any, optimizer: Any) -> tuple[int, int, int]:
