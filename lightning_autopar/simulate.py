@@ -509,7 +509,7 @@ def _padded_numel(dtensor: Any) -> int:
 
     shape = list(dtensor.shape)
     for mesh_dim, placement in enumerate(dtensor.placements):
-        if placement.is_shard():
+        if getattr(placement, "dim", None) is not None:  # Shard, and FSDP2-over-TP's _StridedShard (no is_shard())
             dim = placement.dim % len(shape)
             shape[dim] = -(-shape[dim] // dtensor.device_mesh.size(mesh_dim))
     return math.prod(shape)

@@ -136,7 +136,6 @@ def _received_hook(state: _SeqState) -> Callable:
             state.length = whole[1]
         elif -(-state.length // state.comm.tp) != state.local:
             state.length = state.local * state.comm.tp
-        hidden._autopar_sp_local = True
 
     return hook
 

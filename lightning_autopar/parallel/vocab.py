@@ -11,17 +11,18 @@ after TP (``apply.apply_plan``).
   [B, S, V/tp] logits, is returned as ``VocabLogits``: a DTensor ``Shard(-1)`` over the TP mesh. A tied head keeps
   the embedding's sharded Parameter, so the tie stays one tensor.
 * ``F.cross_entropy`` on ``VocabLogits`` (HF's ``labels=`` loss and ``models.gpt.lm_loss`` both call it) runs
-  Megatron's vocab-parallel cross-entropy on the shards -- the max, the sum of exponentials and the target logit
-  reduced over TP, no rank materialising [tokens, V], one fp32 buffer of the shard's size that becomes the softmax
-  and then, in place, the gradient (``_ShardedCrossEntropy``). The
-  shape and dtype steps a loss takes first (``reshape``, ``view``, ``float``, slicing the tokens) keep the shards.
-  Any other use gathers the logits whole (``full_tensor``, exact, differentiable) with one line on rank 0.
+  Megatron's vocab-parallel cross-entropy on the shards (``_ShardedCrossEntropy``): the max, the sum of
+  exponentials and the target logit reduced over TP, no rank materialising [tokens, V], one fp32 buffer of the
+  shard's size that becomes the softmax and then, in place, the gradient. The shape and dtype steps a loss takes
+  first (``reshape``, ``view``, ``float``, slicing the tokens) keep the shards. Any other use gathers the logits
+  whole (``full_tensor``, exact, differentiable) with one line, from a rank holding the head.
 
 Under pp > 1 each stage shards what it holds: the first stage's embedding, the last stage's head (whose logits go
 to the user's loss on that stage as ``VocabLogits``); a tie across stages is refused by the split itself
-(``pipeline.partition``). It stays off, with the reason (``refusal``), when tp does not divide the vocabulary, when the embedding or the head is not a plain ``nn.Embedding`` / ``nn.Linear``,
-and when the model uses either weight outside that module's own call (found by the trace of the model's call:
-a functional use would meet a shard where it expects the whole matrix). Under CP the head's output is gathered
+(``pipeline.partition``). It stays off, with the reason (``refusal``), when tp does not divide the vocabulary,
+when the embedding or the head is not a plain ``nn.Embedding`` / ``nn.Linear``, and when the model uses either
+weight outside that module's own call (found by the trace of the model's call: a functional use would meet a
+shard where it expects the whole matrix). Under CP the head's output is gathered
 (``gather_logits``): CP's hooks gather the sequence of plain tensors.
 """
 

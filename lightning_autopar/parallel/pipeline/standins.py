@@ -14,7 +14,6 @@ activation (``InjectReceived``); a non-last chunk stops at the first part after 
 from __future__ import annotations
 
 from contextvars import ContextVar
-
 from typing import Any, Callable, Sequence
 
 import torch
