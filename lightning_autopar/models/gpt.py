@@ -56,11 +56,10 @@ class CausalSelfAttention(nn.Module):
         q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        if self.n_kv_heads != self.n_heads:
-            rep = self.n_heads // self.n_kv_heads
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        # GQA inside SDPA (each K/V head serves heads/kv_heads query heads): no repeated K/V is materialised, and
+        # context parallelism gathers the model's own K/V heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)
         y = y.transpose(1, 2).reshape(bsz, seq, -1)
         return self.o_proj(y)
 

@@ -111,6 +111,18 @@ def vocab_loss_comm_time(hw: Hardware, mbs: Any, seq: Any, tp: Any, cp: Any, spl
     return np.where(np.asarray(split) > 1, 3.0 * one, 0.0)
 
 
+def cp_logits_gather_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, split: Any,
+                          elem: Any) -> Any:
+    """Under cp > 1, per micro-batch on the head's stage: the logits gathered whole -- over TP where the head is
+    vocabulary-parallel (``split`` > 1: parallel/vocab.py ``gather_logits``, T/cp x V) and then over CP by its
+    output hook (parallel/context.py, T x V), forward only (their backward takes this rank's part); the loss then
+    runs on the whole sequence (Megatron computes it on the local chunks instead: not done here)."""
+    tokens = mbs * seq * m.vocab * elem
+    strides = dim_strides(1, 1, cp, tp)
+    over_tp = np.where(np.asarray(split) > 1, allgather_time(hw, tokens / cp, tp, strides["tp"]), 0.0)
+    return np.where(np.asarray(cp) > 1, over_tp + allgather_time(hw, tokens, cp, strides["cp"]), 0.0)
+
+
 def cp_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any) -> tuple[Any, Any]:
     """All-gather based CP (Llama 3; Dubey et al. 2024, sec. 3.3.2): per block forward an all-gather of K and V
     (2*mbs*seq*kv_heads*head_dim/tp*e bytes gathered over the cp group), backward a reduce-scatter of their

@@ -23,8 +23,8 @@ from lightning_autopar.planner.cost import (
     grad_accumulate_time, head_time, host_optimizer_step_time, moe_block_time, offload_copy_time,
     ops_recompute_time, optimizer_time, scaled_measure, shard_copy_time)
 from lightning_autopar.planner.cost_comm import (
-    allgather_time, allreduce_time, cp_comm_by_kind, ep_comm_per_block, p2p_time, reduce_scatter_time,
-    tp_comm_per_block, vocab_loss_comm_time)
+    allgather_time, allreduce_time, cp_comm_by_kind, cp_logits_gather_time, ep_comm_per_block, p2p_time,
+    reduce_scatter_time, tp_comm_per_block, vocab_loss_comm_time)
 from lightning_autopar.planner.cost_memory import (
     activation_bytes_per_block, ddp_bucket_bytes, fsdp_buffer_bytes, fsdp_shard_copy_bytes, host_step_copy_bytes,
     logits_bytes, logits_split, model_state_parts, offloaded_state_bytes, vocab_split)
@@ -233,7 +233,8 @@ def transformer_terms(model: ModelSpec, hw: Hardware, space: Space, seq: int, me
     # the logits a rank holds: its vocabulary shard where the head is vocab-parallel, else the whole vocabulary's
     # (rank_param_counts' held layout; autopar simulate, issue 27); the loss's reductions where it is split
     buf_last = logits_bytes(m, mbs, seq, logits_split(m, tp, pp, cp), cp, elem)
-    loss_comm = vocab_loss_comm_time(hw, mbs, seq, tp, cp, logits_split(m, tp, pp, cp))
+    loss_comm = vocab_loss_comm_time(hw, mbs, seq, tp, cp, logits_split(m, tp, pp, cp)) \
+        + cp_logits_gather_time(hw, m, mbs, seq, tp, cp, vocab_split(m, tp, pp), elem)
     buf_moe = 2 * mbs * seq / cp / np.where(sp, tp, 1) * m.top_k * m.hidden * elem if has_moe else zero_k
     buf_p2p = np.where(pp > 1, 2 * mbs * seq / cp * m.hidden * elem, 0.0)
 

@@ -7,8 +7,9 @@ tensor, an all-to-all's input, a send's tensor.
 
 Counts follow the cost model's units: one FSDP unit per block plus one for the stage's embedding / norm / head,
 TP's two collectives per block forward and two backward (Megatron's f and g; with SP an all-gather and a
-reduce-scatter each, and what the time terms hide or leave out: ``tp_block_collectives``), CP's K/V all-gather per block forward and
-reduce-scatter backward (the heads flavour: four all-to-alls each way), EP's dispatch and combine per MoE block each way, one p2p transfer per micro-batch each
+reduce-scatter each, and what the time terms hide or leave out: ``tp_block_collectives``), CP's K and V all-gathers
+per block forward and reduce-scatters backward (the heads flavour: four all-to-alls each way) and the gather of
+the model's output, EP's dispatch and combine per MoE block each way, one p2p transfer per micro-batch each
 way between neighbouring chunks, and the vocabulary-parallel embedding, head and loss (``vocab_collectives``)."""
 
 from __future__ import annotations
@@ -151,10 +152,12 @@ def step_collectives(model: ModelSpec, plan: Plan, layers_per_stage: list[int], 
         kv_heads = float(cp_heads_kv_heads(model, plan.tp, plan.cp)) * plan.tp
         per = 2 * local * model.heads + 2 * local * kv_heads
         add("cp", "all_to_all", 4 * (2 * blocks + rerun) * ga, (2 * blocks + rerun) * ga * per)
-    elif plan.cp > 1:
+    elif plan.cp > 1:  # K and V gathered (their gradients reduce-scattered) each on its own (parallel/context.py)
         kv = 2 * plan.mbs * seq * model.kv_heads * model.head_dim / plan.tp * elem
-        add("cp", "all_gather", (blocks + rerun) * ga, (blocks + rerun) * ga * kv)
-        add("cp", "reduce_scatter", blocks * ga, blocks * ga * kv)
+        add("cp", "all_gather", 2 * (blocks + rerun) * ga, (blocks + rerun) * ga * kv)
+        add("cp", "reduce_scatter", 2 * blocks * ga, blocks * ga * kv)
+    if plan.cp > 1 and hh:  # the model's output (the whole vocabulary's logits) gathered back over the sequence
+        add("cp", "all_gather", ga, ga * plan.mbs * seq * model.vocab * elem)
     if plan.ep > 1 and nm:
         per = tokens / (plan.tp if plan.sp else 1) * model.top_k * model.hidden * elem
         add("ep", "all_to_all", 4 * nm * ga, 4 * nm * ga * per)
