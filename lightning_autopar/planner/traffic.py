@@ -21,7 +21,8 @@ import numpy as np
 from lightning_autopar.dims import runs_fsdp, runs_plain_ddp
 from lightning_autopar.planner.cost_comm import cp_heads_kv_heads
 from lightning_autopar.planner.cost_memory import fsdp_shard_copy_bytes, vocab_split
-from lightning_autopar.planner.hardware import ACT_BYTES, GRAD_REDUCE_BYTES, OPTIM_BYTES, WEIGHT_BYTES, Hardware
+from lightning_autopar.planner.hardware import (ACT_BYTES, FRAGMENTATION, GRAD_REDUCE_BYTES, OPTIM_BYTES,
+                                                WEIGHT_BYTES, Hardware)
 from lightning_autopar.planner.terms import DPC_TERMS, _dp_rank_terms, rank_param_counts
 from lightning_autopar.specs import OFFLOAD_MODES, PRECISIONS, ModelSpec, Plan, PricedPlan
 
@@ -217,11 +218,14 @@ def predicted_rank(model: ModelSpec, cluster: Any, priced: PricedPlan, stage: in
                    seq: int) -> tuple[dict[str, float], dict[tuple[str, str], list[float]]]:
     """The planner's memory terms (GiB) and collectives for rank ``stage`` of ``priced``: the stage's model
     states, and the priced plan's activations and peak (those of its heaviest rank; the peak less the reserved
-    memory, which no simulation sees)."""
+    memory and the caching allocator's fragmentation margin on activations and buffers, which no simulation
+    sees: fake tensors are allocated exactly, ``cost_memory.memory_total``)."""
     plan, lps = priced.plan, list(priced.layers_per_stage)
     params, grads, optim = predicted_states(model, cluster, plan, lps, stage)
     terms = priced.memory_breakdown
+    dynamic = terms.get("activations", 0.0) + terms.get("buffers", 0.0)
     mem = {"params_gib": params, "grads_gib": grads, "optimizer_gib": optim,
-           "activations_gib": terms.get("activations", 0.0),
-           "peak_gib": priced.memory_gib_per_device - terms.get("reserved", 0.0)}
+           "activations_gib": terms.get("activations", 0.0) / (1 + FRAGMENTATION),
+           "peak_gib": priced.memory_gib_per_device - terms.get("reserved", 0.0)
+           - dynamic * FRAGMENTATION / (1 + FRAGMENTATION)}
     return mem, step_collectives(model, plan, lps, stage, seq)
