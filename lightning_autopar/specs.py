@@ -124,6 +124,10 @@ class ModelSpec:
     # model's capabilities refuse it: a weight used outside its module, not an nn.Embedding / nn.Linear). The
     # planner then divides them by tp where tp divides the vocabulary (planner.cost_memory.vocab_split)
     vocab_parallel: bool = True
+    # the blocks drop out their hidden states (p > 0): the masks are kept for backward (Korthikanti et al. 2022's
+    # count, planner.cost_memory.sp_replicated_elements); False where they do not (Llama; the analysis reads it
+    # from the traced call, profile.trace.DropoutCalls)
+    dropout: bool = True
     units: list[UnitSpec] = field(default_factory=list)  # unit form (any model); empty: a transformer
     # unit form from the module structure alone: why the meta trace of the forward failed. Only data
     # parallelism (DP, FSDP: no structure needed) is planned; the rest is excluded with this reason

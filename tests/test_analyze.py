@@ -279,3 +279,22 @@ def test_of_two_stacks_the_one_the_token_embedding_feeds_is_the_blocks():
         assert find_transformer(vlm)[0] == "language_model"
     alone = Tower(positions=False)  # no token table anywhere: the stack with the most parameters
     assert find_block_list(alone)[0] == "layers"
+
+
+def test_dropout_in_the_blocks_is_read_from_the_traced_call():
+    """``ModelSpec.dropout`` (the masks a block keeps for backward, planner.cost_memory): what the blocks' code
+    calls on meta tensors -- our GPT (dropout 0, inside SDPA only) and HF Llama none; HF GPT-2 with its default
+    0.1 (``nn.Dropout`` in its blocks) some; without a trace Korthikanti's count keeps them."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt = GPT(GPTConfig(vocab=64, seq_len=16, layers=2, hidden=32, heads=4))
+    assert not analyze(gpt, trace=True).spec.dropout
+    assert analyze(gpt, trace=False).spec.dropout
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16))
+    _, transformer = find_transformer(gpt2)
+    assert analyze(transformer, trace=True, runner=gpt2).spec.dropout
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    _, transformer = find_transformer(gpt2)
+    assert not analyze(transformer, trace=True, runner=gpt2).spec.dropout

@@ -54,6 +54,12 @@ def test_korthikanti_per_layer(t: int) -> None:
         assert act(0, False) == pytest.approx(34 * s * b * h + 5 * a * s * s * b)
     # fused (flash) attention keeps no s^2 tensors: same as selective
     assert act(0, False, fused=True) == pytest.approx(act(1, False))
+    # blocks without dropout (Llama) keep no masks: 2sbh less (/t with SP)
+    plain = ModelSpec(**{**GPT.__dict__, "dropout": False})
+    no_masks = lambda rc, sp: float(C.activation_bytes_per_block(plain, b, s, t, sp, 1, rc, 2.0, True))  # noqa: E731
+    assert no_masks(1, False) == pytest.approx(s * b * h * (8 + 24 / t))
+    if t > 1:
+        assert no_masks(1, True) == pytest.approx(32 * s * b * h / t)
 
 
 def test_inflight_microbatches() -> None:

@@ -52,16 +52,17 @@ def fsdp_buffer_bytes(unit: Any, zero: Any, prec: Any) -> Any:
     return np.where(zero == 3, 2.0 * unit * WEIGHT_BYTES[prec], unit * GRAD_REDUCE_BYTES[prec])
 
 
-def sp_replicated_elements(h: Any, tp: Any, sp: Any, moe: bool = False) -> Any:
+def sp_replicated_elements(h: Any, tp: Any, sp: Any, moe: bool = False, dropout: bool = True) -> Any:
     """2-byte units per token of the activations TP alone leaves whole on every rank: the two LayerNorm inputs 4h,
-    the QKV and MLP inputs 2h + 2h, the two dropout masks 2h; 10h, or 10h/t with sequence parallelism (Korthikanti
+    the QKV and MLP inputs 2h + 2h, the two dropout masks 2h (``dropout``: the blocks drop out their hidden states,
+    ``ModelSpec.dropout``; none without); 10h, or 10h/t with sequence parallelism (Korthikanti
     et al. 2022, s.4.2.2 and Table 2: 34sbh/t per layer with SP and selective recompute). The QKV and MLP inputs
     are the sequence SP all-gathers; their column projections save this rank's chunk (h/t) and gather it again in
     backward (parallel/tp_comm.ColumnFromChunk; in a recomputed block the recompute gathers it again). An MoE
     block's MLP input stays whole (2h): its module gathers the sequence for the router and keeps it
     (parallel/sequence.py)."""
     div = np.where(sp, tp, 1)
-    return 10.0 * h / div + (2.0 * h * (1.0 - 1.0 / div) if moe else 0.0)
+    return (8.0 + 2.0 * dropout) * h / div + (2.0 * h * (1.0 - 1.0 / div) if moe else 0.0)
 
 
 def cp_heads_saved_elements(m: ModelSpec, tp: Any, cp: Any) -> Any:
@@ -92,7 +93,7 @@ def activation_bytes_per_block(m: ModelSpec, mbs: Any, seq: Any, tp: Any, sp: An
     split = 2 * h + 4 * kvd + 2 * h + ffn_elems
     scores = 0.0 if fused else 5.0 * m.heads * seq  # softmax out 2, mask 1, dropout out 2 bytes per score (x s)
     rep_div = np.where(sp, tp, 1)
-    replicated = sp_replicated_elements(h, tp, sp, moe)
+    replicated = sp_replicated_elements(h, tp, sp, moe, bool(m.dropout))
     gathered_kv = (seq - s) * b * 4.0 * kvd / tp  # 2-byte units as above: K and V, 2 bytes each per element
     if np.any(np.asarray(cp_kind) == 1):
         gathered_kv = np.where(np.asarray(cp_kind) == 1, s * b * cp_heads_saved_elements(m, tp, cp), gathered_kv)

@@ -43,7 +43,7 @@ from lightning_autopar.profile.records import (AttentionInfo, BlockInfo, MLPInfo
 from lightning_autopar.profile.routing import RoutedLayer, Routing, within
 from lightning_autopar.profile.tp_layout import (MAX_DRY_RUNS, divide_attributes, fused_layout,  # noqa: F401
                                                  leaf_width_attributes, local_width_attributes, _tp_feasibility)
-from lightning_autopar.profile.trace import (ATTENTION_MARK, BlockCost, Dataflow, Example, ParameterUses,  # noqa: F401
+from lightning_autopar.profile.trace import (ATTENTION_MARK, BlockCost, Dataflow, DropoutCalls, Example, ParameterUses,  # noqa: F401
                                              Probe, Trace, blocks_stand_in_on_failure, first_line,
                                              implements_forward, meta_buffer, meta_example, meta_forward,
                                              meta_friendly, token_ids)
@@ -522,7 +522,7 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, block_fqns: list[str],
     for follow in (False, True):  # Routing dormant first: a model with no router is traced once, without following
         routing = Routing(follow)
         recorders = [BlockCost(block_fqns), ParameterUses(),
-                     Dataflow(block_fqns[0] if block_fqns else None, weights=True), routing]
+                     Dataflow(block_fqns[0] if block_fqns else None, weights=True), routing, DropoutCalls(block_fqns)]
         trace = meta_forward(model, call, recorders, backward=True,
                              stand_in=[model.get_submodule(f) for f in block_fqns])
         if not routing.restart:
@@ -748,6 +748,7 @@ def analyze(model: nn.Module, seq_len: int | None = None, batch: int = 1, trace:
         tied_embeddings=tied,
         moe_replay=replayed,
         frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
+        dropout=traced.dropout if traced is not None else True,  # without a trace: Korthikanti's count, masks kept
     )
     return ModelAnalysis(
         spec=spec,

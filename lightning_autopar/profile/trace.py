@@ -408,6 +408,7 @@ class Trace:
     stopped: StopAtCall | None = field(default=None, repr=False)
     # AttentionCalls: per block, whether each SDPA call it made was causal by itself; Output: what forward returned
     sdpa: dict[str, list[bool]] = field(default_factory=dict)
+    dropout: bool = False  # DropoutCalls: a block dropped out values with p > 0
     output: Any = field(default=None, repr=False, compare=False)
     # the model's own torch.distributed calls ("torch.distributed.all_reduce in 'blocks.0.mlp'"), in call order,
     # once each: seen, not run (``meta_shims.collectives_seen``)
@@ -456,7 +457,7 @@ class Trace:
             flops={rel(k): v for k, v in self.flops.items()}, saved={rel(k): v for k, v in self.saved.items()},
             total_flops=self.total_flops, costs=self.costs, outputs=self.outputs, output_shape=self.output_shape,
             stood_in=self.stood_in, stopped=self.stopped, sdpa={rel(k): v for k, v in self.sdpa.items()},
-            output=self.output, routing=[r.relative(rel) for r in self.routing if r.router.startswith(inside)],
+            dropout=self.dropout, output=self.output, routing=[r.relative(rel) for r in self.routing if r.router.startswith(inside)],
             carried=self.carried)
 
 
@@ -774,6 +775,36 @@ class AttentionCalls(Recorder):
 
     def finish(self, run: Run, trace: Trace) -> None:
         trace.sdpa = self.calls
+
+
+_DROPOUTS = {torch.nn.functional.dropout, torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
+             torch.dropout, torch.alpha_dropout, torch.feature_alpha_dropout}
+
+
+class DropoutCalls(Recorder, torch.overrides.TorchFunctionMode):
+    """Whether a block of ``blocks`` drops out values with p > 0 while it runs (``F.dropout`` and its kin, as
+    ``nn.Dropout`` calls them or the code does itself; training or not): ``Trace.dropout``. The masks such a call
+    keeps for backward are part of a block's activations (planner.cost_memory.sp_replicated_elements); Llama-style
+    blocks have none."""
+
+    def __init__(self, blocks: Sequence[str]) -> None:
+        super().__init__()
+        self.blocks, self.found = frozenset(blocks), False
+        self.stack: list[str] = []
+
+    def contexts(self, run: Run) -> list[ContextManager[Any]]:
+        self.stack = run.stack.stack
+        return [self]
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _DROPOUTS and not self.found and any(n in self.blocks for n in self.stack):
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            self.found = isinstance(p, (int, float)) and p > 0
+        return func(*args, **kwargs)
+
+    def finish(self, run: Run, trace: Trace) -> None:
+        trace.dropout = self.found
 
 
 class Output(Recorder):
