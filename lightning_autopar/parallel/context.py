@@ -285,12 +285,14 @@ class _ChunkedCausalAttention(torch.autograd.Function):
     call returns its log-sum-exp and the two partial outputs are merged by it (Milakov & Gimelshein 2018; ring
     attention, Liu et al. 2023). Backward reruns each call's kernel backward with the merged output and
     log-sum-exp, which makes each call's gradient its exact share of the whole softmax's. Saved: q, the
-    reordered k and v, the output and the log-sum-exp -- what one flash attention saves."""
+    reordered k and v, the output and the log-sum-exp -- what one flash attention saves. GQA: k and v keep the
+    model's K/V heads (saved so); each kernel call gets its keys repeated to the query heads, and their gradients
+    are summed back per K/V head."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, rank: int,
                 scale: float | None) -> torch.Tensor:
-        chunk = q.shape[-2] // 2
+        chunk, rep = q.shape[-2] // 2, q.shape[-3] // k.shape[-3]
         slots = chunk_slots(cp)
         k, v = reorder_chunks(k, slots, chunk), reorder_chunks(v, slots, chunk)
         fwd, _ = _chunk_kernels(q.device)
@@ -298,9 +300,10 @@ class _ChunkedCausalAttention(torch.autograd.Function):
         for q_slot, a in enumerate((rank, 2 * cp - 1 - rank)):
             qc = q[..., q_slot * chunk:(q_slot + 1) * chunk, :]
             diag = slice(a * chunk, (a + 1) * chunk)
-            out, lse = fwd(qc, k[..., diag, :], v[..., diag, :], True, scale)
+            out, lse = fwd(qc, _repeated(k[..., diag, :], rep), _repeated(v[..., diag, :], rep), True, scale)
             if a:  # merge: out = sum_i exp(lse_i - lse) out_i, lse = log sum_i exp(lse_i)
-                o2, l2 = fwd(qc, k[..., :a * chunk, :], v[..., :a * chunk, :], False, scale)
+                o2, l2 = fwd(qc, _repeated(k[..., :a * chunk, :], rep), _repeated(v[..., :a * chunk, :], rep), False,
+                             scale)
                 l1, l2 = lse.float(), l2.float()
                 lse = torch.logaddexp(l1, l2)
                 out = (out.float() * (l1 - lse).exp()[..., None] + o2.float() * (l2 - lse).exp()[..., None]).to(q.dtype)
@@ -314,7 +317,7 @@ class _ChunkedCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        cp, chunk = ctx.cp, q.shape[-2] // 2
+        cp, chunk, rep = ctx.cp, q.shape[-2] // 2, q.shape[-3] // k.shape[-3]
         _, bwd = _chunk_kernels(q.device)
         grad = grad.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -322,27 +325,40 @@ class _ChunkedCausalAttention(torch.autograd.Function):
             qs = slice(q_slot * chunk, (q_slot + 1) * chunk)
             g, qc, oc, lc = grad[..., qs, :], q[..., qs, :], out[..., qs, :], lse[..., qs].contiguous()
             diag = slice(a * chunk, (a + 1) * chunk)
-            gq, gk, gv = bwd(g, qc, k[..., diag, :], v[..., diag, :], oc, lc, True, ctx.scale)
+            gq, gk, gv = bwd(g, qc, _repeated(k[..., diag, :], rep), _repeated(v[..., diag, :], rep), oc, lc, True,
+                             ctx.scale)
             dq[..., qs, :] = gq
-            dk[..., diag, :] += gk
-            dv[..., diag, :] += gv
+            dk[..., diag, :] += _summed(gk, rep)
+            dv[..., diag, :] += _summed(gv, rep)
             if a:
-                gq, gk, gv = bwd(g, qc, k[..., :a * chunk, :], v[..., :a * chunk, :], oc, lc, False, ctx.scale)
+                gq, gk, gv = bwd(g, qc, _repeated(k[..., :a * chunk, :], rep), _repeated(v[..., :a * chunk, :], rep),
+                                 oc, lc, False, ctx.scale)
                 dq[..., qs, :] += gq
-                dk[..., :a * chunk, :] += gk
-                dv[..., :a * chunk, :] += gv
+                dk[..., :a * chunk, :] += _summed(gk, rep)
+                dv[..., :a * chunk, :] += _summed(gv, rep)
         # back to the all-gather's order: gathered slot s holds global chunk order[s]
         order = sorted(range(2 * cp), key=chunk_slots(cp).__getitem__)
         return dq, reorder_chunks(dk, order, chunk), reorder_chunks(dv, order, chunk), None, None, None
 
 
+def _repeated(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """GQA's K or V heads repeated to the query heads (head i of the result is K/V head i // rep)."""
+    return t if rep == 1 else t.repeat_interleave(rep, -3)
+
+
+def _summed(grad: torch.Tensor, rep: int) -> torch.Tensor:
+    """The gradient of ``_repeated``: each K/V head's repeats summed."""
+    if rep == 1:
+        return grad
+    *lead, heads, length, dim = grad.shape
+    return grad.reshape(*lead, heads // rep, rep, length, dim).sum(-3)
+
+
 def chunked_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cp: CPGroup,
                              scale: float | None) -> torch.Tensor:
-    """Mask-free causal attention of this rank's queries over the gathered K/V (GQA: K/V repeated to the query
-    heads here, after the gather, so the gather moves the model's own K/V heads)."""
-    if keys.shape[-3] != query.shape[-3]:
-        rep = query.shape[-3] // keys.shape[-3]
-        keys, values = keys.repeat_interleave(rep, -3), values.repeat_interleave(rep, -3)
+    """Mask-free causal attention of this rank's queries over the gathered K/V (GQA: the gather and what the
+    attention keeps for backward are the model's own K/V heads; each kernel call repeats them to the query
+    heads)."""
     return _ChunkedCausalAttention.apply(query, keys, values, cp.size, cp.rank, scale)
 
 
