@@ -43,8 +43,8 @@ from lightning_autopar.profile.records import (AttentionInfo, BlockInfo, MLPInfo
 from lightning_autopar.profile.routing import RoutedLayer, Routing, within
 from lightning_autopar.profile.tp_layout import (MAX_DRY_RUNS, divide_attributes, fused_layout,  # noqa: F401
                                                  leaf_width_attributes, local_width_attributes, _tp_feasibility)
-from lightning_autopar.profile.trace import (ATTENTION_MARK, BlockCost, Dataflow, DropoutCalls, Example, ParameterUses,  # noqa: F401
-                                             Probe, Trace, blocks_stand_in_on_failure, first_line,
+from lightning_autopar.profile.trace import (ATTENTION_MARK, BlockCost, Dataflow, DropoutCalls, Example,  # noqa: F401
+                                             ParameterUses, Probe, Trace, blocks_stand_in_on_failure, first_line,
                                              implements_forward, meta_buffer, meta_example, meta_forward,
                                              meta_friendly, token_ids)
 from lightning_autopar.specs import ModelSpec
@@ -522,7 +522,8 @@ def _meta_run(model: nn.Module, batch: int, seq_len: int, block_fqns: list[str],
     for follow in (False, True):  # Routing dormant first: a model with no router is traced once, without following
         routing = Routing(follow)
         recorders = [BlockCost(block_fqns), ParameterUses(),
-                     Dataflow(block_fqns[0] if block_fqns else None, weights=True), routing, DropoutCalls(block_fqns)]
+                     Dataflow(block_fqns[0] if block_fqns else None, weights=True), routing,
+                     DropoutCalls(block_fqns)]
         trace = meta_forward(model, call, recorders, backward=True,
                              stand_in=[model.get_submodule(f) for f in block_fqns])
         if not routing.restart:

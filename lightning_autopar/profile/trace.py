@@ -457,8 +457,8 @@ class Trace:
             flops={rel(k): v for k, v in self.flops.items()}, saved={rel(k): v for k, v in self.saved.items()},
             total_flops=self.total_flops, costs=self.costs, outputs=self.outputs, output_shape=self.output_shape,
             stood_in=self.stood_in, stopped=self.stopped, sdpa={rel(k): v for k, v in self.sdpa.items()},
-            dropout=self.dropout, output=self.output, routing=[r.relative(rel) for r in self.routing if r.router.startswith(inside)],
-            carried=self.carried)
+            dropout=self.dropout, output=self.output,
+            routing=[r.relative(rel) for r in self.routing if r.router.startswith(inside)], carried=self.carried)
 
 
 # ------------------------------------------------------------------------------------------- recorders
@@ -777,8 +777,8 @@ class AttentionCalls(Recorder):
         trace.sdpa = self.calls
 
 
-_DROPOUTS = {torch.nn.functional.dropout, torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
-             torch.dropout, torch.alpha_dropout, torch.feature_alpha_dropout}
+_DROPOUTS = {torch.nn.functional.dropout, torch.nn.functional.alpha_dropout,
+             torch.nn.functional.feature_alpha_dropout, torch.dropout, torch.alpha_dropout, torch.feature_alpha_dropout}
 
 
 class DropoutCalls(Recorder, torch.overrides.TorchFunctionMode):
