@@ -268,7 +268,7 @@ class CollectiveRecorder:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
                 if any(isinstance(t, type) and issubclass(t, DTensor) for t in types):
                     # modes run before subclasses: let DTensor run its op, so the collectives it issues inside
-                    # (loss_parallel's reductions, a redistribute) come back here (torch's CommDebugMode does so)
+                    # (a redistribute, a sharding strategy's reductions) come back here (as torch's CommDebugMode)
                     return NotImplemented
                 out = func(*args, **(kwargs or {}))
                 if func in collective_ops and func not in sync_ops:

@@ -90,13 +90,11 @@ def _map_call(args: tuple, kwargs: dict, fn: Callable, test: Callable[[Any], boo
 # ------------------------------------------------------------------------------------------- hooks
 
 
-def _scatter_hook(state: _SeqState, where: str, received: bool = False) -> Callable:
+def _scatter_hook(state: _SeqState, where: str) -> Callable:
     """First block of a run: its whole-sequence hidden-state input -> this rank's chunk, zero-padded at the end to
     a multiple of tp first where that is exact (``check_length``). The chunk is tagged, so the re-run of a
-    recomputed block (called again with its chunked input) leaves it alone. ``received``: the run starts a
-    pipeline chunk whose input is the previous stage's output, already this rank's chunk (``_received_hook``)."""
-    if received:
-        return _received_hook(state)
+    recomputed block (called again with its chunked input) leaves it alone. (A run whose input is the previous
+    pipeline stage's output, already this rank's chunk: ``_received_hook``.)"""
 
     def split(t: torch.Tensor) -> torch.Tensor:
         seq, tp = t.shape[1], state.comm.tp
@@ -270,8 +268,8 @@ def install(transformer: nn.Module, analysis: ModelAnalysis, comm: SeqComm, runs
     handles = []
     for run in runs:
         first, last = transformer.get_submodule(run[0]), transformer.get_submodule(run[-1])
-        handles.append(first.register_forward_pre_hook(
-            _scatter_hook(state, run[0], received=id(first) in edges.received), with_kwargs=True))
+        enter = _received_hook(state) if id(first) in edges.received else _scatter_hook(state, run[0])
+        handles.append(first.register_forward_pre_hook(enter, with_kwargs=True))
         if gather_runs and id(last) not in edges.sent:
             handles.append(last.register_forward_hook(_gather_output_hook(state)))
     for info in analysis.blocks:

@@ -170,8 +170,9 @@ def apply_vocab_parallel(root: nn.Module, where: VocabModules, tp_mesh: DeviceMe
     emb, head = _held(root, where.embedding, nn.Embedding), _held(root, where.head, nn.Linear)
     state = VocabState(tp_mesh, rank * shard, (rank + 1) * shard, gather_logits,
                        reporter=head is not None and rank == 0 and first_replica)
-    params = [m.weight for m in (emb, head) if m is not None] + ([head.bias] if head is not None and head.bias
-                                                                 is not None else [])
+    params = [m.weight for m in (emb, head) if m is not None]
+    if head is not None and head.bias is not None:
+        params.append(head.bias)
     for param in dict.fromkeys(params):
         _shard_everywhere(root, param, tp_mesh)
     embeddings, heads = _holders(root, emb, head)

@@ -117,10 +117,10 @@ def cp_logits_gather_time(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: An
     vocabulary-parallel (``split`` > 1: parallel/vocab.py ``gather_logits``, T/cp x V) and then over CP by its
     output hook (parallel/context.py, T x V), forward only (their backward takes this rank's part); the loss then
     runs on the whole sequence (Megatron computes it on the local chunks instead: not done here)."""
-    tokens = mbs * seq * m.vocab * elem
+    whole = mbs * seq * m.vocab * elem  # the gathered logits' bytes
     strides = dim_strides(1, 1, cp, tp)
-    over_tp = np.where(np.asarray(split) > 1, allgather_time(hw, tokens / cp, tp, strides["tp"]), 0.0)
-    return np.where(np.asarray(cp) > 1, over_tp + allgather_time(hw, tokens, cp, strides["cp"]), 0.0)
+    over_tp = np.where(np.asarray(split) > 1, allgather_time(hw, whole / cp, tp, strides["tp"]), 0.0)
+    return np.where(np.asarray(cp) > 1, over_tp + allgather_time(hw, whole, cp, strides["cp"]), 0.0)
 
 
 def cp_comm_per_block(hw: Hardware, m: ModelSpec, mbs: Any, seq: Any, tp: Any, cp: Any, elem: Any) -> tuple[Any, Any]:

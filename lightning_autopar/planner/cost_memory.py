@@ -142,7 +142,7 @@ def vocab_split(m: ModelSpec, tp: Any, pp: Any) -> Any:
     (Megatron-LM's VocabParallelEmbedding and column-parallel output layer, Shoeybi et al. 2019). ``pp`` sets the
     result's shape only."""
     tp = np.asarray(tp, dtype=float)
-    on = bool(m.vocab_parallel) & (np.mod(m.vocab, np.maximum(tp, 1)) == 0) & (np.asarray(pp) > 0)
+    on = bool(m.vocab_parallel) & (np.mod(m.vocab, np.maximum(tp, 1)) == 0) & np.ones(np.shape(pp), dtype=bool)
     return np.where(on, tp, 1.0)
 
 
